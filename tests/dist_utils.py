@@ -1,0 +1,63 @@
+"""Run a function on N gloo ranks in spawned processes (one process group per call).
+
+Starting a process group costs seconds, so a test should check many things inside one call.
+Each rank's exception is re-raised in the parent with the rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, errors) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        try:
+            fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent re-raises it
+        errors.put((rank, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise if any rank fails.
+
+    ``fn`` must be a module-level function (it is pickled for the spawned processes).
+    """
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "pg_init")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, errors), daemon=False)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        failures = []
+        while not errors.empty():
+            failures.append(errors.get())
+        if failures:
+            rank, tb = sorted(failures)[0]
+            raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
+        if alive:
+            raise AssertionError(f"{len(alive)} rank(s) timed out after {timeout}s")
+        bad = [p.exitcode for p in procs if p.exitcode != 0]
+        if bad:
+            raise AssertionError(f"ranks exited with codes {bad}")
