@@ -1,5 +1,24 @@
-"""lightning-vescale: sharded training on RaggedShard placements."""
+"""lightning-vescale: sharded training on RaggedShard placements.
 
+Public face: ``fully_shard`` and its policies, the planner, the byte counters and clipping.
+"""
+
+from lightning_vescale._api import MixedPrecisionPolicy
+from lightning_vescale._init import init_sharded_weights
+from lightning_vescale.clip_grad import clip_grad_norm_
+from lightning_vescale.collectives import CommStats, comm_stats
+from lightning_vescale.fully_shard import VeScaleModule, fully_shard
 from lightning_vescale.planner import BufferPlan, TensorSpec, plan_buffer
 
-__all__ = ["BufferPlan", "TensorSpec", "plan_buffer"]
+__all__ = [
+    "BufferPlan",
+    "CommStats",
+    "MixedPrecisionPolicy",
+    "TensorSpec",
+    "VeScaleModule",
+    "clip_grad_norm_",
+    "comm_stats",
+    "fully_shard",
+    "init_sharded_weights",
+    "plan_buffer",
+]

@@ -7,16 +7,47 @@ a tensor, tensors are contiguous (padding only between tensors), every rank's pi
 
 The planner is pure and deterministic: every rank computes the same plan from the same inputs with no
 communication, and :meth:`BufferPlan.fingerprint` lets ranks check that they agree.
+
+[Note: how plan_buffer searches]
+Three facts make the search cheap:
+
+1. For a fixed order and ``S``, placing every tensor at its *earliest feasible offset* is optimal for
+   that order (a later start never helps the tensors after it), and that offset is a closed formula
+   (:func:`_earliest_offset`): a tensor either fits before the next boundary, or crosses boundaries at
+   a granule edge. If ``g | S`` every crossing tensor needs ``l = 0 (mod g)``; if not, it may hold at
+   most one boundary ``b`` and needs ``l = b (mod g)``.
+2. Lower bound (:func:`shard_size_lower_bound`): ``S >= ceil(total / N)``, ``S >= g_t`` (a granule
+   longer than a shard always holds a boundary), and a tensor longer than ``2S`` holds two
+   boundaries, so ``g_t`` must divide ``S``. Only such ``S`` are ever tried.
+3. When a try at ``S`` ends at ``E > N*S``, the padding it needed tells where to look next:
+   ``ceil(E / N)``. Below that jump, the search also tries the next ``S`` that are multiples of the
+   group's granularities (which make crossings padding-free) and, while a work budget lasts, the next
+   aligned ``S``. Candidates are tried in increasing order; the first feasible one wins.
+
+At each ``S`` a few orders are tried: module order, granularity-descending order, and two greedy
+boundary-aware fills that pick, at every step, the tensor class (same size and granularity) that
+needs the least padding, and fill an unavoidable gap before a crossing with small tensors. Among the
+orders that reach the smallest ``S`` (so the same padding), the one with the best cost balance wins
+when costs are given (plus a longest-processing-time assignment of whole tensors to ranks), else the
+first in the list above. Ties are broken by name, never by hash order.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
-__all__ = ["Granularity", "TensorSpec", "BufferPlan", "granularity_numel", "plan_buffer"]
+__all__ = [
+    "Granularity",
+    "TensorSpec",
+    "BufferPlan",
+    "granularity_numel",
+    "plan_buffer",
+    "shard_size_lower_bound",
+]
 
 # "element" | "row" | "tensor" | int (a block of that many rows)
 Granularity = Union[str, int]
@@ -66,6 +97,8 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if any(s < 0 for s in self.shape):
+            raise ValueError(f"{self.name}: shape {self.shape} has a negative dimension")
         if self.granularity < 1:
             raise ValueError(f"{self.name}: granularity must be >= 1, got {self.granularity}")
         if self.numel % self.granularity != 0:
@@ -93,6 +126,8 @@ class BufferPlan:
     world_size: int
     shard_size: int
     alignment: int = 1
+    strategy: str = field(default="", compare=False)
+    """Which order produced the plan (informational; not part of :meth:`fingerprint`)."""
     _index: dict = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -139,6 +174,18 @@ class BufferPlan:
     def pieces(self, index: int) -> list[tuple[int, int]]:
         return [self.piece(index, r) for r in range(self.world_size)]
 
+    def rank_costs(self) -> list[float]:
+        """Each rank's share of ``cost``: a tensor's cost split in proportion to the elements owned."""
+        costs = [0.0] * self.world_size
+        S = self.shard_size
+        for off, spec in zip(self.offsets, self.specs):
+            if not spec.cost or not spec.numel:
+                continue
+            end = off + spec.numel
+            for r in range(off // S, (end - 1) // S + 1):
+                costs[r] += spec.cost * (min(end, (r + 1) * S) - max(off, r * S)) / spec.numel
+        return costs
+
     def fingerprint(self) -> str:
         """A short hash of the whole layout, equal on ranks that computed the same plan."""
         text = repr((self.world_size, self.shard_size, self.alignment, self.offsets,
@@ -146,6 +193,8 @@ class BufferPlan:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def summary(self) -> dict:
+        costs = self.rank_costs()
+        mean_cost = sum(costs) / len(costs)
         return {
             "num_tensors": len(self.specs),
             "world_size": self.world_size,
@@ -153,6 +202,9 @@ class BufferPlan:
             "total_numel": self.total_numel,
             "padding": self.padding,
             "padding_ratio": self.padding_ratio,
+            "max_rank_cost": max(costs),
+            "cost_imbalance": max(costs) / mean_cost if mean_cost else 1.0,
+            "strategy": self.strategy,
         }
 
     # -- invariants ---------------------------------------------------------------------------------
@@ -165,6 +217,7 @@ class BufferPlan:
         spans = sorted((off, off + s.numel, s) for off, s in zip(self.offsets, self.specs))
         prev_end = 0
         for lo, hi, spec in spans:
+            assert lo >= 0, f"{spec.name} starts at a negative offset {lo}"
             assert lo % self.alignment == 0 or spec.numel == 0, f"{spec.name} misaligned at {lo}"
             assert lo >= prev_end or spec.numel == 0, f"{spec.name} overlaps the previous tensor"
             assert hi <= N * S, f"{spec.name} ends at {hi} past the buffer {N * S}"
@@ -179,81 +232,325 @@ class BufferPlan:
             prev_end = max(prev_end, hi)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Search
+# ---------------------------------------------------------------------------------------------------
+
+_INF = float("inf")
+# Earliest-offset evaluations the search may spend on candidates below the padding-driven jump (about
+# 0.05 s of Python). Past it, only jumps are tried; a plan is always found.
+_WORK_BUDGET = 60_000
+
+
 def _align_up(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
-def _earliest_offset(cursor: int, numel: int, g: int, S: int, limit: int, align: int) -> int | None:
-    """Earliest aligned offset >= cursor where a tensor of (numel, g) has no boundary inside a granule."""
-    l = _align_up(cursor, align)
-    while l + numel <= limit:
-        first_b = (l // S + 1) * S
-        if first_b >= l + numel:
-            return l
-        # Every boundary inside must be a multiple of g away from l.
-        bad = None
-        b = first_b
-        while b < l + numel:
-            if (b - l) % g:
-                bad = b
-                break
-            b += S
-        if bad is None:
-            return l
-        # Shift so that the offending boundary lands on a granule edge, or start at the boundary.
-        shift = (bad - l) % g
-        cand = l + shift
-        if cand % align:
-            cand = _align_up(cand, align)
-        l = cand if cand > l else _align_up(l + 1, align)
-    return None
+def _lcm(x: int, y: int) -> int:
+    return x // math.gcd(x, y) * y
 
 
-def _place(order: Sequence[TensorSpec], S: int, N: int, align: int) -> list[int] | None:
-    cursor, offsets = 0, []
-    for spec in order:
-        if spec.numel == 0:
-            offsets.append(cursor)
-            continue
-        l = _earliest_offset(cursor, spec.numel, spec.granularity, S, N * S, align)
-        if l is None:
-            return None
-        offsets.append(l)
-        cursor = l + spec.numel
-    return offsets
+def _earliest_offset(c: int, e: int, g: int, L: int, S: int, a: int) -> Optional[int]:
+    """Earliest ``l >= c`` (a multiple of ``a``) where ``e`` elements of granularity ``g`` can start.
+
+    ``L = lcm(g, a)``; ``S`` is a positive multiple of ``a``. Boundaries are all multiples of ``S``
+    (the caller checks the end against ``N * S``). Returns ``None`` if no offset works for this ``S``.
+    """
+    c0 = -(-c // a) * a
+    nb = (c0 // S + 1) * S  # first boundary strictly after c0
+    if c0 + e <= nb:  # fits before the boundary
+        return c0
+    if S % g == 0:  # every boundary is a granule edge once l = 0 (mod g)
+        r = c0 % L
+        return c0 if r == 0 else c0 + L - r
+    # g does not divide S: the tensor may hold at most one boundary b, with l = b (mod g).
+    l = nb - (nb - c0) // L * L
+    if l < nb and l + e <= nb + S:
+        return l
+    if e <= S:
+        return nb
+    # Start in the next shard and cross the one after it; the phase repeats shard after shard.
+    l = nb + S % L
+    return l if l + e <= nb + 2 * S else None
+
+
+class _Item:
+    """A non-empty tensor in the search: input index, size, granularity, lcm(g, alignment)."""
+
+    __slots__ = ("index", "name", "e", "g", "L", "cost")
+
+    def __init__(self, index: int, spec: TensorSpec, alignment: int) -> None:
+        self.index, self.name = index, spec.name
+        self.e, self.g, self.cost = spec.numel, spec.granularity, spec.cost
+        self.L = _lcm(spec.granularity, alignment)
+
+
+class _Search:
+    def __init__(self, items: list[_Item], N: int, a: int) -> None:
+        self.items, self.N, self.a = items, N, a
+        self.work = 0
+        self.has_cost = any(it.cost for it in items)
+        # Fixed orders.
+        by_gran = sorted(items, key=lambda it: (-it.g, -it.e, it.name))
+        self.fixed = [("module", items), ("granularity", by_gran)]
+        # Classes of identical (size, granularity); members keep module order.
+        groups: dict[tuple[int, int], list[_Item]] = {}
+        for it in items:
+            groups.setdefault((it.e, it.g), []).append(it)
+        classes = list(groups.values())
+        self.greedy = [
+            ("greedy-granularity", sorted(classes, key=lambda m: (-m[0].g, -m[0].e, m[0].name))),
+            ("greedy-size", sorted(classes, key=lambda m: (-m[0].e, -m[0].g, m[0].name))),
+        ]
+        self.fill_order = sorted(classes, key=lambda m: (-m[0].e, m[0].name))
+
+    # -- one order at one S -------------------------------------------------------------------------
+    def place_fixed(self, order: list[_Item], S: int) -> tuple[Optional[list], float]:
+        a, c, out = self.a, 0, []
+        for it in order:
+            l = _earliest_offset(c, it.e, it.g, it.L, S, a)
+            if l is None:
+                self.work += len(out) + 1
+                return None, _INF
+            out.append((it, l))
+            c = l + it.e
+        self.work += len(order)
+        return out, c
+
+    def place_greedy(self, classes: list[list[_Item]], S: int) -> tuple[Optional[list], float]:
+        """Boundary-aware fill: at each step take the class needing the least padding (ties: class
+        order), and before an unavoidable gap, fill it with the largest remaining tensors that fit."""
+        a = self.a
+        ptr = {id(m): 0 for m in classes}
+        active = [m for m in classes]
+        c, out, work = 0, [], 0
+        fill_active = list(self.fill_order)
+        while active:
+            best, best_l = None, None
+            for m in active:
+                it = m[ptr[id(m)]]
+                l = _earliest_offset(c, it.e, it.g, it.L, S, a)
+                work += 1
+                if l is not None and (best_l is None or l < best_l):
+                    best, best_l = m, l
+                    if l <= c + a - 1:  # no padding beyond alignment: cannot do better
+                        break
+            if best is None:
+                self.work += work
+                return None, _INF
+            if best_l - c >= a:
+                # Gap before the chosen tensor: fill it with the largest remaining tensors that fit.
+                for m in fill_active:
+                    if m is best:
+                        continue
+                    while ptr[id(m)] < len(m):
+                        it = m[ptr[id(m)]]
+                        if it.e > best_l - c:
+                            break
+                        l = _earliest_offset(c, it.e, it.g, it.L, S, a)
+                        work += 1
+                        if l is None or l + it.e > best_l:
+                            break
+                        out.append((it, l))
+                        c = l + it.e
+                        ptr[id(m)] += 1
+                    if best_l - c < a:
+                        break
+                fill_active = [m for m in fill_active if ptr[id(m)] < len(m)]
+            it = best[ptr[id(best)]]
+            out.append((it, best_l))
+            c = best_l + it.e
+            ptr[id(best)] += 1
+            active = [m for m in active if ptr[id(m)] < len(m)]
+        self.work += work
+        return out, c
+
+    def place_lpt(self, S: int) -> tuple[Optional[list], float]:
+        """Whole tensors to ranks by longest processing time first (cost, then size, then name)."""
+        a, N = self.a, self.N
+        if any(it.e > S for it in self.items):
+            return None, _INF
+        used = [0] * N
+        heap = [(0.0, r) for r in range(N)]
+        per_rank: list[list[_Item]] = [[] for _ in range(N)]
+        for it in sorted(self.items, key=lambda it: (-it.cost, -it.e, it.name)):
+            skipped = []
+            while heap:
+                cost, r = heapq.heappop(heap)
+                if _align_up(used[r], a) + it.e <= S:
+                    used[r] = _align_up(used[r], a) + it.e
+                    per_rank[r].append(it)
+                    heapq.heappush(heap, (cost + it.cost, r))
+                    break
+                skipped.append((cost, r))
+            else:
+                self.work += len(self.items)
+                return None, _INF
+            for entry in skipped:
+                heapq.heappush(heap, entry)
+        self.work += len(self.items)
+        out, end = [], 0
+        for r in range(N):
+            c = r * S
+            for it in sorted(per_rank[r], key=lambda it: it.index):
+                c = _align_up(c, a)
+                out.append((it, c))
+                c += it.e
+                end = c
+        return out, end
+
+    # -- all orders at one S ------------------------------------------------------------------------
+    def evaluate(self, S: int) -> tuple[Optional[tuple[str, list]], float]:
+        """The preferred feasible placement at ``S`` (or None) and the smallest end reached."""
+        limit = self.N * S
+        feasible, best_end = [], _INF
+        tries = [(name, lambda o=order: self.place_fixed(o, S)) for name, order in self.fixed]
+        tries += [(name, lambda o=order: self.place_greedy(o, S)) for name, order in self.greedy]
+        if self.has_cost:
+            tries.append(("lpt-cost", lambda: self.place_lpt(S)))
+        for name, run in tries:
+            out, end = run()
+            best_end = min(best_end, end)
+            if out is not None and end <= limit:
+                feasible.append((name, out))
+                if not self.has_cost:
+                    break
+        if not feasible:
+            return None, best_end
+        if self.has_cost:
+            return min(feasible, key=lambda f: self._max_rank_cost(f[1], S)), best_end
+        return feasible[0], best_end
+
+    def _max_rank_cost(self, out: list, S: int) -> float:
+        costs = [0.0] * self.N
+        for it, l in out:
+            if it.cost:
+                end = l + it.e
+                for r in range(l // S, (end - 1) // S + 1):
+                    costs[r] += it.cost * (min(end, (r + 1) * S) - max(l, r * S)) / it.e
+        return max(costs)
+
+
+def _forced_modulus(items: Sequence[_Item], S: int, a: int) -> int:
+    """lcm of ``a`` and the granularities that must divide ``S``: those of tensors longer than 2S."""
+    m = a
+    for it in items:
+        if it.e > 2 * S:
+            m = _lcm(m, it.g)
+    return m
+
+
+def _next_valid(items: Sequence[_Item], S: int, a: int) -> int:
+    """Smallest ``S' >= S`` that is a multiple of ``a`` and of every granularity it forces."""
+    thresholds = sorted({(it.e + 1) // 2 for it in items})  # tensor stops being forced at S >= this
+    while True:
+        S = _align_up(S, a)
+        S2 = _align_up(S, _forced_modulus(items, S, a))
+        nxt = next((t for t in thresholds if t > S), None)
+        if nxt is None or S2 < nxt:
+            return S2
+        S = nxt
+
+
+def shard_size_lower_bound(specs: Sequence[TensorSpec], world_size: int, *, alignment: int = 1) -> int:
+    """A lower bound on the shard size ``S`` of any valid plan (what :func:`plan_buffer` starts from).
+
+    ``S >= ceil(total / N)`` (with each tensor starting aligned), ``S >= g_t`` when ``N > 1`` (a granule
+    longer than a shard holds a boundary), and ``g_t`` divides ``S`` for every tensor longer than
+    ``2S`` (it holds two consecutive boundaries).
+    """
+    _check_args(specs, world_size, alignment)
+    items = [_Item(i, s, alignment) for i, s in enumerate(specs) if s.numel]
+    return _lower_bound(items, world_size, alignment)
+
+
+def _lower_bound(items: Sequence[_Item], N: int, a: int) -> int:
+    if not items:
+        return 0
+    sizes = [_align_up(it.e, a) for it in items]
+    need = sum(sizes) - max(s - it.e for s, it in zip(sizes, items))
+    if N == 1:
+        return _align_up(need, a)
+    S = max(-(-need // N), max(it.g for it in items))
+    return _next_valid(items, S, a)
+
+
+def _check_args(specs: Sequence[TensorSpec], world_size: int, alignment: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"alignment must be an int >= 1 (elements), got {alignment!r}")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"tensor names in a group must be unique, got duplicates {dup}")
 
 
 def plan_buffer(specs: Sequence[TensorSpec], world_size: int, *, alignment: int = 1) -> BufferPlan:
     """Choose an order, offsets and the shard size ``S`` for ``specs`` on ``world_size`` ranks.
 
+    Minimizes ``S`` (so the padding ``N*S - total``) with cuts only at granule edges, then, among the
+    orders that reach that ``S``, balances ``cost`` across ranks. See [Note: how plan_buffer searches].
+
     Args:
-        specs: the group's tensors, in module order (names must be unique).
+        specs: the group's tensors, in module order (names must be unique). Zero-size tensors are
+            allowed and placed first, at offset 0.
         world_size: the number of ranks ``N`` the buffer is sharded over.
         alignment: offsets and ``S`` are multiples of this many elements (e.g. 16 bytes for NCCL).
 
     Returns:
-        A :class:`BufferPlan`; deterministic for the same inputs.
+        A validated :class:`BufferPlan`, identical for identical inputs (same list, same order).
+
+    .. note::
+        Every input has a plan (``S`` can grow until each tensor fits whole on one rank), but it can be
+        a poor one: whole-tensor granularity with fewer tensors than ranks leaves ranks empty, and a
+        granularity that does not divide ``ceil(total / N)`` forces ``S`` up for tensors longer than
+        ``2S``. ``shard_size_lower_bound`` tells how much is unavoidable.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if alignment < 1:
-        raise ValueError(f"alignment must be >= 1, got {alignment}")
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"tensor names in a group must be unique, got duplicates in {names}")
+    _check_args(specs, world_size, alignment)
     specs = tuple(specs)
-    total = sum(s.numel for s in specs)
-    if total == 0:
-        return BufferPlan(specs, tuple(0 for _ in specs), world_size, 0, alignment)
-    orders = [specs, tuple(sorted(specs, key=lambda s: (-s.granularity, -s.numel, s.name)))]
-    S = _align_up(-(-total // world_size), alignment)
-    step = alignment
+    N, a = world_size, alignment
+    empty = [s for s in specs if s.numel == 0]
+    items = [_Item(i, s, a) for i, s in enumerate(specs) if s.numel]
+
+    def build(name: str, out: list, S: int) -> BufferPlan:
+        out = sorted(out, key=lambda p: p[1])
+        order = tuple(empty) + tuple(specs[it.index] for it, _ in out)
+        offsets = (0,) * len(empty) + tuple(l for _, l in out)
+        return BufferPlan(order, offsets, N, S, a, strategy=name)
+
+    if not items:
+        return BufferPlan(tuple(empty), (0,) * len(empty), N, 0, a, strategy="empty")
+    search = _Search(items, N, a)
+    if N == 1:
+        out, end = search.place_fixed(items, _align_up(sum(it.e for it in items) + len(items) * a, a))
+        return build("module", out, _align_up(int(end), a))
+
+    moduli = sorted({it.L for it in items if it.L > a}, reverse=True)[:8]
+    total_lcm = a
+    for it in items:
+        total_lcm = _lcm(total_lcm, it.g)
+    moduli = sorted(set(moduli) | {total_lcm}, reverse=True)
+
+    S = _lower_bound(items, N, a)
+    heap, seen = [S], set()
     while True:
-        for order in orders:
-            offsets = _place(order, S, world_size, alignment)
-            if offsets is not None:
-                return BufferPlan(tuple(order), tuple(offsets), world_size, S, alignment)
-        S += step
-        # Grow the step geometrically far from the bound so the search ends quickly.
-        if S > 2 * total // world_size + 1:
-            step = max(step, _align_up(S // 64, alignment))
+        S = heapq.heappop(heap)
+        if S in seen:
+            continue
+        seen.add(S)
+        found, end = search.evaluate(S)
+        if found is not None:
+            return build(found[0], found[1], S)
+        target = S + a if end == _INF else max(S + a, -(-int(end) // N))
+        if search.work < _WORK_BUDGET:
+            jump = _next_valid(items, target, a)
+            heapq.heappush(heap, jump)
+            heapq.heappush(heap, _next_valid(items, S + a, a))
+            for m in moduli:
+                cand = _next_valid(items, _align_up(S + 1, m), a)
+                if cand < jump:
+                    heapq.heappush(heap, cand)
+        else:
+            # Out of budget: only jumps, growing at least geometrically so the search always ends.
+            heap = [_next_valid(items, max(target, S + max(a, S // 32)), a)]

@@ -1,0 +1,120 @@
+"""Materialize meta-device parameters of a sharded model, one group at a time.
+
+Every rank replays the same initialization, module by module in ``model.modules()`` order — the order
+in which an unsharded model's constructors (or a meta model's ``reset_parameters`` sweep) draw random
+numbers — on a transient full-size buffer of the group being initialized, and keeps only its piece.
+So the values are exactly those of an unsharded init with the same seed, while at most the groups
+still in use by later modules (usually the root and one block) are ever whole in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from lightning_vescale._param_group import ParamGroup, _set_param
+from lightning_vescale.fully_shard import get_state
+
+__all__ = ["init_sharded_weights"]
+
+
+def _owning_groups(root: nn.Module) -> dict[int, ParamGroup]:
+    """Map id(module) -> the group that manages that module's direct parameters."""
+    owner: dict[int, ParamGroup] = {}
+    for m in root.modules():
+        state = get_state(m)
+        if state is None or state.group is None:
+            continue
+        for mp in state.group.managed:
+            for user, _ in mp.uses:
+                owner.setdefault(id(user), state.group)
+    return owner
+
+
+def _default_init(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if reset is None:
+        raise ValueError(
+            f"{type(module).__name__} has parameters or buffers on the meta device but no reset_parameters(): "
+            f"define reset_parameters() that initializes its own parameters and buffers, or pass "
+            f"init_fn=... to init_sharded_weights"
+        )
+    reset()
+
+
+@torch.no_grad()
+def init_sharded_weights(model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
+    """Initialize every meta-device parameter and buffer of a model that ``fully_shard`` was applied to.
+
+    Args:
+        model: the root of the sharded model.
+        init_fn: called on each module that directly holds meta parameters or buffers, in
+            ``model.modules()`` order; defaults to ``module.reset_parameters()``.
+    """
+    init_fn = init_fn or _default_init
+    owner = _owning_groups(model)
+    modules = list(model.modules())
+    # The last module index that uses each group, so a group's full buffer is dropped as soon as possible.
+    last_use: dict[int, int] = {}
+    for i, m in enumerate(modules):
+        if id(m) in owner:
+            last_use[id(owner[id(m)])] = i
+    open_buffers: dict[int, dict] = {}  # id(group) -> {key: full master-dtype buffer}
+    any_device = next((g.device for g in owner.values()), torch.device("cpu"))
+
+    def open_group(group: ParamGroup) -> None:
+        if id(group) in open_buffers:
+            return
+        fulls = {key: buf.materialize_unsharded_for_init() for key, buf in group.buffers.items()}
+        for mp in group.managed:
+            buf = group.buffers[mp.key]
+            spec = buf.plan.specs[mp.index]
+            off = buf.plan.offsets[mp.index]
+            full_view = fulls[mp.key][off : off + spec.numel].view(spec.shape)
+            if group.needs_init:
+                tmp = nn.Parameter(full_view, requires_grad=mp.sharded.requires_grad)
+            else:  # already materialized: start from the current values so untouched params keep them
+                full_view.copy_(_gather_param(group, mp))
+                tmp = nn.Parameter(full_view, requires_grad=mp.sharded.requires_grad)
+            for user, name in mp.uses:
+                _set_param(user, name, tmp)
+        open_buffers[id(group)] = fulls
+
+    def close_group(group: ParamGroup) -> None:
+        fulls = open_buffers.pop(id(group))
+        for key, buf in group.buffers.items():
+            buf.local.copy_(buf.rank_slice(fulls[key]))
+        for mp in group.managed:
+            group._use_sharded(mp)
+        group.needs_init = False
+
+    groups_by_id = {id(g): g for g in owner.values()}
+    for i, m in enumerate(modules):
+        has_meta_buffers = any(b is not None and b.is_meta for b in m._buffers.values())
+        group = owner.get(id(m))
+        if group is None and not has_meta_buffers:
+            continue
+        if group is not None and not group.needs_init and not has_meta_buffers:
+            if id(group) in open_buffers and last_use[id(group)] == i:
+                close_group(group)
+            continue
+        if has_meta_buffers:
+            for name, b in list(m._buffers.items()):
+                if b is not None and b.is_meta:
+                    m._buffers[name] = torch.empty_like(b, device=group.device if group else any_device)
+        if group is not None:
+            open_group(group)
+        init_fn(m)
+        if group is not None and last_use[id(group)] == i:
+            close_group(group)
+    for gid in list(open_buffers):
+        close_group(groups_by_id[gid])
+
+
+def _gather_param(group: ParamGroup, mp) -> torch.Tensor:
+    group.unshard()
+    group.wait_for_unshard()
+    value = group.buffers[mp.key].unsharded_view(mp.index).to(group.buffers[mp.key].dtype)
+    return value

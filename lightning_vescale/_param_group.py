@@ -1,0 +1,272 @@
+"""ParamGroup: the parameters of one ``fully_shard``-ed module, gathered and reduced together.
+
+A group owns one :class:`DBuffer` per (dtype, requires_grad): usually a single buffer, so one
+AllGather and one ReduceScatter per group. Each original parameter becomes
+
+* a *sharded* ``nn.Parameter`` registered on the module(s) that used it — a view into the DBuffer's
+  local piece; this is what ``model.parameters()`` yields and what the optimizer steps;
+* an *unsharded* ``nn.Parameter`` — a view into the DBuffer's unsharded buffer, swapped onto the
+  module(s) while the group is gathered, whose ``.grad`` is a view into the unsharded gradient buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lightning_vescale._api import MixedPrecisionPolicy
+from lightning_vescale.dbuffer import BufferState, DBuffer
+from lightning_vescale.planner import BufferPlan, TensorSpec, granularity_numel, plan_buffer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ParamGroup", "ShardedParamInfo", "TrainingState"]
+
+
+class TrainingState(Enum):
+    """Where a group is in the training step."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    """Between pre-forward and post-forward."""
+    PRE_BACKWARD = auto()
+    """Backward reached the group's outputs; gradients are accumulating into the unsharded buffer."""
+    POST_BACKWARD = auto()
+    """Every gradient of the group arrived; the ReduceScatter was issued."""
+
+
+@dataclass
+class ShardedParamInfo:
+    """What a sharded parameter knows about itself (``param._vescale``)."""
+
+    fqn: str
+    """Name relative to the module ``fully_shard`` was applied to (the group's module)."""
+    global_shape: torch.Size
+    group: "ParamGroup" = field(repr=False)
+    buffer: DBuffer = field(repr=False)
+    index: int = 0
+    """Index of the tensor in ``buffer.plan``."""
+
+    @property
+    def piece(self) -> tuple[int, int]:
+        """The flat element range of the global tensor this rank holds."""
+        return self.buffer.plan.piece(self.index, self.buffer.rank)
+
+    @property
+    def shard_group(self) -> Optional[dist.ProcessGroup]:
+        return self.buffer.group
+
+
+@dataclass
+class _ManagedParam:
+    fqn: str
+    uses: list  # [(module, attr_name)] — more than one for tied parameters
+    key: tuple  # (dtype, requires_grad)
+    index: int = -1
+    sharded: Optional[nn.Parameter] = None
+    unsharded: Optional[nn.Parameter] = None
+
+
+def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    # Bypass nn.Module.__setattr__ checks: swapping parameter objects is the point here.
+    module._parameters[name] = param
+
+
+GranularityFn = Callable[[str, nn.Parameter], object]
+
+
+class ParamGroup:
+    """The parameters of one sharded module and the DBuffers that hold them."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[tuple[str, nn.Parameter, list]],
+        *,
+        shard_group: Optional[dist.ProcessGroup],
+        replicate_group: Optional[dist.ProcessGroup],
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        granularity_fn: GranularityFn,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.module = module
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.device = device
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.requires_grad_sync = True
+        self.training_state = TrainingState.IDLE
+        self.world_size = dist.get_world_size(shard_group)
+        self.rank = dist.get_rank(shard_group)
+        self.needs_init = False
+        self.managed: list[_ManagedParam] = []
+        self.buffers: dict[tuple, DBuffer] = {}
+        self._grad_count = 0
+        self._grad_expected = 0
+        self._build(params, granularity_fn)
+
+    # -- construction -----------------------------------------------------------------------------------
+    def _build(self, params, granularity_fn: GranularityFn) -> None:
+        specs: dict[tuple, list[TensorSpec]] = {}
+        originals: dict[str, nn.Parameter] = {}
+        for fqn, param, uses in params:
+            if param.dim() == 0:
+                raise ValueError(
+                    f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1."
+                )
+            key = (param.dtype, param.requires_grad)
+            g = granularity_fn(fqn, param)
+            try:
+                g_numel = granularity_numel(tuple(param.shape), g)
+            except ValueError as e:
+                raise ValueError(f"parameter {fqn}: {e}") from None
+            specs.setdefault(key, []).append(TensorSpec(fqn, tuple(param.shape), g_numel))
+            self.managed.append(_ManagedParam(fqn, uses, key))
+            originals[fqn] = param
+        for key, key_specs in specs.items():
+            dtype, requires_grad = key
+            param_dtype = self.mp_policy.param_dtype if dtype.is_floating_point else None
+            if param_dtype is not None and param_dtype == dtype:
+                param_dtype = None
+            reduce_dtype = self.mp_policy.reduce_dtype if dtype.is_floating_point else None
+            item = min(dtype.itemsize, (param_dtype or dtype).itemsize)
+            # 16-byte aligned offsets and shard sizes keep NCCL on its fast paths; negligible padding.
+            alignment = max(1, 16 // item)
+            try:
+                plan = plan_buffer(key_specs, self.world_size, alignment=alignment)
+            except ValueError as e:
+                raise ValueError(f"cannot plan the parameters of {type(self.module).__name__}: {e}") from None
+            self.buffers[key] = DBuffer(
+                plan, group=self.shard_group, device=self.device, dtype=dtype,
+                param_dtype=param_dtype, reduce_dtype=reduce_dtype if requires_grad else None,
+                requires_grad=requires_grad and dtype.is_floating_point,
+                replicate_group=self.replicate_group,
+            )
+        for mp in self.managed:
+            buf = self.buffers[mp.key]
+            mp.index = buf.plan.index_of(mp.fqn)
+            orig = originals[mp.fqn]
+            local = buf.local_view(mp.index)
+            if orig.is_meta:
+                self.needs_init = True
+            else:
+                start, end = buf.plan.piece(mp.index, buf.rank)
+                with torch.no_grad():
+                    local.view(-1).copy_(orig.detach().reshape(-1)[start:end])
+            mp.sharded = nn.Parameter(local, requires_grad=orig.requires_grad)
+            mp.sharded._vescale = ShardedParamInfo(mp.fqn, orig.shape, self, buf, mp.index)
+            mp.unsharded = nn.Parameter(buf.unsharded_view(mp.index), requires_grad=orig.requires_grad)
+            if mp.unsharded.requires_grad:
+                mp.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+                self._grad_expected += 1
+            self._use_sharded(mp)
+
+    @property
+    def plans(self) -> list[BufferPlan]:
+        return [b.plan for b in self.buffers.values()]
+
+    def sharded_params(self) -> list[nn.Parameter]:
+        return [mp.sharded for mp in self.managed]
+
+    # -- parameter swapping ----------------------------------------------------------------------------
+    def _use_sharded(self, mp: _ManagedParam) -> None:
+        for module, name in mp.uses:
+            _set_param(module, name, mp.sharded)
+
+    def _use_unsharded(self, mp: _ManagedParam) -> None:
+        for module, name in mp.uses:
+            _set_param(module, name, mp.unsharded)
+
+    # -- unshard / reshard ------------------------------------------------------------------------------
+    @property
+    def is_unsharded(self) -> bool:
+        return all(b.state is not BufferState.SHARDED for b in self.buffers.values())
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue the group's AllGathers (one per buffer); ``wait_for_unshard`` before use."""
+        for buf in self.buffers.values():
+            buf.unshard(async_op=async_op)
+
+    def wait_for_unshard(self) -> None:
+        for buf in self.buffers.values():
+            buf.wait_unshard()
+        for mp in self.managed:
+            self._use_unsharded(mp)
+
+    def reshard(self) -> None:
+        for mp in self.managed:
+            self._use_sharded(mp)
+        for buf in self.buffers.values():
+            buf.reshard()
+
+    # -- backward ---------------------------------------------------------------------------------------
+    def pre_backward(self) -> None:
+        """Gather for backward and point the unsharded parameters' grads at the gradient buffer."""
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return  # a module called twice in forward reaches backward twice
+        self.unshard()
+        self.wait_for_unshard()
+        for buf in self.buffers.values():
+            if buf.requires_grad:
+                buf.alloc_grad()
+        for mp in self.managed:
+            if mp.unsharded.requires_grad:
+                mp.unsharded.grad = self.buffers[mp.key].unsharded_grad_view(mp.index)
+        self._grad_count = 0
+        self.training_state = TrainingState.PRE_BACKWARD
+
+    def _on_grad_accumulated(self, _param: torch.Tensor) -> None:
+        self._grad_count += 1
+        if self._grad_count == self._grad_expected and self.training_state is TrainingState.PRE_BACKWARD:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Every gradient arrived: free the parameters and issue the ReduceScatter (unless no-sync)."""
+        if self.training_state is not TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        for mp in self.managed:
+            mp.unsharded.grad = None  # the buffer stays; only the views are dropped
+        self.reshard()
+        if not self.requires_grad_sync:
+            return
+        for buf in self.buffers.values():
+            if buf.requires_grad and buf.grad_allocated:
+                buf.reduce_grad(accumulate=self._prepare_accumulation(buf), async_op=True)
+
+    def _prepare_accumulation(self, buf: DBuffer) -> bool:
+        """Whether the reduced gradient adds to existing ``.grad`` (no ``zero_grad`` in between)."""
+        mine = [mp for mp in self.managed if self.buffers[mp.key] is buf]
+        if all(mp.sharded.grad is None for mp in mine) or buf.local_grad is None:
+            return False
+        with torch.no_grad():
+            for mp in mine:
+                view = buf.local_grad_view(mp.index)
+                g = mp.sharded.grad
+                if g is None:
+                    view.zero_()
+                elif g.data_ptr() != view.data_ptr() or g.shape != view.shape:
+                    view.copy_(g)
+        return True
+
+    def finalize_grads(self) -> None:
+        """Wait for the ReduceScatters and point each sharded parameter's ``.grad`` at its piece."""
+        for buf in self.buffers.values():
+            if buf.reducing:
+                buf.wait_reduce()
+                for mp in self.managed:
+                    if self.buffers[mp.key] is buf and mp.sharded.requires_grad:
+                        mp.sharded.grad = buf.local_grad_view(mp.index)
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            # Backward ended before every gradient arrived (unused parameters): treat it as complete.
+            self.post_backward()
+            self.finalize_grads()
+        self.training_state = TrainingState.IDLE

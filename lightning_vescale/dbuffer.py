@@ -1,0 +1,277 @@
+"""DBuffer: a group's flat distributed storage for tensors of one dtype.
+
+[Note: DBuffer layout]
+A :class:`~lightning_vescale.planner.BufferPlan` places every tensor of the buffer at an offset of a
+flat buffer of ``N * S`` elements; rank ``r`` owns ``[r * S, (r + 1) * S)``. The DBuffer keeps
+
+* ``local``           (S,)    persistent, original dtype (fp32 master) — the sharded parameters are
+                              views into it, so the optimizer updates it in place;
+* ``unsharded``       (N*S,)  ``param_dtype`` — filled by one AllGather; parameters used in forward
+                              and backward are views into it; its storage is freed (resized to 0)
+                              after use and re-allocated in place, so views and tensors autograd
+                              saved stay valid;
+* ``unsharded_grad``  (N*S,)  ``param_dtype`` — the unsharded parameters' ``.grad`` are views into
+                              it, so autograd accumulates straight into the ReduceScatter input;
+* ``local_grad``      (S,)    original dtype — the sharded parameters' ``.grad`` are views into it.
+
+The AllGather reads ``local`` (or, under mixed precision, its one-op cast written straight into this
+rank's slot of ``unsharded``) and writes ``unsharded``; the ReduceScatter reads ``unsharded_grad``
+and writes ``local_grad``. Nothing is copied into or out of a staging buffer around a collective
+(FSDP2 copies every parameter in before its AllGather and out after it, and chunk-cats gradients
+before its ReduceScatter). All storage is owned here, so a memory tier change is one place.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum, auto
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_vescale import collectives
+from lightning_vescale.planner import BufferPlan
+
+__all__ = ["BufferState", "DBuffer"]
+
+
+class BufferState(Enum):
+    """Where a DBuffer's parameters live."""
+
+    SHARDED = auto()
+    """Only the local piece exists; the unsharded storage is freed."""
+    GATHERING = auto()
+    """An AllGather into the unsharded buffer was issued and not yet waited on."""
+    UNSHARDED = auto()
+    """The unsharded buffer holds every tensor of the group."""
+
+
+def _free_storage(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    if storage.nbytes() != 0:
+        storage.resize_(0)
+
+
+def _alloc_storage(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    nbytes = t.numel() * t.element_size()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+
+
+def alias(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor on ``flat``'s storage at ``offset`` with ``shape`` that autograd does not treat as a view.
+
+    Parameters must be leaves even though the collectives write their storage in place: an autograd
+    view of a buffer would turn into a non-leaf (AsStridedBackward) after such a write. Sharing the
+    storage without the view relation keeps them leaves, and their version counters untouched.
+    """
+    t = torch.empty(0, dtype=flat.dtype, device=flat.device)
+    stride = torch.empty(shape, device="meta").stride()
+    return t.set_(flat.untyped_storage(), flat.storage_offset() + offset, shape, stride)
+
+
+def local_piece_shape(shape: tuple[int, ...], start: int, end: int) -> tuple[int, ...]:
+    """Shape of a rank's piece ``[start, end)`` of a tensor: whole rows keep their row shape."""
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    if len(shape) >= 1 and row > 0 and start % row == 0 and end % row == 0:
+        return ((end - start) // row, *shape[1:])
+    return (end - start,)
+
+
+class DBuffer:
+    """The flat buffers of one group and dtype, with in-place collectives on them.
+
+    Args:
+        plan: the layout (offsets, shard size) from the planner.
+        group: the process group the buffer is sharded over (size ``plan.world_size``).
+        device: where every buffer lives.
+        dtype: dtype of the local (master) piece.
+        param_dtype: dtype of the unsharded parameters and gradients (mixed precision).
+        reduce_dtype: dtype of the gradient ReduceScatter.
+        requires_grad: whether the buffer's tensors get gradients.
+        replicate_group: for HSDP, the group over which reduced gradient pieces are averaged.
+    """
+
+    def __init__(
+        self,
+        plan: BufferPlan,
+        *,
+        group: Optional[dist.ProcessGroup],
+        device: torch.device,
+        dtype: torch.dtype,
+        param_dtype: Optional[torch.dtype] = None,
+        reduce_dtype: Optional[torch.dtype] = None,
+        requires_grad: bool = True,
+        replicate_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
+        self.plan = plan
+        self.group = group
+        self.replicate_group = replicate_group
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world_size = plan.world_size
+        self.device = device
+        self.dtype = dtype
+        self.param_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.requires_grad = requires_grad
+        S, N = plan.shard_size, plan.world_size
+        # Zero so that padding between tensors never carries garbage (it is gathered and reduced).
+        self.local = torch.zeros(S, dtype=dtype, device=device)  # 1D
+        # Views are made while the storage exists; they stay valid across free (resize to 0) and refill.
+        self.unsharded = torch.empty(N * S, dtype=self.param_dtype, device=device)  # 1D, freed
+        self._unsharded_views = [self._full_view(self.unsharded, i) for i in range(len(plan.specs))]
+        _free_storage(self.unsharded)
+        self.unsharded_grad: Optional[torch.Tensor] = None
+        self._unsharded_grad_views: list[torch.Tensor] = []
+        if requires_grad:
+            self.unsharded_grad = torch.empty(N * S, dtype=self.param_dtype, device=device)
+            self._unsharded_grad_views = [self._full_view(self.unsharded_grad, i) for i in range(len(plan.specs))]
+            _free_storage(self.unsharded_grad)
+        self.local_grad: Optional[torch.Tensor] = None
+        self.state = BufferState.SHARDED
+        self._gather_handle = None
+        self._reduce_handle = None
+        self._reduce_output: Optional[torch.Tensor] = None
+        self._reduce_accumulate = False
+        self.grad_allocated = False
+
+    # -- views ----------------------------------------------------------------------------------------
+    @property
+    def shard_size(self) -> int:
+        return self.plan.shard_size
+
+    def local_view(self, index: int) -> torch.Tensor:
+        """This rank's piece of tensor ``index``: a view into ``local`` (possibly empty)."""
+        return self._local_piece(self.local, index)
+
+    def local_grad_view(self, index: int) -> torch.Tensor:
+        assert self.local_grad is not None
+        return self._local_piece(self.local_grad, index)
+
+    def _local_piece(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        start, end = self.plan.piece(index, self.rank)
+        lo = self.plan.local_offset(index, self.rank)
+        shape = local_piece_shape(self.plan.specs[index].shape, start, end)
+        return alias(flat, lo, shape)
+
+    def _full_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        spec = self.plan.specs[index]
+        off = self.plan.offsets[index]
+        return alias(flat, off, spec.shape)
+
+    def unsharded_view(self, index: int) -> torch.Tensor:
+        """Tensor ``index`` in the unsharded buffer (valid data only while unsharded)."""
+        return self._unsharded_views[index]
+
+    def unsharded_grad_view(self, index: int) -> torch.Tensor:
+        return self._unsharded_grad_views[index]
+
+    def rank_slice(self, flat: torch.Tensor) -> torch.Tensor:
+        S = self.shard_size
+        return flat[self.rank * S : (self.rank + 1) * S]
+
+    # -- parameters: AllGather / free -------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather every rank's piece into ``unsharded`` with one in-place AllGather."""
+        if self.state is not BufferState.SHARDED:
+            return
+        _alloc_storage(self.unsharded)
+        # The gather mutates storage that autograd may have saved (the parameters' views) while the
+        # values it restores are the same ones: keep the version counter so backward accepts them.
+        with torch.autograd._unsafe_preserve_version_counter(self.unsharded), torch.no_grad():
+            if self.param_dtype == self.dtype:
+                send = self.local
+            else:
+                send = self.rank_slice(self.unsharded)
+                send.copy_(self.local)  # the mixed-precision cast, one op for the whole group
+            self._gather_handle = collectives.all_gather_into_tensor(
+                self.unsharded, send, self.group, async_op=async_op
+            )
+        self.state = BufferState.GATHERING if self._gather_handle is not None and async_op else BufferState.UNSHARDED
+        if self.state is BufferState.UNSHARDED:
+            self._gather_handle = None
+
+    def wait_unshard(self) -> None:
+        if self.state is BufferState.GATHERING:
+            self._gather_handle.wait()
+            self._gather_handle = None
+            self.state = BufferState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded storage (views stay valid objects and refill on the next unshard)."""
+        self.wait_unshard()
+        _free_storage(self.unsharded)
+        self.state = BufferState.SHARDED
+
+    def materialize_unsharded_for_init(self) -> torch.Tensor:
+        """An unsharded buffer in the master dtype, for initializing values before sharding."""
+        return torch.empty(self.world_size * self.shard_size, dtype=self.dtype, device=self.device)
+
+    # -- gradients: ReduceScatter -------------------------------------------------------------------------
+    def alloc_grad(self) -> None:
+        """Allocate and zero the unsharded gradient buffer (one op), unless it is accumulating."""
+        assert self.unsharded_grad is not None
+        if not self.grad_allocated:
+            _alloc_storage(self.unsharded_grad)
+            self.unsharded_grad.zero_()
+            self.grad_allocated = True
+
+    def free_grad(self) -> None:
+        if self.unsharded_grad is not None:
+            _free_storage(self.unsharded_grad)
+        self.grad_allocated = False
+
+    def reduce_grad(self, *, accumulate: bool, async_op: bool = True) -> None:
+        """ReduceScatter the unsharded gradient buffer into this rank's gradient piece.
+
+        Args:
+            accumulate: add into the existing ``local_grad`` instead of overwriting it.
+        """
+        assert self.unsharded_grad is not None and self.grad_allocated
+        N = self.world_size
+        with torch.no_grad():
+            send = self.unsharded_grad
+            if self.reduce_dtype != self.param_dtype:
+                send = send.to(self.reduce_dtype)  # one cast for the whole group
+            if send.dtype != torch.float32 and send.dtype != torch.float64:
+                send.div_(N)  # pre-divide low-precision sums so they cannot overflow
+            if self.local_grad is None:
+                self.local_grad = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
+                accumulate = False
+            if not accumulate and self.reduce_dtype == self.dtype:
+                out = self.local_grad
+            else:
+                out = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+            self._reduce_handle = collectives.reduce_scatter_tensor(out, send, self.group, async_op=async_op)
+            self._reduce_send = send
+        self._reduce_output = out
+        self._reduce_accumulate = accumulate
+
+    @property
+    def reducing(self) -> bool:
+        return self._reduce_output is not None
+
+    def wait_reduce(self) -> None:
+        """Finish the ReduceScatter: average, HSDP all-reduce, accumulate; free the unsharded grads."""
+        if self._reduce_output is None:
+            return
+        if self._reduce_handle is not None:
+            self._reduce_handle.wait()
+        out = self._reduce_output
+        with torch.no_grad():
+            if out.dtype == torch.float32 or out.dtype == torch.float64:
+                out.div_(self.world_size)
+            if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
+                collectives.all_reduce(out, self.replicate_group, kind="all_reduce_replicate")
+                out.div_(dist.get_world_size(self.replicate_group))
+            if out is not self.local_grad:
+                if self._reduce_accumulate:
+                    self.local_grad.add_(out)
+                else:
+                    self.local_grad.copy_(out)
+        self._reduce_handle = None
+        self._reduce_output = None
+        self._reduce_send = None
+        self.free_grad()

@@ -1,0 +1,461 @@
+"""``fully_shard``: apply ZeRO-3 sharding on RaggedShard placements to a module, FSDP2-style.
+
+[Note: hooks and ordering]
+Each ``fully_shard`` call makes the module's parameters (those not already taken by a sharded
+submodule) one :class:`ParamGroup`. Hooks drive it through a training step:
+
+* pre-forward: wait for the group's AllGather (issued here, or earlier as a prefetch) and issue the
+  AllGather of the next group in forward order, so it overlaps this group's compute;
+* post-forward: free the unsharded buffer (``reshard_after_forward``; never for the root, whose
+  parameters backward needs first) and hook the outputs so that backward reaching them runs
+  pre-backward;
+* pre-backward: gather again, zero the gradient buffer in one op, prefetch the next group in backward
+  order;
+* post-accumulate-grad hooks on the unsharded parameters count arrivals; the last one frees the
+  parameters and issues the group's ReduceScatter asynchronously;
+* a callback queued on the autograd engine runs when the whole backward ends: it completes groups whose
+  gradients never all arrived (unused parameters), waits for every ReduceScatter and points each
+  sharded parameter's ``.grad`` at its piece of the reduced gradient.
+
+The first group whose forward runs is the root. Its lazy initialization checks that every rank
+computed the same plans (invariant 4) before any training happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hashlib
+import logging
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_vescale._api import MixedPrecisionPolicy
+from lightning_vescale._param_group import ParamGroup, TrainingState
+from lightning_vescale.planner import Granularity
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["fully_shard", "VeScaleModule", "get_state", "sharded_groups"]
+
+GranularityArg = Union[None, Granularity, Mapping[str, Granularity], Callable[[str, nn.Parameter], Granularity]]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Mesh and device
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs an initialized process group: call torch.distributed.init_process_group() "
+            "(or launch with torchrun / the Lightning strategy) before sharding, or pass mesh=..."
+        )
+    backend = dist.get_backend()
+    if backend == "gloo" or not torch.accelerator.is_available():
+        device_type = "cpu"
+    else:
+        device_type = torch.accelerator.current_accelerator().type
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def _resolve_mesh(mesh: Optional[DeviceMesh]) -> tuple[DeviceMesh, dist.ProcessGroup, Optional[dist.ProcessGroup]]:
+    mesh = mesh if mesh is not None else _default_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}: pass a mesh that contains every rank "
+            f"that calls fully_shard on this module"
+        )
+    if mesh.ndim == 1:
+        return mesh, mesh.get_group(0), None
+    if mesh.ndim == 2:
+        # HSDP: (replicate, shard). Shard within the inner dimension, average across the outer one.
+        return mesh, mesh.get_group(1), mesh.get_group(0)
+    raise ValueError(
+        f"fully_shard takes a 1-D mesh (shard) or a 2-D mesh (replicate, shard) for HSDP, got a {mesh.ndim}-D mesh "
+        f"with shape {tuple(mesh.shape)}"
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Granularity
+
+
+def _granularity_fn(granularity: GranularityArg) -> Callable[[str, nn.Parameter], Granularity]:
+    if granularity is None:
+        return lambda name, p: getattr(p, "_vescale_granularity", "element")
+    if callable(granularity):
+        return granularity
+    if isinstance(granularity, Mapping):
+        patterns = dict(granularity)
+
+        def by_pattern(name: str, p: nn.Parameter) -> Granularity:
+            for pattern, g in patterns.items():
+                if fnmatch.fnmatchcase(name, pattern):
+                    return g
+            return getattr(p, "_vescale_granularity", "element")
+
+        return by_pattern
+    return lambda name, p: granularity
+
+
+# --------------------------------------------------------------------------------------------------------
+# State
+
+
+class _VeScaleState:
+    """Per-module state: its group, its hooks, and for the root the whole model's bookkeeping."""
+
+    def __init__(self, module: nn.Module, group: Optional[ParamGroup], mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy):
+        self.module = module
+        self.group = group
+        self.mesh = mesh
+        self.mp_policy = mp_policy
+        self.is_root: Optional[bool] = None
+        self.root: Optional[_VeScaleState] = None
+        # Root only:
+        self.states: list[_VeScaleState] = []
+        self.forward_order: list[_VeScaleState] = []
+        self.order_recorded = False
+        self.pending_reduce: list[ParamGroup] = []
+        self.callback_queued = False
+        self.in_step = False
+
+    # -- lazy init ----------------------------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        self.root = self
+        for module in self.module.modules():
+            state = get_state(module)
+            if state is None:
+                continue
+            if state is not self:
+                if state.is_root:
+                    raise RuntimeError(
+                        f"{type(module).__name__} ran forward on its own before its parent "
+                        f"{type(self.module).__name__}; run the outermost sharded module's forward first"
+                    )
+                state.is_root = False
+                state.root = self
+            self.states.append(state)
+        _verify_plans_agree(self.states, self.mesh)
+        logger.debug("lightning_vescale: root %s with %d groups", type(self.module).__name__, len(self.states))
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.is_root is None:
+            self.lazy_init()
+        root = self.root
+        if _in_backward():
+            # Activation-checkpoint recomputation: the group was gathered by pre-backward.
+            if self.group is not None:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+            return args, kwargs
+        if self.is_root:
+            root._root_pre_forward()
+        if self.group is not None:
+            self.group.training_state = TrainingState.FORWARD
+            self.group.unshard()
+            self.group.wait_for_unshard()
+        if not root.order_recorded:
+            root.forward_order.append(self)
+        else:
+            nxt = root._next_in(root.forward_order, self)
+            if nxt is not None and nxt.group is not None:
+                nxt.group.unshard(async_op=True)  # prefetch, overlapped with this group's compute
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        if _in_backward():
+            return output
+        if self.is_root:
+            self.root.order_recorded = True
+        if self.group is not None:
+            self.group.training_state = TrainingState.IDLE
+            training = torch.is_grad_enabled()
+            if not training or (self.group.reshard_after_forward and not self.is_root):
+                self.group.reshard()
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    def _root_pre_forward(self) -> None:
+        # A forward without a backward since the last one (e.g. evaluation) leaves no work behind.
+        self._finish_backward()
+
+    @staticmethod
+    def _next_in(order: list, state: "_VeScaleState") -> Optional["_VeScaleState"]:
+        try:
+            i = order.index(state)
+        except ValueError:
+            return None
+        return order[i + 1] if i + 1 < len(order) else None
+
+    # -- backward -------------------------------------------------------------------------------------------
+    def _pre_backward_hook(self, *unused: Any) -> None:
+        root = self.root
+        if not root.callback_queued:
+            root.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
+        if self.group is None:
+            return
+        self.group.pre_backward()
+        if root.order_recorded:
+            nxt = root._next_in(root.forward_order[::-1], self)
+            if nxt is not None and nxt.group is not None and nxt.group.training_state is TrainingState.IDLE:
+                nxt.group.unshard(async_op=True)
+        if self.group.requires_grad_sync:
+            root.pending_reduce.append(self.group)
+
+    def _finish_backward(self) -> None:
+        """End of backward: complete every group, wait for all ReduceScatters, reshard everything."""
+        if self.is_root is not True:
+            return
+        for state in reversed(self.forward_order or self.states):
+            group = state.group
+            if group is not None and group.training_state is TrainingState.PRE_BACKWARD:
+                group.post_backward()
+        for state in self.states:
+            if state.group is not None:
+                state.group.finalize_grads()
+                state.group.reshard()
+                state.group.training_state = TrainingState.IDLE
+        self.pending_reduce.clear()
+        self.callback_queued = False
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+def _verify_plans_agree(states: list[_VeScaleState], mesh: DeviceMesh) -> None:
+    """Invariant 4: every rank must have computed the same plans; fail loudly before training."""
+    text = "|".join(
+        ",".join(p.fingerprint() for p in state.group.plans) if state.group is not None else "-" for state in states
+    )
+    digest = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    device = _mesh_device(mesh)
+    mine = torch.tensor([digest, len(states)], dtype=torch.int64, device=device)
+    everyone = torch.empty(dist.get_world_size() * 2, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine)
+    everyone = everyone.view(-1, 2).tolist()
+    if any(row != everyone[0] for row in everyone):
+        bad = [r for r, row in enumerate(everyone) if row != everyone[0]]
+        raise RuntimeError(
+            f"ranks computed different sharding plans (ranks {bad} differ from rank 0; [plan hash, number of "
+            f"groups] per rank: {everyone}). Every rank must build the same model (same shapes, dtypes and "
+            f"fully_shard calls in the same order) before the first forward."
+        )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Public API
+
+
+def get_state(module: nn.Module) -> Optional[_VeScaleState]:
+    return module.__dict__.get("_vescale_state")
+
+
+def sharded_groups(module: nn.Module) -> list[ParamGroup]:
+    """Every ParamGroup under ``module`` in ``module.modules()`` order."""
+    groups = []
+    for m in module.modules():
+        state = get_state(m)
+        if state is not None and state.group is not None:
+            groups.append(state.group)
+    return groups
+
+
+class VeScaleModule:
+    """Methods added to every module that ``fully_shard`` was applied to (as FSDP2's ``FSDPModule``)."""
+
+    def _vescale_states(self, recurse: bool) -> list[_VeScaleState]:
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        return [s for s in (get_state(m) for m in modules) if s is not None]
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather this module's parameters (e.g. to run a submodule outside the usual forward)."""
+        group = get_state(self).group  # type: ignore[arg-type]
+        if group is not None:
+            group.unshard(async_op=async_op)
+            if not async_op:
+                group.wait_for_unshard()
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters."""
+        group = get_state(self).group  # type: ignore[arg-type]
+        if group is not None:
+            group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With False, backward accumulates unsharded gradients locally and skips the ReduceScatter."""
+        for state in self._vescale_states(recurse):
+            if state.group is not None:
+                state.group.requires_grad_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        for state in self._vescale_states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_forward = reshard_after_forward
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context manager form of ``set_requires_gradient_sync(False)`` (what Accelerate expects)."""
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+
+def _add_vescale_class(module: nn.Module) -> None:
+    cls = type(module)
+    if issubclass(cls, VeScaleModule):
+        return
+    new_cls = type(f"VeScale{cls.__name__}", (VeScaleModule, cls), {})
+    new_cls.__module__ = cls.__module__
+    module.__class__ = new_cls
+
+
+def _collect_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list]]:
+    """The parameters of ``module`` not taken by a sharded submodule, with every (module, name) using them."""
+    owned_elsewhere: dict[int, str] = {}
+    for name, sub in module.named_modules():
+        state = get_state(sub)
+        if state is not None and sub is not module and state.group is not None:
+            for mp in state.group.managed:
+                owned_elsewhere[id(mp.sharded)] = f"{name}.{mp.fqn}" if name else mp.fqn
+    found: dict[int, tuple[str, nn.Parameter, list]] = {}
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        for pname, param in list(sub._parameters.items()):
+            if param is None:
+                continue
+            fqn = f"{mod_name}.{pname}" if mod_name else pname
+            if id(param) in owned_elsewhere:
+                # The sharded submodule's own references are expected; any other one is a tie across groups.
+                owner_fqn = owned_elsewhere[id(param)]
+                if fqn != owner_fqn:
+                    raise ValueError(
+                        f"parameter {fqn} is the same tensor as {owner_fqn}, which a nested fully_shard already "
+                        f"sharded. Tied parameters must be sharded by one group that contains every module using "
+                        f"them: don't call fully_shard on the submodule that owns {owner_fqn} separately (or untie)."
+                    )
+                continue
+            if id(param) in found:
+                found[id(param)][2].append((sub, pname))
+            else:
+                found[id(param)] = (fqn, param, [(sub, pname)])
+    return list(found.values())
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    reshard_after_forward: bool = True,
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
+    granularity: GranularityArg = None,
+) -> nn.Module:
+    """Shard ``module``'s parameters over ``mesh`` in one group, laid out by the planner into DBuffers.
+
+    Apply it bottom-up, like FSDP2: each transformer block first, then the root. Each call takes the
+    parameters of ``module`` that no sharded submodule already owns and makes them one group: one
+    AllGather before the group's forward (prefetched one group ahead), one ReduceScatter after its
+    backward. The module's parameters become the local pieces (views into the group's DBuffer), so an
+    ordinary ``torch.optim`` optimizer built on ``model.parameters()`` steps only what this rank owns.
+
+    Args:
+        module: the module to shard, in place. Its class gains :class:`VeScaleModule`'s methods
+            (``set_requires_gradient_sync``, ``no_sync``, ``unshard``, ``reshard``).
+        mesh: a 1-D mesh to shard over, or a 2-D (replicate, shard) mesh for HSDP. Defaults to every rank
+            of the default process group on the backend's device type.
+        reshard_after_forward: free the gathered parameters after forward and gather again for backward
+            (ZeRO-3). False keeps them until backward ends (ZeRO-2-like: more memory, one AllGather less).
+            The root module's parameters are never freed between its forward and backward.
+        mp_policy: mixed precision; the local pieces keep the original dtype (fp32 master weights).
+        granularity: the cut granularity per parameter: ``"element"`` (default, least padding), ``"row"``,
+            an int number of rows (e.g. 128 for 128x128 quantization blocks), ``"tensor"`` (whole matrix on
+            one rank, as Muon wants); or a mapping of name glob patterns to those, or a callable
+            ``(name, param) -> granularity``. A parameter attribute ``_vescale_granularity`` is the default.
+
+    Returns:
+        ``module``, sharded in place.
+
+    .. note::
+        Parameters on the meta device get an uninitialized local piece; call
+        :func:`lightning_vescale.init_sharded_weights` (or ``init_weights`` of the model through it) to fill them with
+        exactly the values an unsharded init with the same seed gives. Tied parameters must be owned by one
+        group containing all their uses. Calling ``fully_shard`` twice on one module raises.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if get_state(module) is not None:
+        raise ValueError(
+            f"{type(module).__name__} is already sharded by fully_shard; call fully_shard once per module "
+            f"(submodules first, then the root)"
+        )
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    mesh, shard_group, replicate_group = _resolve_mesh(mesh)
+    device = _mesh_device(mesh)
+    params = _collect_params(module)
+    for fqn, param, _ in params:
+        if not param.is_meta and param.device.type != device.type:
+            if param.device.type != "cpu":
+                raise ValueError(
+                    f"parameter {fqn} is on {param.device} but the mesh is on {mesh.device_type}: move the module "
+                    f"to the mesh's device type (or to CPU / meta) before fully_shard"
+                )
+    group = None
+    if params:
+        group = ParamGroup(
+            module, params, shard_group=shard_group, replicate_group=replicate_group, device=device,
+            mp_policy=mp_policy, granularity_fn=_granularity_fn(granularity),
+            reshard_after_forward=reshard_after_forward,
+        )
+    # Buffers are replicated: move the ones this module owns directly to the mesh's device.
+    for sub in module.modules():
+        if sub is not module and get_state(sub) is not None:
+            continue
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None and not buf.is_meta and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+    state = _VeScaleState(module, group, mesh, mp_policy)
+    module.__dict__["_vescale_state"] = state
+    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(state.post_forward, prepend=False, with_kwargs=True, always_call=False)
+    _add_vescale_class(module)
+    return module
