@@ -24,7 +24,7 @@ class MixedPrecisionPolicy:
     reduce_dtype: Optional[torch.dtype] = None
     """dtype of the gradient ReduceScatter; None means ``param_dtype``."""
     output_dtype: Optional[torch.dtype] = None
-    """If set, floating-point forward outputs of each sharded module are cast to this dtype."""
+    """If set, floating-point outputs of the root sharded module (the model's outputs) are cast to this dtype."""
     cast_forward_inputs: bool = True
     """Cast floating-point forward inputs of each sharded module to ``param_dtype``."""
 

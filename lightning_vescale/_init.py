@@ -46,12 +46,17 @@ def _default_init(module: nn.Module) -> None:
 
 @torch.no_grad()
 def init_sharded_weights(model: nn.Module, init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
-    """Initialize every meta-device parameter and buffer of a model that ``fully_shard`` was applied to.
+    """(Re-)initialize every parameter, and every meta-device buffer, of a sharded model.
+
+    Use it after ``fully_shard`` on a model built on the meta device (each rank allocates only its
+    pieces), or to re-initialize a sharded model. Values equal those of the unsharded model running the
+    same ``init_fn`` over ``model.modules()`` in order with the same seed.
 
     Args:
         model: the root of the sharded model.
-        init_fn: called on each module that directly holds meta parameters or buffers, in
-            ``model.modules()`` order; defaults to ``module.reset_parameters()``.
+        init_fn: called on each module that directly holds parameters or meta buffers, in
+            ``model.modules()`` order; it must initialize all of that module's own parameters and buffers.
+            Defaults to ``module.reset_parameters()``.
     """
     init_fn = init_fn or _default_init
     owner = _owning_groups(model)
@@ -73,11 +78,7 @@ def init_sharded_weights(model: nn.Module, init_fn: Optional[Callable[[nn.Module
             spec = buf.plan.specs[mp.index]
             off = buf.plan.offsets[mp.index]
             full_view = fulls[mp.key][off : off + spec.numel].view(spec.shape)
-            if group.needs_init:
-                tmp = nn.Parameter(full_view, requires_grad=mp.sharded.requires_grad)
-            else:  # already materialized: start from the current values so untouched params keep them
-                full_view.copy_(_gather_param(group, mp))
-                tmp = nn.Parameter(full_view, requires_grad=mp.sharded.requires_grad)
+            tmp = nn.Parameter(full_view, requires_grad=mp.sharded.requires_grad)
             for user, name in mp.uses:
                 _set_param(user, name, tmp)
         open_buffers[id(group)] = fulls
@@ -96,10 +97,6 @@ def init_sharded_weights(model: nn.Module, init_fn: Optional[Callable[[nn.Module
         group = owner.get(id(m))
         if group is None and not has_meta_buffers:
             continue
-        if group is not None and not group.needs_init and not has_meta_buffers:
-            if id(group) in open_buffers and last_use[id(group)] == i:
-                close_group(group)
-            continue
         if has_meta_buffers:
             for name, b in list(m._buffers.items()):
                 if b is not None and b.is_meta:
@@ -112,9 +109,3 @@ def init_sharded_weights(model: nn.Module, init_fn: Optional[Callable[[nn.Module
     for gid in list(open_buffers):
         close_group(groups_by_id[gid])
 
-
-def _gather_param(group: ParamGroup, mp) -> torch.Tensor:
-    group.unshard()
-    group.wait_for_unshard()
-    value = group.buffers[mp.key].unsharded_view(mp.index).to(group.buffers[mp.key].dtype)
-    return value

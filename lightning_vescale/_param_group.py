@@ -12,6 +12,7 @@ AllGather and one ReduceScatter per group. Each original parameter becomes
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Callable, Optional
@@ -71,6 +72,7 @@ class _ManagedParam:
     index: int = -1
     sharded: Optional[nn.Parameter] = None
     unsharded: Optional[nn.Parameter] = None
+    original: Optional[weakref.ref] = None  # the parameter before sharding, to detect ties across groups
 
 
 def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
@@ -154,6 +156,7 @@ class ParamGroup:
             buf = self.buffers[mp.key]
             mp.index = buf.plan.index_of(mp.fqn)
             orig = originals[mp.fqn]
+            mp.original = weakref.ref(orig)
             local = buf.local_view(mp.index)
             if orig.is_meta:
                 self.needs_init = True

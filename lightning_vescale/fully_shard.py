@@ -198,7 +198,8 @@ class _VeScaleState:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
-        if self.mp_policy.output_dtype is not None:
+        if self.is_root and self.mp_policy.output_dtype is not None:
+            # Only the model's outputs: inner groups feed each other in param_dtype.
             output = _cast_floating(output, self.mp_policy.output_dtype)
         return output
 
@@ -358,7 +359,11 @@ def _collect_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list]]:
         state = get_state(sub)
         if state is not None and sub is not module and state.group is not None:
             for mp in state.group.managed:
-                owned_elsewhere[id(mp.sharded)] = f"{name}.{mp.fqn}" if name else mp.fqn
+                owner_fqn = f"{name}.{mp.fqn}" if name else mp.fqn
+                owned_elsewhere[id(mp.sharded)] = owner_fqn
+                original = mp.original() if mp.original is not None else None
+                if original is not None:
+                    owned_elsewhere[id(original)] = owner_fqn
     found: dict[int, tuple[str, nn.Parameter, list]] = {}
     for mod_name, sub in module.named_modules(remove_duplicate=False):
         for pname, param in list(sub._parameters.items()):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -239,7 +240,11 @@ class BufferPlan:
 _INF = float("inf")
 # Earliest-offset evaluations the search may spend on candidates below the padding-driven jump (about
 # 0.05 s of Python). Past it, only jumps are tried; a plan is always found.
-_WORK_BUDGET = 60_000
+_WORK_BUDGET = 40_000
+_LINEAR_STEPS = 64
+# Groups of at most this many tensors also try every distinct order (5! = 120 at most).
+_EXHAUSTIVE_MAX_TENSORS = 5
+_MULTIPLES_PER_MODULUS = 8
 
 
 def _align_up(x: int, a: int) -> int:
@@ -297,19 +302,33 @@ class _Search:
         groups: dict[tuple[int, int], list[_Item]] = {}
         for it in items:
             groups.setdefault((it.e, it.g), []).append(it)
-        classes = list(groups.values())
+        self.classes = classes = list(groups.values())
+
+        def by(key):  # class indices sorted by key(first member)
+            return sorted(range(len(classes)), key=lambda k: key(classes[k][0]))
+
         self.greedy = [
-            ("greedy-granularity", sorted(classes, key=lambda m: (-m[0].g, -m[0].e, m[0].name))),
-            ("greedy-size", sorted(classes, key=lambda m: (-m[0].e, -m[0].g, m[0].name))),
+            ("greedy-granularity", by(lambda it: (-it.g, -it.e, it.name))),
+            ("greedy-size", by(lambda it: (-it.e, -it.g, it.name))),
         ]
-        self.fill_order = sorted(classes, key=lambda m: (-m[0].e, m[0].name))
+        self.fill_order = by(lambda it: (-it.e, it.name))
+        # Tiny groups (a root group: embedding, norm, head): every distinct order is cheap to try.
+        self.exhaustive: list[tuple[str, list[_Item]]] = []
+        if len(items) <= _EXHAUSTIVE_MAX_TENSORS:
+            cls = {id(it): k for k, m in enumerate(classes) for it in m}
+            seen: set[tuple[int, ...]] = set()
+            for perm in itertools.permutations(items):
+                key = tuple(cls[id(it)] for it in perm)
+                if key not in seen:
+                    seen.add(key)
+                    self.exhaustive.append(("exhaustive", list(perm)))
 
     # -- one order at one S -------------------------------------------------------------------------
-    def place_fixed(self, order: list[_Item], S: int) -> tuple[Optional[list], float]:
+    def place_fixed(self, order: list[_Item], S: int, stop: float) -> tuple[Optional[list], float]:
         a, c, out = self.a, 0, []
         for it in order:
             l = _earliest_offset(c, it.e, it.g, it.L, S, a)
-            if l is None:
+            if l is None or l > stop:
                 self.work += len(out) + 1
                 return None, _INF
             out.append((it, l))
@@ -317,51 +336,55 @@ class _Search:
         self.work += len(order)
         return out, c
 
-    def place_greedy(self, classes: list[list[_Item]], S: int) -> tuple[Optional[list], float]:
+    def place_greedy(self, order: list[int], S: int, stop: float) -> tuple[Optional[list], float]:
         """Boundary-aware fill: at each step take the class needing the least padding (ties: class
-        order), and before an unavoidable gap, fill it with the largest remaining tensors that fit."""
-        a = self.a
-        ptr = {id(m): 0 for m in classes}
-        active = [m for m in classes]
+        ``order``), and before an unavoidable gap, fill it with the largest remaining tensors that fit."""
+        a, classes = self.a, self.classes
+        ptr = [0] * len(classes)
+        active, fill_active = list(order), list(self.fill_order)
         c, out, work = 0, [], 0
-        fill_active = list(self.fill_order)
         while active:
-            best, best_l = None, None
-            for m in active:
-                it = m[ptr[id(m)]]
+            best, best_l = -1, None
+            for k in active:
+                it = classes[k][ptr[k]]
                 l = _earliest_offset(c, it.e, it.g, it.L, S, a)
                 work += 1
                 if l is not None and (best_l is None or l < best_l):
-                    best, best_l = m, l
-                    if l <= c + a - 1:  # no padding beyond alignment: cannot do better
+                    best, best_l = k, l
+                    if l < c + a:  # no padding beyond alignment: cannot do better
                         break
-            if best is None:
+            if best_l is None or best_l > stop:
                 self.work += work
                 return None, _INF
             if best_l - c >= a:
                 # Gap before the chosen tensor: fill it with the largest remaining tensors that fit.
-                for m in fill_active:
-                    if m is best:
+                exhausted = False
+                for k in fill_active:
+                    members = classes[k]
+                    if k == best or members[0].e > best_l - c:
                         continue
-                    while ptr[id(m)] < len(m):
-                        it = m[ptr[id(m)]]
-                        if it.e > best_l - c:
-                            break
+                    while ptr[k] < len(members):
+                        it = members[ptr[k]]
                         l = _earliest_offset(c, it.e, it.g, it.L, S, a)
                         work += 1
                         if l is None or l + it.e > best_l:
                             break
                         out.append((it, l))
                         c = l + it.e
-                        ptr[id(m)] += 1
+                        ptr[k] += 1
+                    exhausted |= ptr[k] == len(members)
                     if best_l - c < a:
                         break
-                fill_active = [m for m in fill_active if ptr[id(m)] < len(m)]
-            it = best[ptr[id(best)]]
-            out.append((it, best_l))
-            c = best_l + it.e
-            ptr[id(best)] += 1
-            active = [m for m in active if ptr[id(m)] < len(m)]
+                if exhausted:
+                    fill_active = [k for k in fill_active if ptr[k] < len(classes[k])]
+                    active = [k for k in active if ptr[k] < len(classes[k])]
+            members = classes[best]
+            out.append((members[ptr[best]], best_l))
+            c = best_l + members[ptr[best]].e
+            ptr[best] += 1
+            if ptr[best] == len(members):
+                active.remove(best)
+                fill_active.remove(best)
         self.work += work
         return out, c
 
@@ -400,26 +423,41 @@ class _Search:
         return out, end
 
     # -- all orders at one S ------------------------------------------------------------------------
-    def evaluate(self, S: int) -> tuple[Optional[tuple[str, list]], float]:
-        """The preferred feasible placement at ``S`` (or None) and the smallest end reached."""
+    def evaluate(self, S: int, need_end: bool) -> tuple[Optional[tuple[str, list]], float]:
+        """The first feasible placement at ``S`` in strategy order (or None), and the smallest end
+        reached (only when ``need_end``; otherwise a try stops as soon as it cannot fit)."""
         limit = self.N * S
-        feasible, best_end = [], _INF
-        tries = [(name, lambda o=order: self.place_fixed(o, S)) for name, order in self.fixed]
-        tries += [(name, lambda o=order: self.place_greedy(o, S)) for name, order in self.greedy]
-        if self.has_cost:
-            tries.append(("lpt-cost", lambda: self.place_lpt(S)))
-        for name, run in tries:
-            out, end = run()
-            best_end = min(best_end, end)
+        stop = _INF if need_end else limit
+        best_end = _INF
+        for name, order in self.fixed:
+            out, end = self.place_fixed(order, S, stop)
             if out is not None and end <= limit:
-                feasible.append((name, out))
-                if not self.has_cost:
-                    break
-        if not feasible:
-            return None, best_end
-        if self.has_cost:
-            return min(feasible, key=lambda f: self._max_rank_cost(f[1], S)), best_end
-        return feasible[0], best_end
+                return (name, out), end
+            best_end = min(best_end, end)
+        for name, order in self.greedy:
+            out, end = self.place_greedy(order, S, stop)
+            if out is not None and end <= limit:
+                return (name, out), end
+            best_end = min(best_end, end)
+        for name, order in self.exhaustive:
+            out, end = self.place_fixed(order, S, stop)
+            if out is not None and end <= limit:
+                return (name, out), end
+            best_end = min(best_end, end)
+        return None, best_end
+
+    def most_balanced(self, S: int) -> tuple[str, list]:
+        """Among every strategy feasible at ``S`` (plus LPT on cost), the lowest maximum rank cost."""
+        limit, feasible = self.N * S, []
+        runs = [(name, self.place_fixed(order, S, limit)) for name, order in self.fixed]
+        runs += [(name, self.place_greedy(order, S, limit)) for name, order in self.greedy]
+        runs += [(name, self.place_fixed(order, S, limit)) for name, order in self.exhaustive]
+        runs.append(("lpt-cost", self.place_lpt(S)))
+        for name, (out, end) in runs:
+            if out is not None and end <= limit:
+                feasible.append((self._max_rank_cost(out, S), len(feasible), name, out))
+        _, _, name, out = min(feasible, key=lambda f: f[:2])
+        return name, out
 
     def _max_rank_cost(self, out: list, S: int) -> float:
         costs = [0.0] * self.N
@@ -523,34 +561,67 @@ def plan_buffer(specs: Sequence[TensorSpec], world_size: int, *, alignment: int 
         return BufferPlan(tuple(empty), (0,) * len(empty), N, 0, a, strategy="empty")
     search = _Search(items, N, a)
     if N == 1:
-        out, end = search.place_fixed(items, _align_up(sum(it.e for it in items) + len(items) * a, a))
+        out, end = search.place_fixed(items, _align_up(sum(it.e for it in items) + len(items) * a, a), _INF)
         return build("module", out, _align_up(int(end), a))
 
-    moduli = sorted({it.L for it in items if it.L > a}, reverse=True)[:8]
-    total_lcm = a
-    for it in items:
-        total_lcm = _lcm(total_lcm, it.g)
-    moduli = sorted(set(moduli) | {total_lcm}, reverse=True)
+    lb = _lower_bound(items, N, a)
+    tried: set[int] = set()
 
-    S = _lower_bound(items, N, a)
-    heap, seen = [S], set()
-    while True:
-        S = heapq.heappop(heap)
-        if S in seen:
-            continue
-        seen.add(S)
-        found, end = search.evaluate(S)
-        if found is not None:
-            return build(found[0], found[1], S)
+    def attempt(S: int, need_end: bool = False) -> Optional[tuple[str, list]]:
+        tried.add(S)
+        found, end = search.evaluate(S, need_end)
+        attempt.end = end  # type: ignore[attr-defined]
+        return found
+
+    # Phase 1: from the lower bound, jump to where the padding the last try needed would fit.
+    S, jumps = lb, 0
+    while (found := attempt(S, need_end=True)) is None:
+        end = attempt.end  # type: ignore[attr-defined]
         target = S + a if end == _INF else max(S + a, -(-int(end) // N))
-        if search.work < _WORK_BUDGET:
-            jump = _next_valid(items, target, a)
-            heapq.heappush(heap, jump)
-            heapq.heappush(heap, _next_valid(items, S + a, a))
-            for m in moduli:
-                cand = _next_valid(items, _align_up(S + 1, m), a)
-                if cand < jump:
-                    heapq.heappush(heap, cand)
-        else:
-            # Out of budget: only jumps, growing at least geometrically so the search always ends.
-            heap = [_next_valid(items, max(target, S + max(a, S // 32)), a)]
+        jumps += 1
+        if jumps > 16:  # grow at least geometrically so the search always ends
+            target = max(target, S + S // 32)
+        S = _next_valid(items, target, a)
+    best = (S, found)
+
+    # Phase 2: a jump may step over feasible sizes. Within the work budget, try in increasing order the
+    # sizes below it that make a granularity divide S (crossings become padding-free), and every
+    # aligned size when the range is small.
+    if best[0] > lb:
+        moduli = {a}
+        for it in items:
+            moduli.add(it.L)
+        total_lcm = a
+        for it in items:
+            total_lcm = _lcm(total_lcm, it.L)
+        moduli.add(total_lcm)
+        cands: set[int] = set()
+        structural = {_next_valid(items, _align_up(lb, total_lcm), a)}
+        for m in sorted(moduli):
+            if m == a and (best[0] - lb) // a > _LINEAR_STEPS:
+                continue
+            S = lb
+            for _ in range(_LINEAR_STEPS if m == a else _MULTIPLES_PER_MODULUS):
+                S = _next_valid(items, _align_up(S + 1, m), a)
+                if S >= best[0]:
+                    break
+                cands.add(S)
+        # Sizes where a shard starts to hold one more tensor of a size (bin packing of whole tensors).
+        # Only the classes holding the most elements matter; small tensors fill the gaps.
+        volume: dict[int, int] = {}
+        for it in items:
+            e = _align_up(it.e, a)
+            volume[e] = volume.get(e, 0) + e
+        for e in sorted(volume, key=lambda e: (-volume[e], e))[:3]:
+            structural.add(_next_valid(items, _align_up(max(lb, e), e), a))
+        # Structural sizes first (they often fit outright), then the rest in increasing order.
+        for S in sorted(structural - tried) + sorted(cands - structural - tried):
+            if S >= best[0] or search.work >= _WORK_BUDGET:
+                continue
+            found = attempt(S)
+            if found is not None:
+                best = (S, found)
+    S, (name, out) = best
+    if search.has_cost:
+        name, out = search.most_balanced(S)
+    return build(name, out, S)

@@ -1,0 +1,232 @@
+"""Expert parallelism: each rank of an EP group holds ``E / ep`` experts of every MoE layer.
+
+:func:`apply_expert_parallel` changes a model built from :mod:`lightning_vescale.models.moe` in place:
+every :class:`~lightning_vescale.models.moe.GroupedExperts` keeps only its rank's contiguous block of
+experts (``w1_EDF[start:start + E/ep]``, same parameter names, smaller first dimension) and becomes an
+:class:`ExpertParallelGroupedExperts`, whose ``run_experts`` sends each routed row to the rank that
+owns its expert and brings the results back. The router, attention, shared experts and everything
+else stay replicated (shard them with ``fully_shard`` as usual). The model file is untouched: this is
+a class swap from outside, the way ``fully_shard`` swaps a module's class.
+
+Shape suffixes: ``R`` routed rows this rank sends (its tokens times top-k), ``Q`` rows it receives,
+``D`` model dim, ``E`` global experts, ``L`` local experts (``E / ep``), ``S`` source ranks (``ep``).
+
+[Note: the dispatch]
+The rows arrive at ``run_experts`` sorted by global expert id, with the per-expert counts. Experts are
+owned in contiguous blocks, so rows bound for rank r are one contiguous slice:
+
+1. exchange counts: an equal-split ``all_to_all_single`` of the ``E`` counts gives, for each source
+   rank s and local expert l, how many rows s will send for l (``recv_counts_SL``);
+2. dispatch: an uneven ``all_to_all_single`` of the rows (send splits: per-destination sums of this
+   rank's counts; receive splits: per-source sums of ``recv_counts_SL``);
+3. the received rows are ordered (source, local expert); a stable sort regroups them by local expert
+   and the local experts run on them (the unsharded ``GroupedExperts.run_experts``);
+4. combine: undo the sort and send every row back with the splits swapped.
+
+Both all-to-alls are differentiable (:func:`all_to_all_single_autograd`: the backward of an
+all-to-all is the all-to-all with the splits swapped), so gradients reach the input rows, the
+routing weights and the local expert weights. A local expert's gradient sums the contributions of
+every rank's tokens, as the full model's gradient on the union of the ranks' tokens would.
+
+.. note::
+    Apply it to a materialized full model whose experts are identical on the EP ranks (same seed or
+    loaded checkpoint), before ``fully_shard``. If applied to a meta-device model, ``init_weights``
+    afterwards draws each rank's local experts from its own RNG stream, which will not equal a
+    single-process initialization. Checkpoints of an expert-parallel model hold each rank's slice
+    under the full parameter's name; ``save_pretrained`` refuses them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.hooks import RemovableHandle
+
+from lightning_vescale.models.moe import GroupedExperts, TopKRouter
+
+__all__ = [
+    "ExpertParallelGroupedExperts",
+    "all_to_all_single_autograd",
+    "apply_expert_parallel",
+    "register_expert_bias_update",
+]
+
+_EXPERT_PARAMS = ("w1_EDF", "w2_EFD", "w3_EDF")
+
+
+class _AllToAllSingle(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: ProcessGroup,
+    ) -> torch.Tensor:
+        ctx.output_splits = output_splits
+        ctx.input_splits = input_splits
+        ctx.group = group
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor):  # type: ignore[override]
+        grad_in = grad_out.new_empty((sum(ctx.input_splits), *grad_out.shape[1:]))
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all_single_autograd(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
+) -> torch.Tensor:
+    """Uneven ``all_to_all_single`` along dim 0 that autograd differentiates (backward swaps the splits).
+
+    ``input_splits[r]`` rows of ``x`` go to rank r; ``output_splits[r]`` rows arrive from rank r.
+    """
+    return _AllToAllSingle.apply(x, output_splits, input_splits, group)
+
+
+class ExpertParallelGroupedExperts(GroupedExperts):
+    """A :class:`GroupedExperts` holding experts ``[expert_start, expert_start + num_experts)`` of
+    ``num_global_experts``; its ``run_experts`` dispatches rows over ``ep_group`` (see the module note).
+
+    Made by :func:`apply_expert_parallel`, never constructed directly.
+    """
+
+    ep_group: ProcessGroup
+    ep_size: int
+    expert_start: int
+    num_global_experts: int
+
+    def run_experts(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        ep, num_local = self.ep_size, self.num_experts
+        # 1. Counts: recv_counts_SL[s, l] rows will come from rank s for local expert l.
+        recv_counts_SL = torch.empty_like(num_tokens_per_expert_E)
+        dist.all_to_all_single(recv_counts_SL, num_tokens_per_expert_E.contiguous(), group=self.ep_group)
+        recv_counts_SL = recv_counts_SL.view(ep, num_local)
+        input_splits = num_tokens_per_expert_E.view(ep, num_local).sum(dim=1).tolist()
+        output_splits = recv_counts_SL.sum(dim=1).tolist()
+        # 2. Dispatch.
+        x_QD = all_to_all_single_autograd(x_RD, output_splits, input_splits, self.ep_group)
+        # 3. Regroup (source, local expert) -> (local expert, source) and run the local experts.
+        segment_Q = torch.repeat_interleave(
+            torch.arange(ep * num_local, device=x_QD.device), recv_counts_SL.flatten()
+        )
+        source_Q, local_expert_Q = segment_Q // num_local, segment_Q % num_local
+        by_expert_Q = torch.argsort(local_expert_Q * ep + source_Q, stable=True)
+        y_QD = super().run_experts(x_QD[by_expert_Q], recv_counts_SL.sum(dim=0))
+        y_QD = y_QD[torch.argsort(by_expert_Q)]
+        # 4. Combine: every row goes back to the rank it came from, in its original place.
+        return all_to_all_single_autograd(y_QD, input_splits, output_splits, self.ep_group)
+
+    def forward_per_expert_loop(
+        self, x_ND: torch.Tensor, selected_NA: torch.Tensor, weights_NA: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError("the per-expert reference needs every expert; run it on an unsharded model")
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, experts=[{self.expert_start}, {self.expert_start + self.num_experts}) "
+            f"of {self.num_global_experts}, ep_size={self.ep_size}"
+        )
+
+
+def _resolve_group(ep_group: Union[ProcessGroup, DeviceMesh]) -> ProcessGroup:
+    if isinstance(ep_group, DeviceMesh):
+        if ep_group.ndim != 1:
+            raise ValueError(
+                f"expert parallelism needs a 1-D DeviceMesh, got a {ep_group.ndim}-D mesh "
+                f"{ep_group.mesh_dim_names}; pass mesh['ep'] (the EP dimension)"
+            )
+        return ep_group.get_group()
+    return ep_group
+
+
+def apply_expert_parallel(model: nn.Module, ep_group: Union[ProcessGroup, DeviceMesh]) -> nn.Module:
+    """Shard the routed experts of every MoE layer of ``model`` over ``ep_group``, in place.
+
+    Rank r of the group keeps experts ``[r * E/ep, (r+1) * E/ep)`` of each
+    :class:`~lightning_vescale.models.moe.GroupedExperts` (parameters of the same names, first
+    dimension ``E/ep``) and computes them for the tokens of every rank of the group, through
+    all-to-all dispatch and combine. Works with any backend that supports uneven
+    ``all_to_all_single`` (NCCL, gloo) on the device the model is on.
+
+    Args:
+        model: a model containing ``GroupedExperts`` (e.g. :class:`~lightning_vescale.models.moe.MoE`),
+            identical on every rank of the group.
+        ep_group: the expert-parallel process group, or a 1-D ``DeviceMesh``.
+
+    Returns:
+        ``model`` itself.
+
+    .. note::
+        Raises ``ValueError`` if the model has no ``GroupedExperts``, if the number of experts is not
+        divisible by the group size, or if it was already applied.
+    """
+    group = _resolve_group(ep_group)
+    ep_size = dist.get_world_size(group)
+    ep_rank = dist.get_rank(group)
+    experts = [(name, m) for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    if not experts:
+        raise ValueError(f"{type(model).__name__} has no GroupedExperts to shard over experts")
+    for name, module in experts:
+        if isinstance(module, ExpertParallelGroupedExperts):
+            raise ValueError(f"{name} is already expert parallel; apply_expert_parallel only once")
+        num_experts = module.num_experts
+        if num_experts % ep_size != 0:
+            raise ValueError(
+                f"{name} has {num_experts} experts, which does not divide over an expert-parallel group of "
+                f"{ep_size} ranks; use a group size that divides {num_experts}"
+            )
+        num_local = num_experts // ep_size
+        start = ep_rank * num_local
+        for param_name in _EXPERT_PARAMS:
+            full = getattr(module, param_name)
+            local = nn.Parameter(full.detach()[start : start + num_local].clone(), requires_grad=full.requires_grad)
+            setattr(module, param_name, local)
+        module.__class__ = ExpertParallelGroupedExperts
+        module.ep_group = group
+        module.ep_size = ep_size
+        module.expert_start = start
+        module.num_global_experts = num_experts
+        module.num_experts = num_local
+    return model
+
+
+def register_expert_bias_update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rate: float,
+    group: Optional[Union[ProcessGroup, DeviceMesh]] = None,
+) -> RemovableHandle:
+    """Run auxiliary-loss-free balancing before every ``optimizer.step()``.
+
+    The hook sums every router's ``tokens_per_expert`` over ``group`` (all ranks that feed the same
+    routers different tokens: data- and expert-parallel ranks; ``None`` for one process), then calls
+    ``update_expert_bias(rate)`` on each router, so the biases stay identical on every rank.
+
+    Returns:
+        The hook's handle (``handle.remove()`` to stop).
+    """
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    if not routers:
+        raise ValueError(f"{type(model).__name__} has no TopKRouter whose expert_bias could be updated")
+    process_group = None if group is None else _resolve_group(group)
+
+    def hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if process_group is not None:
+            counts_LE = torch.stack([r.tokens_per_expert for r in routers])
+            dist.all_reduce(counts_LE, group=process_group)
+            for router, counts_E in zip(routers, counts_LE):
+                router.tokens_per_expert.copy_(counts_E)
+        for router in routers:
+            router.update_expert_bias(rate)
+
+    return optimizer.register_step_pre_hook(hook)
