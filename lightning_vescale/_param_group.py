@@ -113,6 +113,9 @@ class ParamGroup:
         self.buffers: dict[tuple, DBuffer] = {}
         self._grad_count = 0
         self._grad_expected = 0
+        # Shared by all groups of a root: at most two ReduceScatters in flight, so the unsharded gradient
+        # buffers of finished groups are freed during backward, not at its end.
+        self.reduce_queue: list[ParamGroup] = []
         self._build(params, granularity_fn)
 
     # -- construction -----------------------------------------------------------------------------------
@@ -241,9 +244,15 @@ class ParamGroup:
         self.reshard()
         if not self.requires_grad_sync:
             return
+        issued = False
         for buf in self.buffers.values():
             if buf.requires_grad and buf.grad_allocated:
                 buf.reduce_grad(accumulate=self._prepare_accumulation(buf), async_op=True)
+                issued = True
+        if issued:
+            self.reduce_queue.append(self)
+            while len(self.reduce_queue) > 2:
+                self.reduce_queue.pop(0).finalize_grads()
 
     def _prepare_accumulation(self, buf: DBuffer) -> bool:
         """Whether the reduced gradient adds to existing ``.grad`` (no ``zero_grad`` in between)."""

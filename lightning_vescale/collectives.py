@@ -59,6 +59,11 @@ comm_stats = CommStats()
 """The process-wide counter every collective of the engine records into."""
 
 
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -74,7 +79,7 @@ def all_gather_into_tensor(
             output.copy_(input)
         return None
     comm_stats.record(kind, (n - 1) * _nbytes(input))
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return _all_gather_flat(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(
@@ -88,7 +93,7 @@ def reduce_scatter_tensor(
             output.copy_(input)
         return None
     comm_stats.record(kind, (n - 1) * _nbytes(output))
-    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_reduce(

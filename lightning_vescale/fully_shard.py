@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_vescale import collectives
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale._param_group import ParamGroup, TrainingState
 from lightning_vescale.planner import Granularity
@@ -131,9 +132,8 @@ class _VeScaleState:
         self.states: list[_VeScaleState] = []
         self.forward_order: list[_VeScaleState] = []
         self.order_recorded = False
-        self.pending_reduce: list[ParamGroup] = []
+        self.reduce_queue: list[ParamGroup] = []  # ReduceScatters in flight, oldest first
         self.callback_queued = False
-        self.in_step = False
 
     # -- lazy init ----------------------------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -153,6 +153,8 @@ class _VeScaleState:
                     )
                 state.is_root = False
                 state.root = self
+            if state.group is not None:
+                state.group.reduce_queue = self.reduce_queue
             self.states.append(state)
         _verify_plans_agree(self.states, self.mesh)
         logger.debug("lightning_vescale: root %s with %d groups", type(self.module).__name__, len(self.states))
@@ -228,8 +230,6 @@ class _VeScaleState:
             nxt = root._next_in(root.forward_order[::-1], self)
             if nxt is not None and nxt.group is not None and nxt.group.training_state is TrainingState.IDLE:
                 nxt.group.unshard(async_op=True)
-        if self.group.requires_grad_sync:
-            root.pending_reduce.append(self.group)
 
     def _finish_backward(self) -> None:
         """End of backward: complete every group, wait for all ReduceScatters, reshard everything."""
@@ -244,7 +244,7 @@ class _VeScaleState:
                 state.group.finalize_grads()
                 state.group.reshard()
                 state.group.training_state = TrainingState.IDLE
-        self.pending_reduce.clear()
+        self.reduce_queue.clear()
         self.callback_queued = False
 
 
@@ -272,7 +272,7 @@ def _verify_plans_agree(states: list[_VeScaleState], mesh: DeviceMesh) -> None:
     device = _mesh_device(mesh)
     mine = torch.tensor([digest, len(states)], dtype=torch.int64, device=device)
     everyone = torch.empty(dist.get_world_size() * 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, mine)
+    collectives.all_gather_into_tensor(everyone, mine, kind="setup")
     everyone = everyone.view(-1, 2).tolist()
     if any(row != everyone[0] for row in everyone):
         bad = [r for r, row in enumerate(everyone) if row != everyone[0]]

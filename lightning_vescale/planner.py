@@ -215,7 +215,8 @@ class BufferPlan:
         assert N >= 1 and S >= 0
         assert len(self.specs) == len(self.offsets)
         assert S % self.alignment == 0, (S, self.alignment)
-        spans = sorted((off, off + s.numel, s) for off, s in zip(self.offsets, self.specs))
+        spans = sorted(((off, off + s.numel, s) for off, s in zip(self.offsets, self.specs)),
+                       key=lambda span: span[:2])
         prev_end = 0
         for lo, hi, spec in spans:
             assert lo >= 0, f"{spec.name} starts at a negative offset {lo}"

@@ -2,13 +2,14 @@
 
 Supported architectures (``model_type`` in ``config.json``):
 
-============  =========================  =====================================================
+============  =========================  ===================================================
 model_type    architecture               our model
-============  =========================  =====================================================
-``llama``     ``LlamaForCausalLM``       :class:`~lightning_vescale.models.llama.Llama`
-``mixtral``   ``MixtralForCausalLM``     :class:`~lightning_vescale.models.moe.MoE` (softmax, top-k renormalized)
-``qwen2_moe`` ``Qwen2MoeForCausalLM``    :class:`~lightning_vescale.models.moe.MoE` (+ gated shared expert, q/k/v biases)
-============  =========================  =====================================================
+============  =========================  ===================================================
+``llama``     ``LlamaForCausalLM``       :class:`~.llama.Llama`
+``mixtral``   ``MixtralForCausalLM``     :class:`~.moe.MoE` (softmax, top-k renormalized)
+``qwen2_moe`` ``Qwen2MoeForCausalLM``    :class:`~.moe.MoE` (+ gated shared expert, q/k/v biases,
+                                         dense ``mlp_only_layers``)
+============  =========================  ===================================================
 
 Weights are renamed one-to-one (the tables are in llama.py's and moe.py's notes); per-expert
 ``experts.{e}.gate_proj/up_proj/down_proj`` (or Mixtral's ``w1/w3/w2``) weights are transposed and
