@@ -34,6 +34,7 @@ first in the list above. Ties are broken by name, never by hash order.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import itertools
@@ -470,25 +471,44 @@ class _Search:
         return max(costs)
 
 
-def _forced_modulus(items: Sequence[_Item], S: int, a: int) -> int:
-    """lcm of ``a`` and the granularities that must divide ``S``: those of tensors longer than 2S."""
-    m = a
-    for it in items:
-        if it.e > 2 * S:
-            m = _lcm(m, it.g)
-    return m
+class _ValidSizes:
+    """Shard sizes a plan can use (``N > 1``): multiples of ``a`` and of the granularity of each tensor
+    longer than ``2S`` (it holds two consecutive boundaries, so both must be granule edges); and a
+    tensor with ``S < e <= 2S`` whose granularity does not divide ``S`` holds exactly one boundary
+    ``b`` and starts at ``l = b (mod L)``, ``l >= b - S``, so it needs ``e <= 2S - (S mod L)``."""
 
+    def __init__(self, items: Sequence[_Item], a: int) -> None:
+        self.by_size = sorted(items, key=lambda it: it.e)
+        self.sizes = [it.e for it in self.by_size]
+        by_threshold = sorted(items, key=lambda it: (it.e + 1) // 2)
+        # A tensor is forced while S < ceil(e / 2).
+        self.thresholds = [(it.e + 1) // 2 for it in by_threshold]
+        self.suffix_lcm = [a] * (len(by_threshold) + 1)
+        for k in range(len(by_threshold) - 1, -1, -1):
+            self.suffix_lcm[k] = _lcm(self.suffix_lcm[k + 1], by_threshold[k].g)
+        self.a = a
 
-def _next_valid(items: Sequence[_Item], S: int, a: int) -> int:
-    """Smallest ``S' >= S`` that is a multiple of ``a`` and of every granularity it forces."""
-    thresholds = sorted({(it.e + 1) // 2 for it in items})  # tensor stops being forced at S >= this
-    while True:
-        S = _align_up(S, a)
-        S2 = _align_up(S, _forced_modulus(items, S, a))
-        nxt = next((t for t in thresholds if t > S), None)
-        if nxt is None or S2 < nxt:
-            return S2
-        S = nxt
+    def next(self, S: int) -> int:
+        """The smallest valid size ``>= S``."""
+        while True:
+            S = _align_up(S, self.a)
+            k = bisect.bisect_right(self.thresholds, S)  # tensors k.. are forced at S
+            S2 = _align_up(S, self.suffix_lcm[k])
+            if k < len(self.thresholds) and S2 >= self.thresholds[k]:
+                S = self.thresholds[k]  # the forced set shrinks there
+                continue
+            S = S2
+            bump = S
+            lo, hi = bisect.bisect_right(self.sizes, S), bisect.bisect_right(self.sizes, 2 * S)
+            for it in self.by_size[lo:hi]:
+                short = it.e + S % it.L - 2 * S
+                if short > 0 and S % it.g:
+                    # Each step of a (within one period of L) gains a: step until it fits, or to the
+                    # next multiple of L, whichever comes first.
+                    bump = max(bump, min(S + _align_up(short, self.a), _align_up(S + 1, it.L)))
+            if bump == S:
+                return S
+            S = bump
 
 
 def shard_size_lower_bound(specs: Sequence[TensorSpec], world_size: int, *, alignment: int = 1) -> int:
@@ -511,7 +531,7 @@ def _lower_bound(items: Sequence[_Item], N: int, a: int) -> int:
     if N == 1:
         return _align_up(need, a)
     S = max(-(-need // N), max(it.g for it in items))
-    return _next_valid(items, S, a)
+    return _ValidSizes(items, a).next(S)
 
 
 def _check_args(specs: Sequence[TensorSpec], world_size: int, alignment: int) -> None:
@@ -566,6 +586,7 @@ def plan_buffer(specs: Sequence[TensorSpec], world_size: int, *, alignment: int 
         return build("module", out, _align_up(int(end), a))
 
     lb = _lower_bound(items, N, a)
+    valid = _ValidSizes(items, a)
     tried: set[int] = set()
 
     def attempt(S: int, need_end: bool = False) -> Optional[tuple[str, list]]:
@@ -582,7 +603,7 @@ def plan_buffer(specs: Sequence[TensorSpec], world_size: int, *, alignment: int 
         jumps += 1
         if jumps > 16:  # grow at least geometrically so the search always ends
             target = max(target, S + S // 32)
-        S = _next_valid(items, target, a)
+        S = valid.next(target)
     best = (S, found)
 
     # Phase 2: a jump may step over feasible sizes. Within the work budget, try in increasing order the
@@ -597,13 +618,13 @@ def plan_buffer(specs: Sequence[TensorSpec], world_size: int, *, alignment: int 
             total_lcm = _lcm(total_lcm, it.L)
         moduli.add(total_lcm)
         cands: set[int] = set()
-        structural = {_next_valid(items, _align_up(lb, total_lcm), a)}
+        structural = {valid.next(_align_up(lb, total_lcm))}
         for m in sorted(moduli):
             if m == a and (best[0] - lb) // a > _LINEAR_STEPS:
                 continue
             S = lb
             for _ in range(_LINEAR_STEPS if m == a else _MULTIPLES_PER_MODULUS):
-                S = _next_valid(items, _align_up(S + 1, m), a)
+                S = valid.next(_align_up(S + 1, m))
                 if S >= best[0]:
                     break
                 cands.add(S)
@@ -614,7 +635,7 @@ def plan_buffer(specs: Sequence[TensorSpec], world_size: int, *, alignment: int 
             e = _align_up(it.e, a)
             volume[e] = volume.get(e, 0) + e
         for e in sorted(volume, key=lambda e: (-volume[e], e))[:3]:
-            structural.add(_next_valid(items, _align_up(max(lb, e), e), a))
+            structural.add(valid.next(_align_up(max(lb, e), e)))
         # Structural sizes first (they often fit outright), then the rest in increasing order.
         for S in sorted(structural - tried) + sorted(cands - structural - tried):
             if S >= best[0] or search.work >= _WORK_BUDGET:

@@ -123,8 +123,9 @@ class MoEConfig:
     """Hidden size of the always-on shared expert FFN; 0 disables it (DeepSeek: n_shared * moe_hidden)."""
     shared_expert_gate: bool = False
     """Scale the shared expert's output by ``sigmoid(shared_gate(x))`` per token (Qwen2-MoE)."""
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    """Router scores: softmax over experts (Mixtral, Qwen) or per-expert sigmoid (DeepSeek-V3)."""
+    score_func: str = "softmax"
+    """Router scores: ``"softmax"`` over experts (Mixtral, Qwen) or per-expert ``"sigmoid"`` (DeepSeek-V3).
+    (A ``str``, not a ``Literal``, so the config can be a Hydra structured config.)"""
     route_norm: bool = True
     """Renormalize the chosen top-k weights to sum to one."""
     route_scale: float = 1.0

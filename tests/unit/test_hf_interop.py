@@ -169,8 +169,8 @@ def test_errors(tmp_path):
         for hf_name, ours, shape in [("gate_proj", "w1", "(96, 64), model (100, 64)"),
                                      ("up_proj", "w3", "(96, 64), model (100, 64)"),
                                      ("down_proj", "w2", "(64, 96), model (64, 100)")]:
-            line = f"model.layers.{layer}.mlp.{hf_name}.weight -> layers.{layer}.feed_forward.{ours}.weight: checkpoint {shape}"
-            assert line in str(error.value)
+            hf_key, our_key = f"model.layers.{layer}.mlp.{hf_name}.weight", f"layers.{layer}.feed_forward.{ours}.weight"
+            assert f"{hf_key} -> {our_key}: checkpoint {shape}" in str(error.value)
     (tmp_path / "good" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(ValueError, match=r"missing from the checkpoint:\n    layers\.2\.attention_norm\.weight"):
         from_pretrained(tmp_path / "good")

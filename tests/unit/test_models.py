@@ -18,6 +18,7 @@ from lightning_vescale.models import (
     RopeScaling,
     llama_config,
     moe_config,
+    num_active_params,
     num_params,
 )
 from lightning_vescale.models.llama import Attention, RotaryEmbedding, apply_rope, ffn_hidden_size, rope_inv_freq
@@ -220,6 +221,9 @@ def test_preset_parameter_counts():
     assert 40e6 < counts["small"] < 60e6
     assert llama_config("8b").ffn_hidden == 14336 and llama_config("70b").ffn_hidden == 28672
     assert ffn_hidden_size(2048, 256, 1.5) == 8192
+    with torch.device("meta"):
+        moe_small = MoE(moe_config("small"))
+    assert 150e6 < num_params(moe_small) < 180e6 and 40e6 < num_active_params(moe_config("small")) < 60e6
 
 
 # ---------------------------------------------------------------------------------------------------
