@@ -309,9 +309,12 @@ class _Search:
         def by(key):  # class indices sorted by key(first member)
             return sorted(range(len(classes)), key=lambda k: key(classes[k][0]))
 
+        self.total = sum(it.e for it in items)
         self.greedy = [
-            ("greedy-granularity", by(lambda it: (-it.g, -it.e, it.name))),
-            ("greedy-size", by(lambda it: (-it.e, -it.g, it.name))),
+            ("greedy-granularity", by(lambda it: (-it.g, -it.e, it.name)), False),
+            ("greedy-size", by(lambda it: (-it.e, -it.g, it.name)), False),
+            ("budgeted-granularity", by(lambda it: (-it.g, -it.e, it.name)), True),
+            ("budgeted-size", by(lambda it: (-it.e, -it.g, it.name)), True),
         ]
         self.fill_order = by(lambda it: (-it.e, it.name))
         # Tiny groups (a root group: embedding, norm, head): every distinct order is cheap to try.
@@ -338,14 +341,17 @@ class _Search:
         self.work += len(order)
         return out, c
 
-    def place_greedy(self, order: list[int], S: int, stop: float) -> tuple[Optional[list], float]:
+    def place_greedy(self, order: list[int], S: int, stop: float, budgeted: bool) -> tuple[Optional[list], float]:
         """Boundary-aware fill: at each step take the class needing the least padding (ties: class
         ``order``), and before an unavoidable gap, fill it with the largest remaining tensors that fit."""
-        a, classes = self.a, self.classes
+        a, classes, N = self.a, self.classes, self.N
         ptr = [0] * len(classes)
         active, fill_active = list(order), list(self.fill_order)
-        c, out, work = 0, [], 0
+        c, out, work, left = 0, [], 0, self.total
         while active:
+            # Padding the rest of the buffer can afford per remaining boundary: a class whose padding
+            # fits in it is taken in class order (keeping flexible tensors for harder boundaries).
+            allow = max(0, (N * S - c - left) // (N - c // S)) if budgeted else 0
             best, best_l = -1, None
             for k in active:
                 it = classes[k][ptr[k]]
@@ -353,7 +359,7 @@ class _Search:
                 work += 1
                 if l is not None and (best_l is None or l < best_l):
                     best, best_l = k, l
-                    if l < c + a:  # no padding beyond alignment: cannot do better
+                    if l - c < a or l - c <= allow:  # cannot do better, or good enough
                         break
             if best_l is None or best_l > stop:
                 self.work += work
@@ -373,6 +379,7 @@ class _Search:
                             break
                         out.append((it, l))
                         c = l + it.e
+                        left -= it.e
                         ptr[k] += 1
                     exhausted |= ptr[k] == len(members)
                     if best_l - c < a:
@@ -383,6 +390,7 @@ class _Search:
             members = classes[best]
             out.append((members[ptr[best]], best_l))
             c = best_l + members[ptr[best]].e
+            left -= members[ptr[best]].e
             ptr[best] += 1
             if ptr[best] == len(members):
                 active.remove(best)
@@ -436,8 +444,8 @@ class _Search:
             if out is not None and end <= limit:
                 return (name, out), end
             best_end = min(best_end, end)
-        for name, order in self.greedy:
-            out, end = self.place_greedy(order, S, stop)
+        for name, order, budgeted in self.greedy:
+            out, end = self.place_greedy(order, S, stop, budgeted)
             if out is not None and end <= limit:
                 return (name, out), end
             best_end = min(best_end, end)
@@ -452,7 +460,7 @@ class _Search:
         """Among every strategy feasible at ``S`` (plus LPT on cost), the lowest maximum rank cost."""
         limit, feasible = self.N * S, []
         runs = [(name, self.place_fixed(order, S, limit)) for name, order in self.fixed]
-        runs += [(name, self.place_greedy(order, S, limit)) for name, order in self.greedy]
+        runs += [(name, self.place_greedy(order, S, limit, budgeted)) for name, order, budgeted in self.greedy]
         runs += [(name, self.place_fixed(order, S, limit)) for name, order in self.exhaustive]
         runs.append(("lpt-cost", self.place_lpt(S)))
         for name, (out, end) in runs:

@@ -139,7 +139,7 @@ def random_small_case(rng: random.Random) -> tuple[list[TensorSpec], int, int]:
 
 
 # -- invariants -------------------------------------------------------------------------------------
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=500, **SETTINGS)
 @given(specs=groups(), world_size=st.integers(1, 9), alignment=st.sampled_from([1, 1, 2, 3, 4, 8]))
 def test_random_plans_satisfy_invariants(specs, world_size, alignment):
     plan = plan_buffer(specs, world_size, alignment=alignment)
@@ -147,7 +147,7 @@ def test_random_plans_satisfy_invariants(specs, world_size, alignment):
     assert plan.shard_size >= shard_size_lower_bound(specs, world_size, alignment=alignment)
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=120, **SETTINGS)
 @given(specs=groups(max_tensors=24, max_dim=40), world_size=st.integers(2, 64),
        alignment=st.sampled_from([1, 4, 16]))
 def test_larger_random_plans_satisfy_invariants(specs, world_size, alignment):
@@ -260,7 +260,7 @@ def test_brute_force_optimality():
     assert rate == 1.0 and worst == 1.0, report
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=100, **SETTINGS)
 @given(data=st.data())
 def test_heuristic_within_factor_of_optimum(data):
     rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
@@ -271,7 +271,8 @@ def test_heuristic_within_factor_of_optimum(data):
         S = plan_buffer(specs, N, alignment=a).shard_size
     finally:
         planner._EXHAUSTIVE_MAX_TENSORS = old
-    assert S <= 1.25 * brute_force_shard_size(specs, N, a)
+    opt = brute_force_shard_size(specs, N, a)
+    assert shard_size_lower_bound(specs, N, alignment=a) <= opt <= S <= 1.25 * opt
 
 
 # -- cost balance -----------------------------------------------------------------------------------
