@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.dbuffer import BufferState, DBuffer
+from lightning_vescale.placement import RaggedShard
 from lightning_vescale.planner import BufferPlan, TensorSpec, granularity_numel, plan_buffer
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,11 @@ class ShardedParamInfo:
     @property
     def shard_group(self) -> Optional[dist.ProcessGroup]:
         return self.buffer.group
+
+    @property
+    def placement(self) -> RaggedShard:
+        """The parameter's RaggedShard placement over its shard group (coarsest unit the cuts allow)."""
+        return RaggedShard.from_flat_ranges(tuple(self.global_shape), self.buffer.plan.pieces(self.index))
 
 
 @dataclass

@@ -240,13 +240,16 @@ class BufferPlan:
 # ---------------------------------------------------------------------------------------------------
 
 _INF = float("inf")
-# Earliest-offset evaluations the search may spend on candidates below the padding-driven jump (about
-# 0.05 s of Python). Past it, only jumps are tried; a plan is always found.
+# Earliest-offset evaluations after which the search stops refining below its first feasible size
+# (about 0.05 s of CPython). Phase 1 always runs to a feasible size.
 _WORK_BUDGET = 40_000
+# Refinement candidates: every aligned size if the range holds at most this many; otherwise multiples
+# (this many each) of the granularity of the classes holding the most elements.
 _LINEAR_STEPS = 64
+_MULTIPLES_PER_MODULUS = 8
+_BIG_CLASSES = 6
 # Groups of at most this many tensors also try every distinct order (5! = 120 at most).
 _EXHAUSTIVE_MAX_TENSORS = 5
-_MULTIPLES_PER_MODULUS = 8
 
 
 def _align_up(x: int, a: int) -> int:
@@ -351,7 +354,7 @@ class _Search:
         while active:
             # Padding the rest of the buffer can afford per remaining boundary: a class whose padding
             # fits in it is taken in class order (keeping flexible tensors for harder boundaries).
-            allow = max(0, (N * S - c - left) // (N - c // S)) if budgeted else 0
+            allow = max(0, (N * S - c - left) // max(1, N - c // S)) if budgeted else 0
             best, best_l = -1, None
             for k in active:
                 it = classes[k][ptr[k]]
@@ -522,9 +525,12 @@ class _ValidSizes:
 def shard_size_lower_bound(specs: Sequence[TensorSpec], world_size: int, *, alignment: int = 1) -> int:
     """A lower bound on the shard size ``S`` of any valid plan (what :func:`plan_buffer` starts from).
 
-    ``S >= ceil(total / N)`` (with each tensor starting aligned), ``S >= g_t`` when ``N > 1`` (a granule
-    longer than a shard holds a boundary), and ``g_t`` divides ``S`` for every tensor longer than
-    ``2S`` (it holds two consecutive boundaries).
+    With ``N > 1``: ``S >= ceil(total / N)`` (each tensor starting aligned); ``S >= g_t`` (a granule
+    longer than a shard holds a boundary); ``S >= e * ceil(n / N)`` for ``n`` whole tensors (``g = e``)
+    of size ``e``; ``g_t`` divides ``S`` for every tensor longer than ``2S`` (it holds two consecutive
+    boundaries); and a tensor with ``S < e_t <= 2S`` whose granularity does not divide ``S`` needs
+    ``e_t <= 2S - (S mod lcm(g_t, alignment))`` (it holds exactly one boundary, at a granule edge).
+    Padding at this bound is unavoidable; ``plan_buffer`` often reaches it exactly.
     """
     _check_args(specs, world_size, alignment)
     items = [_Item(i, s, alignment) for i, s in enumerate(specs) if s.numel]
@@ -539,6 +545,13 @@ def _lower_bound(items: Sequence[_Item], N: int, a: int) -> int:
     if N == 1:
         return _align_up(need, a)
     S = max(-(-need // N), max(it.g for it in items))
+    # Whole tensors (g = e) never straddle a boundary, so a shard holds at most floor(S / e) of size e.
+    whole: dict[int, int] = {}
+    for it in items:
+        if it.g == it.e:
+            whole[it.e] = whole.get(it.e, 0) + 1
+    for e, count in whole.items():
+        S = max(S, e * -(-count // N))
     return _ValidSizes(items, a).next(S)
 
 
@@ -593,65 +606,63 @@ def plan_buffer(specs: Sequence[TensorSpec], world_size: int, *, alignment: int 
         out, end = search.place_fixed(items, _align_up(sum(it.e for it in items) + len(items) * a, a), _INF)
         return build("module", out, _align_up(int(end), a))
 
+    S, (name, out) = _search_shard_size(search, items, N, a)
+    if search.has_cost:
+        name, out = search.most_balanced(S)
+    return build(name, out, S)
+
+
+def _search_shard_size(search: _Search, items: list[_Item], N: int, a: int) -> tuple[int, tuple[str, list]]:
+    """The smallest shard size found feasible, and the preferred placement there."""
     lb = _lower_bound(items, N, a)
     valid = _ValidSizes(items, a)
     tried: set[int] = set()
 
-    def attempt(S: int, need_end: bool = False) -> Optional[tuple[str, list]]:
-        tried.add(S)
-        found, end = search.evaluate(S, need_end)
-        attempt.end = end  # type: ignore[attr-defined]
-        return found
-
     # Phase 1: from the lower bound, jump to where the padding the last try needed would fit.
     S, jumps = lb, 0
-    while (found := attempt(S, need_end=True)) is None:
-        end = attempt.end  # type: ignore[attr-defined]
+    while True:
+        tried.add(S)
+        found, end = search.evaluate(S, need_end=True)
+        if found is not None:
+            break
         target = S + a if end == _INF else max(S + a, -(-int(end) // N))
         jumps += 1
         if jumps > 16:  # grow at least geometrically so the search always ends
             target = max(target, S + S // 32)
         S = valid.next(target)
-    best = (S, found)
+    best_S, best = S, found
+    if best_S == lb:
+        return best_S, best
 
-    # Phase 2: a jump may step over feasible sizes. Within the work budget, try in increasing order the
-    # sizes below it that make a granularity divide S (crossings become padding-free), and every
-    # aligned size when the range is small.
-    if best[0] > lb:
-        moduli = {a}
-        for it in items:
-            moduli.add(it.L)
-        total_lcm = a
-        for it in items:
-            total_lcm = _lcm(total_lcm, it.L)
-        moduli.add(total_lcm)
-        cands: set[int] = set()
-        structural = {valid.next(_align_up(lb, total_lcm))}
-        for m in sorted(moduli):
-            if m == a and (best[0] - lb) // a > _LINEAR_STEPS:
-                continue
-            S = lb
-            for _ in range(_LINEAR_STEPS if m == a else _MULTIPLES_PER_MODULUS):
-                S = valid.next(_align_up(S + 1, m))
-                if S >= best[0]:
-                    break
-                cands.add(S)
-        # Sizes where a shard starts to hold one more tensor of a size (bin packing of whole tensors).
-        # Only the classes holding the most elements matter; small tensors fill the gaps.
-        volume: dict[int, int] = {}
-        for it in items:
-            e = _align_up(it.e, a)
-            volume[e] = volume.get(e, 0) + e
-        for e in sorted(volume, key=lambda e: (-volume[e], e))[:3]:
-            structural.add(valid.next(_align_up(max(lb, e), e)))
-        # Structural sizes first (they often fit outright), then the rest in increasing order.
-        for S in sorted(structural - tried) + sorted(cands - structural - tried):
-            if S >= best[0] or search.work >= _WORK_BUDGET:
-                continue
-            found = attempt(S)
-            if found is not None:
-                best = (S, found)
-    S, (name, out) = best
-    if search.has_cost:
-        name, out = search.most_balanced(S)
-    return build(name, out, S)
+    # Phase 2: a jump may step over feasible sizes. Within the work budget, try the sizes below it
+    # that make the big classes' granularity divide S (their crossings become padding-free) or let a
+    # shard hold one more of their tensors, then the other multiples, and every aligned size when the
+    # range is small.
+    volume: dict[tuple[int, int], int] = {}
+    for it in items:
+        volume[(it.e, it.L)] = volume.get((it.e, it.L), 0) + it.e
+    big = sorted(volume, key=lambda k: (-volume[k], k))[:_BIG_CLASSES]
+    total_lcm = a
+    for it in items:
+        total_lcm = _lcm(total_lcm, it.L)
+    structural = {valid.next(_align_up(lb, total_lcm))}
+    for e, _ in big:
+        structural.add(valid.next(_align_up(max(lb, _align_up(e, a)), _align_up(e, a))))
+    others: set[int] = set()
+    moduli = sorted({L for _, L in big} | {total_lcm})
+    if (best_S - lb) // a <= _LINEAR_STEPS:
+        moduli = [a] + moduli
+    for m in moduli:
+        S = lb
+        for _ in range(_LINEAR_STEPS if m == a else _MULTIPLES_PER_MODULUS):
+            S = valid.next(_align_up(S + 1, m))
+            if S >= best_S:
+                break
+            others.add(S)
+    for S in sorted(structural - tried) + sorted(others - structural - tried):
+        if S >= best_S or search.work >= _WORK_BUDGET:
+            continue
+        found, _ = search.evaluate(S, need_end=False)
+        if found is not None:
+            best_S, best = S, found
+    return best_S, best
