@@ -148,16 +148,40 @@ def to_spec(name: str, shape: tuple, granularity, mode: str) -> tuple[TensorSpec
         else:
             g = granularity_numel(shape, "tensor")
         return TensorSpec(name, shape, g, newton_schulz_cost(shape)), False
-    # Rows of each matrix: a 3-D (E, R, C) tensor in "matrix" mode is viewed as E matrices of R rows.
+    # Rows of each matrix: a 3-D (E, R, C) tensor in "matrix" mode is E matrices of R rows of C, i.e.
+    # the 2-D tensor (E * R, C) whose row blocks must divide R (a block never straddles two experts).
+    view = (shape[0] * shape[1], shape[2]) if (len(shape) == 3 and mode == "matrix") else shape
     rows = shape[1] if (len(shape) == 3 and mode == "matrix") else shape[0]
-    row_numel = math.prod(shape[2:]) if (len(shape) == 3 and mode == "matrix") else math.prod(shape[1:])
-    k = 1 if granularity == "row" else granularity
-    if rows % k != 0:
-        k, fell_back = 1, True
-    g = k * row_numel if len(shape) > 1 else k
-    if len(shape) == 1:
-        g = granularity_numel(shape, k if k > 1 else "row")
-    return TensorSpec(name, shape, g), fell_back
+    if granularity != "row" and rows % granularity != 0:
+        granularity, fell_back = "row", True
+    return TensorSpec(name, shape, granularity_numel(view, granularity)), fell_back
+
+
+def binding_constraint(specs: list[TensorSpec], N: int, lb: int) -> str:
+    """Which constraint of the lower bound lifts it above ceil(total / N), in words."""
+    total = sum(s.numel for s in specs)
+    if N * lb - total < N:
+        return "none: S = ceil(total / N)"
+    reasons = []
+    forced = [s for s in specs if s.numel > 2 * lb]
+    if forced:
+        example = {}
+        for s in forced:
+            example.setdefault(s.granularity, s.name)
+        grans = sorted(example, reverse=True)
+        reasons.append(f"tensors longer than 2S = {2 * lb} force S to a multiple of the lcm of their "
+                       f"granules ({', '.join(f'{g} for {example[g]}' for g in grans)}) = {math.lcm(*grans)}")
+    big = max(specs, key=lambda s: s.granularity)
+    if big.granularity > -(-total // N):
+        reasons.append(f"a granule of {big.granularity} elements ({big.name}) exceeds total/N")
+    whole: dict[int, int] = {}
+    for s in specs:
+        if s.numel and s.granularity == s.numel:
+            whole[s.numel] = whole.get(s.numel, 0) + 1
+    for e, count in whole.items():
+        if e * -(-count // N) == lb:
+            reasons.append(f"{count} whole tensors of {e} elements need {-(-count // N)} per shard")
+    return "; ".join(reasons) or "granule phase of tensors crossing one boundary"
 
 
 def fsdp2_padding(params: list[tuple[str, tuple]], N: int) -> int:
@@ -204,6 +228,7 @@ def run(world_sizes: list[int], repeats: int) -> list[dict]:
                     "strategy": plan.strategy,
                     "cost_imbalance": summary["cost_imbalance"],
                     "fallback_to_row": fallbacks,
+                    "lower_bound_reason": binding_constraint(specs, N, lb),
                 })
                 print(f"{model:22s} {str(granularity):7s} N={N:5d} pad={plan.padding_ratio:9.4%} "
                       f"lb={records[-1]['lower_bound_padding_ratio']:9.4%} "
@@ -218,27 +243,54 @@ def pct(x: float) -> str:
     return f"{x:.2%}" if x < 10 else f"{x:.0%}"
 
 
+GRAN_LABEL = {"row": "1 row", "16": "16 rows", "128": "128 rows", "tensor": "whole tensor"}
+LITERAL = "gpt-oss (dim-0 rows)"  # reported, but not part of the verdict: one "row" is a whole expert
+
+
 def verdict(records: list[dict]) -> list[str]:
     lines = []
-    in_goal = [r for r in records if r["world_size"] <= GOAL_MAX_N]
-    worst_time = max(r["time_s"] for r in records)
-    lines.append(f"* Planner time: worst {worst_time * 1e3:.1f} ms per group over every case above "
-                 f"(goal < {GOAL_TIME_S * 1e3:.0f} ms): **{'met' if worst_time < GOAL_TIME_S else 'NOT met'}**.")
+    in_goal = [r for r in records if r["world_size"] <= GOAL_MAX_N and r["model"] != LITERAL]
+    worst_time = max(records, key=lambda r: r["time_s"])
+    lines.append(f"* Planner time: worst {worst_time['time_s'] * 1e3:.1f} ms per group over every case "
+                 f"({worst_time['model']}, {GRAN_LABEL[worst_time['granularity']]}, N={worst_time['world_size']}; "
+                 f"goal < {GOAL_TIME_S * 1e3:.0f} ms): **{'met' if worst_time['time_s'] < GOAL_TIME_S else 'NOT met'}**.")
     for gran in ["row", "16", "128", "tensor"]:
         rs = [r for r in in_goal if r["granularity"] == gran]
         worst = max(rs, key=lambda r: r["padding_ratio"])
         over = [r for r in rs if r["padding_ratio"] > GOAL_PADDING]
         at_lb = [r for r in over if r["shard_size"] == r["lower_bound_shard_size"]]
         gap = max(r["padding_ratio"] - r["lower_bound_padding_ratio"] for r in rs)
-        label = {"row": "1 row", "16": "16 rows", "128": "128 rows", "tensor": "whole tensor"}[gran]
         goal = " (goal <= 1%)" if gran in ("row", "16") else " (no goal)"
-        line = (f"* {label}{goal}: worst padding {pct(worst['padding_ratio'])} ({worst['model']}, "
+        met = "" if gran not in ("row", "16") else (" **met**" if not over else " **NOT met**")
+        line = (f"* {GRAN_LABEL[gran]}{goal}:{met}{',' if met else ''} worst padding {pct(worst['padding_ratio'])} ({worst['model']}, "
                 f"N={worst['world_size']}); {len(rs) - len(over)}/{len(rs)} cases <= 1%")
         if over:
-            line += (f"; of the {len(over)} above 1%, {len(at_lb)} sit exactly on the lower bound "
-                     f"(unavoidable)")
+            line += f"; of the {len(over)} above 1%, {len(at_lb)} sit exactly on the lower bound (unavoidable)"
         line += f"; largest gap to the lower bound {pct(gap)}."
         lines.append(line)
+    lines.append(f"* (Verdict over llama3-8b, llama3-70b, deepseek-v3, gpt-oss for N <= {GOAL_MAX_N}; "
+                 f"`{LITERAL}` is reported below but left out: there one row of a fused expert tensor is a "
+                 f"whole expert.)")
+    return lines
+
+
+def over_goal_reasons(records: list[dict]) -> list[str]:
+    """One line per (model, granularity) with goal cases above 1%: the paddings and why."""
+    lines = []
+    keys = []
+    for r in records:
+        key = (r["model"], r["granularity"])
+        if (r["granularity"] in ("row", "16") and r["world_size"] <= GOAL_MAX_N and r["model"] != LITERAL
+                and r["padding_ratio"] > GOAL_PADDING and key not in keys):
+            keys.append(key)
+    for model, gran in keys:
+        rs = [r for r in records if (r["model"], r["granularity"]) == (model, gran)
+              and r["world_size"] <= GOAL_MAX_N and r["padding_ratio"] > GOAL_PADDING]
+        cases = ", ".join(f"N={r['world_size']}: {pct(r['padding_ratio'])}"
+                          + ("" if r["shard_size"] == r["lower_bound_shard_size"]
+                             else f" (bound {pct(r['lower_bound_padding_ratio'])})") for r in rs)
+        lines.append(f"* {model}, {GRAN_LABEL[gran]}: {cases}. At N={rs[-1]['world_size']}: "
+                     f"{rs[-1]['lower_bound_reason']}.")
     return lines
 
 
@@ -251,7 +303,16 @@ def write_markdown(records: list[dict], path: Path) -> None:
            "cyclic GC paused during the call as `timeit` does).", "",
            "## Verdict", ""]
     out += verdict(records)
-    out += ["", "## Tables", ""]
+    out += ["", "Where a goal case is above 1%, the plan sits on the lower bound, and the reason is arithmetic,",
+            "not the search: every rank boundary inside a tensor longer than 2S must be a granule edge of it, so",
+            "S is a multiple of the lcm of those tensors' granules, and ceil(total/N) rounds up to it. The",
+            "binding constraint (all cases shown sit on the bound unless a bound is given):", ""]
+    out += over_goal_reasons(records)
+    out += ["", "Removing it needs a change of design, not of planner: e.g. letting a long tensor be split into",
+            "several contiguous sub-ranges placed independently (its views are then no longer one slice of the",
+            "unsharded buffer), or unequal shard sizes (uneven collectives). FSDP2 shows 0 in many cells because it",
+            "shards each parameter separately by rows; it cannot keep 16/128-row blocks or whole matrices on one",
+            "rank at all, so its column is a reference for row granularity only.", "", "## Tables", ""]
     for model in MODELS:
         rs = [r for r in records if r["model"] == model]
         if not rs:

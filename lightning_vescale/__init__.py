@@ -8,12 +8,14 @@ from lightning_vescale._init import init_sharded_weights
 from lightning_vescale.clip_grad import clip_grad_norm_
 from lightning_vescale.collectives import CommStats, comm_stats
 from lightning_vescale.fully_shard import VeScaleModule, fully_shard
+from lightning_vescale.placement import RaggedShard
 from lightning_vescale.planner import BufferPlan, TensorSpec, plan_buffer
 
 __all__ = [
     "BufferPlan",
     "CommStats",
     "MixedPrecisionPolicy",
+    "RaggedShard",
     "TensorSpec",
     "VeScaleModule",
     "clip_grad_norm_",

@@ -9,27 +9,33 @@ The planner is pure and deterministic: every rank computes the same plan from th
 communication, and :meth:`BufferPlan.fingerprint` lets ranks check that they agree.
 
 [Note: how plan_buffer searches]
-Three facts make the search cheap:
+Four facts make the search cheap:
 
 1. For a fixed order and ``S``, placing every tensor at its *earliest feasible offset* is optimal for
    that order (a later start never helps the tensors after it), and that offset is a closed formula
    (:func:`_earliest_offset`): a tensor either fits before the next boundary, or crosses boundaries at
-   a granule edge. If ``g | S`` every crossing tensor needs ``l = 0 (mod g)``; if not, it may hold at
-   most one boundary ``b`` and needs ``l = b (mod g)``.
-2. Lower bound (:func:`shard_size_lower_bound`): ``S >= ceil(total / N)``, ``S >= g_t`` (a granule
-   longer than a shard always holds a boundary), and a tensor longer than ``2S`` holds two
-   boundaries, so ``g_t`` must divide ``S``. Only such ``S`` are ever tried.
-3. When a try at ``S`` ends at ``E > N*S``, the padding it needed tells where to look next:
-   ``ceil(E / N)``. Below that jump, the search also tries the next ``S`` that are multiples of the
-   group's granularities (which make crossings padding-free) and, while a work budget lasts, the next
-   aligned ``S``. Candidates are tried in increasing order; the first feasible one wins.
+   granule edges. If ``g | S`` a crossing tensor needs ``l = 0 (mod g)``; if not, it can hold only
+   one boundary ``b`` and needs ``l = b (mod g)``.
+2. A lower bound (:func:`shard_size_lower_bound`): ``S >= ceil(total / N)``, ``S >= g_t``, whole
+   tensors need ``ceil(n / N)`` slots of their size per shard, and a tensor longer than ``2S`` holds
+   two consecutive boundaries, so ``g_t`` must divide ``S``. Only such ``S`` are ever tried
+   (:class:`_ValidSizes`); realistic groups often sit exactly on this bound.
+3. Phase 1 starts at the bound. When a try at ``S`` ends at ``E > N*S``, the padding it needed says
+   where to look next: ``ceil(E / N)``. Phase 2 then tries, within a work budget, sizes the jump
+   stepped over: multiples of the big classes' granularities (their crossings become free), sizes
+   where a shard holds one more of their tensors, and every aligned size when the range is small.
+4. At each ``S`` a few orders are tried, cheapest first: module order, granularity-descending order,
+   then boundary-aware greedy fills over classes of identical (size, granularity) tensors. A greedy
+   fill takes, at each step, the class needing the least padding (ties: granularity or size
+   descending), or, in its *budgeted* form, the first class whose padding fits the slack left per
+   remaining boundary, which keeps flexible tensors (fine granularity) for the boundaries that need
+   them; an unavoidable gap before a crossing is filled with the largest small tensors that fit.
+   Groups of at most ``_EXHAUSTIVE_MAX_TENSORS`` tensors also try every distinct order.
 
-At each ``S`` a few orders are tried: module order, granularity-descending order, and two greedy
-boundary-aware fills that pick, at every step, the tensor class (same size and granularity) that
-needs the least padding, and fill an unavoidable gap before a crossing with small tensors. Among the
-orders that reach the smallest ``S`` (so the same padding), the one with the best cost balance wins
-when costs are given (plus a longest-processing-time assignment of whole tensors to ranks), else the
-first in the list above. Ties are broken by name, never by hash order.
+The first order that fits wins; with costs, every order that fits at the chosen ``S`` (the padding is
+the same for all of them) competes with a longest-processing-time assignment of whole tensors to
+ranks, and the lowest maximum rank cost wins. Ties are broken by name or module order, never by hash
+order, so every rank computes the same plan.
 """
 
 from __future__ import annotations
@@ -648,18 +654,21 @@ def _search_shard_size(search: _Search, items: list[_Item], N: int, a: int) -> t
     structural = {valid.next(_align_up(lb, total_lcm))}
     for e, _ in big:
         structural.add(valid.next(_align_up(max(lb, _align_up(e, a)), _align_up(e, a))))
-    others: set[int] = set()
-    moduli = sorted({L for _, L in big} | {total_lcm})
+    # Other candidates round-robin over the moduli (the first multiple of each, then the second, ...),
+    # so that a small modulus cannot use up the budget just above the bound.
+    others: dict[int, tuple[int, int]] = {}
+    moduli = sorted({L for _, L in big if L > a} | {total_lcm})
     if (best_S - lb) // a <= _LINEAR_STEPS:
         moduli = [a] + moduli
     for m in moduli:
         S = lb
-        for _ in range(_LINEAR_STEPS if m == a else _MULTIPLES_PER_MODULUS):
+        for rank in range(_LINEAR_STEPS if m == a else _MULTIPLES_PER_MODULUS):
             S = valid.next(_align_up(S + 1, m))
             if S >= best_S:
                 break
-            others.add(S)
-    for S in sorted(structural - tried) + sorted(others - structural - tried):
+            others[S] = min(others.get(S, (rank, S)), (rank, S))
+    queue = sorted(structural - tried) + sorted(set(others) - structural - tried, key=lambda S: others[S])
+    for S in queue:
         if S >= best_S or search.work >= _WORK_BUDGET:
             continue
         found, _ = search.evaluate(S, need_end=False)

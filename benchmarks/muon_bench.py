@@ -1,0 +1,374 @@
+"""Distributed Muon optimizer step: bytes, time and Newton–Schulz balance, ours against FSDP2.
+
+Run: ``python benchmarks/muon_bench.py`` (writes ``benchmarks/results/muon.{json,md}``); ``--quick`` runs a
+smaller model for a smoke test. Spawns 2 and then 4 gloo ranks on CPU.
+
+The model is a Llama-shaped stack of bias-free ``nn.Linear`` matrices per layer (wq, wk, wv, wo, w1, w2,
+w3; GQA-sized wk/wv), one sharded group per layer. Every engine runs the same Muon update
+(``torch.optim.Muon``'s numerics, lr 0.02, weight decay 0.1, Nesterov, 5 bf16 Newton–Schulz steps):
+
+* ``vescale-local``: ``fully_shard(granularity=muon_granularity(model))`` keeps each matrix whole on one
+  rank; ``Muon(mode="local")`` orthogonalizes it there.
+* ``vescale-auto``: the same sharding, ``mode="auto"`` (may move matrices for balance per its cost model).
+* ``vescale-gather``: element-granular sharding (matrices straddle ranks); ``Muon(mode="gather")`` sends
+  every matrix to an LPT-chosen owner in one all-to-all and the results back in another.
+* ``fsdp2-gather-everywhere``: ``torch.distributed.fsdp.fully_shard``; momentum on the local ``Shard(0)``
+  rows, then ``full_tensor()`` of every update on every rank, Newton–Schulz everywhere, keep own rows.
+* ``fsdp2-torch-muon``: ``torch.optim.Muon`` applied directly to FSDP2's DTensor parameters.
+
+Bytes per rank and optimizer step are counted by wrapping ``torch.distributed`` and
+``torch.distributed._functional_collectives`` (what DTensor calls) with ring-algorithm accounting, and,
+for ours, also by ``lightning_vescale.comm_stats``. Correctness: for one step, every engine's updated
+full parameters are compared with ``torch.optim.Muon`` on unsharded copies given the same gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HYPER = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+NS = dict(ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7)
+ENGINES = ["vescale-local", "vescale-auto", "vescale-gather", "fsdp2-gather-everywhere", "fsdp2-torch-muon"]
+
+
+# -- model --------------------------------------------------------------------------------------------
+class Layer(nn.Module):
+    def __init__(self, dim: int, kv_dim: int, hidden: int) -> None:
+        super().__init__()
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, kv_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x_BD: torch.Tensor) -> torch.Tensor:
+        # A stand-in for attention that uses every matrix; the optimizer step is what is measured.
+        mix_B1 = self.wk(x_BD).mean(-1, keepdim=True) + self.wv(x_BD).mean(-1, keepdim=True)
+        x_BD = x_BD + self.wo(self.wq(x_BD) * torch.sigmoid(mix_B1))
+        return x_BD + self.w2(F.silu(self.w1(x_BD)) * self.w3(x_BD))
+
+
+class Stack(nn.Module):
+    def __init__(self, dim: int, kv_dim: int, hidden: int, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(dim, kv_dim, hidden) for _ in range(num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+# -- byte counting for the baselines --------------------------------------------------------------------
+class ByteCounter:
+    """Wraps torch.distributed / functional-collective entry points; ring accounting per call, this rank."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.bytes = 0
+        self.calls: dict[str, int] = {}
+        self._saved = []
+
+    @staticmethod
+    def _nbytes(t) -> int:
+        t = getattr(t, "_local_tensor", t)
+        return t.numel() * t.element_size()
+
+    def _wrap(self, module, name: str, cost) -> None:
+        orig = getattr(module, name, None)
+        if orig is None:
+            return
+        counter = self
+
+        def wrapped(*args, **kwargs):
+            counter.bytes += int(cost(*args, **kwargs))
+            counter.calls[name] = counter.calls.get(name, 0) + 1
+            return orig(*args, **kwargs)
+
+        self._saved.append((module, name, orig))
+        setattr(module, name, wrapped)
+
+    def __enter__(self):
+        import torch.distributed._functional_collectives as funcol
+
+        n = self.world
+        nb = self._nbytes
+        gather = lambda out, inp, *a, **k: (n - 1) * nb(inp)  # noqa: E731
+        scatter = lambda out, inp, *a, **k: (n - 1) * nb(out)  # noqa: E731
+        a2a = lambda out, inp, *a, **k: nb(inp) * (n - 1) // n  # noqa: E731  (even-split estimate)
+        for name in ("all_gather_into_tensor", "all_gather_single"):
+            self._wrap(dist, name, gather)
+        for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+            self._wrap(dist, name, scatter)
+        self._wrap(dist, "all_reduce", lambda t, *a, **k: 2 * (n - 1) * nb(t) // n)
+        self._wrap(dist, "broadcast", lambda t, *a, **k: nb(t))
+
+        def a2a_exact(out, inp, output_split_sizes=None, input_split_sizes=None, *a, **k):
+            if input_split_sizes is None:
+                return nb(inp) * (n - 1) // n
+            rank = dist.get_rank(k.get("group"))
+            item = inp.element_size()
+            return (sum(input_split_sizes) - input_split_sizes[rank]) * item
+
+        self._wrap(dist, "all_to_all_single", a2a_exact)
+        self._wrap(funcol, "all_gather_single", lambda t, *a, **k: (n - 1) * nb(t))
+        self._wrap(funcol, "all_gather_tensor", lambda t, *a, **k: (n - 1) * nb(t))
+        self._wrap(funcol, "reduce_scatter_single", lambda t, *a, **k: (n - 1) * nb(t) // n)
+        self._wrap(funcol, "reduce_scatter_tensor", lambda t, *a, **k: (n - 1) * nb(t) // n)
+        self._wrap(funcol, "all_reduce", lambda t, *a, **k: 2 * (n - 1) * nb(t) // n)
+        self._wrap(funcol, "all_to_all_single", lambda t, *a, **k: nb(t) * (n - 1) // n)
+        del a2a
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, name, orig in reversed(self._saved):
+            setattr(module, name, orig)
+        self._saved.clear()
+
+
+# -- engines ----------------------------------------------------------------------------------------------
+def ns_cost_total(model: nn.Module) -> float:
+    from lightning_vescale.optim import newton_schulz_cost
+
+    return sum(newton_schulz_cost(tuple(getattr(p, "_vescale", None).global_shape if hasattr(p, "_vescale")
+                                        else p.shape), NS["ns_steps"]) for p in model.parameters())
+
+
+def build_engine(name: str, base: nn.Module, world: int):
+    """Returns (model, step_fn, full_param_fn, full_grad_fn, ns_cost_per_rank or None)."""
+    import lightning_vescale as lv
+    from lightning_vescale.optim import Muon, muon_granularity
+    from lightning_vescale.placement import RaggedShard, gather_full
+
+    model = copy.deepcopy(base)
+    if name.startswith("vescale"):
+        gran = muon_granularity(model) if name in ("vescale-local", "vescale-auto") else "element"
+        for layer in model.layers:
+            lv.fully_shard(layer, granularity=gran)
+        lv.fully_shard(model, granularity=gran)
+        mode = {"vescale-local": "local", "vescale-auto": "auto", "vescale-gather": "gather"}[name]
+        opt = Muon(model.named_parameters(), **HYPER, **NS, mode=mode)
+
+        def full(p, t):
+            info = p._vescale
+            placement = RaggedShard.from_flat_ranges(info.global_shape, info.buffer.plan.pieces(info.index))
+            return gather_full(t.detach().contiguous(), info.global_shape, placement, info.buffer.group)
+
+        report = opt.plan_report()
+        loads = report["buckets"][0]["ns_cost_per_rank"] if report["buckets"] else [ns_cost_total(model)] * world
+        return model, opt.step, lambda p: full(p, p), lambda p: full(p, p.grad), loads, report["modes"]
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers:
+        fsdp_fully_shard(layer, mesh=mesh)
+    fsdp_fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    total = ns_cost_total(model)
+    if name == "fsdp2-torch-muon":
+        opt = torch.optim.Muon(params, **HYPER, **NS)
+        return model, opt.step, lambda p: p.full_tensor(), lambda p: p.grad.full_tensor(), [total] * world, None
+
+    state: dict = {}
+
+    @torch.no_grad()
+    def step_gather_everywhere():
+        for p in params:
+            g = p.grad.to_local()
+            buf = state.setdefault(p, torch.zeros_like(g))
+            buf.lerp_(g, 1 - HYPER["momentum"])
+            update = g.lerp(buf, HYPER["momentum"])
+            full_update = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape,
+                                             stride=p.stride()).full_tensor()
+            ortho = _zeropower_via_newtonschulz(full_update, NS["ns_coefficients"], NS["ns_steps"], NS["eps"])
+            local = p.to_local()
+            rows = -(-p.shape[0] // world)
+            r0 = min(dist.get_rank() * rows, p.shape[0])
+            local.mul_(1 - HYPER["lr"] * HYPER["weight_decay"])
+            local.add_(ortho[r0 : r0 + local.shape[0]], alpha=-_adjust_lr(HYPER["lr"], None, p.shape))
+
+    return model, step_gather_everywhere, lambda p: p.full_tensor(), lambda p: p.grad.full_tensor(), [total] * world, None
+
+
+def check_step(model, step, full_param, full_grad) -> dict:
+    """One step against torch.optim.Muon on unsharded copies with the same gradients."""
+    params = list(model.parameters())
+    before = [full_param(p).clone() for p in params]
+    grads = [full_grad(p).clone() for p in params]
+    step()
+    after = [full_param(p) for p in params]
+    ref = [nn.Parameter(b.clone()) for b in before]
+    for r, g in zip(ref, grads):
+        r.grad = g
+    torch.optim.Muon(ref, **HYPER, **NS).step()
+    bitwise = all(torch.equal(a, r.detach()) for a, r in zip(after, ref))
+    rel = max(((a - b - (r.detach() - b)).norm() / (r.detach() - b).norm()).item() for a, b, r in zip(after, before, ref))
+    return {"bitwise": bitwise, "max_update_rel_error": rel}
+
+
+def worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    import lightning_vescale as lv
+
+    out = {}
+    try:
+        torch.manual_seed(0)
+        base = Stack(cfg["dim"], cfg["kv_dim"], cfg["hidden"], cfg["layers"])
+        for name in ENGINES:
+            res: dict = {"error": None}
+            try:
+                model, step, full_param, full_grad, loads, modes = build_engine(name, base, world)
+                res["ns_cost_per_rank"] = loads
+                res["modes"] = modes
+
+                def fwd_bwd(i):
+                    torch.manual_seed(1000 * i + rank)
+                    model(torch.randn(cfg["batch"], cfg["dim"])).square().mean().backward()
+
+                fwd_bwd(0)
+                res["check"] = check_step(model, step, full_param, full_grad)  # also the warm-up step
+                times, sent, ours = [], [], []
+                for i in range(1, cfg["steps"] + 1):
+                    for p in model.parameters():
+                        p.grad = None
+                    fwd_bwd(i)
+                    dist.barrier()
+                    lv.comm_stats.step()
+                    with ByteCounter(world) as counter:
+                        t0 = time.perf_counter()
+                        step()
+                        times.append(time.perf_counter() - t0)
+                    ours.append(sum(v for k, v in lv.comm_stats.step().items() if k != "setup"))
+                    sent.append(counter.bytes)
+                res["time_s"] = statistics.median(times)
+                res["bytes"] = max(sent)
+                res["bytes_comm_stats"] = max(ours) if name.startswith("vescale") else None
+                res["calls_per_step"] = {k: v // cfg["steps"] for k, v in counter.calls.items()} if sent else {}
+            except Exception as e:  # noqa: BLE001 - reported, not hidden
+                res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            out[name] = res
+            dist.barrier()
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world: int, cfg: dict) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=worker, args=(r, world, os.path.join(tmp, "pg"), cfg, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = {}
+        for _ in procs:
+            rank, out = queue.get()
+            results[rank] = out
+        for p in procs:
+            p.join()
+    merged = {}
+    for name in ENGINES:
+        per_rank = [results[r][name] for r in range(world)]
+        err = next((r["error"] for r in per_rank if r["error"]), None)
+        entry = {"error": err}
+        if err is None:
+            loads = per_rank[0]["ns_cost_per_rank"]
+            mean = sum(loads) / len(loads)
+            entry.update({
+                "bytes_per_rank": [r["bytes"] for r in per_rank],
+                "bytes_max_rank": max(r["bytes"] for r in per_rank),
+                "bytes_comm_stats_max_rank": (max(r["bytes_comm_stats"] for r in per_rank)
+                                              if per_rank[0]["bytes_comm_stats"] is not None else None),
+                "time_s_max_rank": max(r["time_s"] for r in per_rank),
+                "ns_cost_per_rank": loads,
+                "ns_balance_max_over_mean": max(loads) / mean if mean else 1.0,
+                "modes": per_rank[0]["modes"],
+                "calls_per_step": per_rank[0]["calls_per_step"],
+                "check": per_rank[0]["check"],
+            })
+        merged[name] = entry
+    return merged
+
+
+def write(results: dict, cfg: dict) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "muon.json").write_text(json.dumps({"config": cfg, "results": results}, indent=2))
+    lines = [
+        "# Distributed Muon optimizer step (CPU, gloo)",
+        "",
+        f"Model: {cfg['layers']} Llama-shaped layers (dim {cfg['dim']}, kv {cfg['kv_dim']}, ffn {cfg['hidden']}), "
+        f"{cfg['matrices']} matrices, {cfg['muon_numel'] / 1e6:.2f} M elements; one group per layer. "
+        f"Median of {cfg['steps']} optimizer steps; bytes are sent per rank per step (max over ranks). "
+        "Ideal NS share = the most Newton-Schulz work any rank does, over total/N.",
+        "",
+    ]
+    for world, res in results.items():
+        base = res["fsdp2-gather-everywhere"].get("bytes_max_rank") or 0
+        lines += [f"## {world} ranks", "",
+                  "| engine | bytes/rank/step | vs gather-everywhere | step time (s) | NS load max/mean | "
+                  "NS max rank / ideal | vs torch.optim.Muon (1 step) |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for name, r in res.items():
+            if r["error"]:
+                lines.append(f"| {name} | error | | | | | {r['error'][:120]} |")
+                continue
+            loads = r["ns_cost_per_rank"]
+            ideal = sum(loads) / len(loads) if name.startswith("vescale") else sum(loads) / len(loads) / int(world)
+            share = max(loads) / ideal if ideal else 1.0
+            check = "bitwise" if r["check"]["bitwise"] else f"rel. err {r['check']['max_update_rel_error']:.1e}"
+            ratio = f"{r['bytes_max_rank'] / base:.3f}" if base else "-"
+            lines.append(f"| {name} | {r['bytes_max_rank']:,} | {ratio} | {r['time_s_max_rank']:.3f} | "
+                         f"{r['ns_balance_max_over_mean']:.3f} | {share:.2f} | {check} |")
+        lines.append("")
+    (RESULTS / "muon.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    cfg = dict(dim=256, kv_dim=64, hidden=704, layers=4, batch=8, steps=3)
+    if args.quick:
+        cfg = dict(dim=64, kv_dim=16, hidden=176, layers=2, batch=4, steps=2)
+    probe = Stack(cfg["dim"], cfg["kv_dim"], cfg["hidden"], cfg["layers"])
+    cfg["matrices"] = sum(1 for _ in probe.parameters())
+    cfg["muon_numel"] = sum(p.numel() for p in probe.parameters())
+    results = {}
+    for world in (2, 4):
+        t0 = time.perf_counter()
+        results[str(world)] = run_world(world, cfg)
+        print(f"{world} ranks: {time.perf_counter() - t0:.1f} s", flush=True)
+        for name, r in results[str(world)].items():
+            print(f"  {name}: {r.get('bytes_max_rank')} B, {r.get('time_s_max_rank')} s, "
+                  f"balance {r.get('ns_balance_max_over_mean')}, check {r.get('check')}, error {r['error']}", flush=True)
+    write(results, cfg)
+
+
+if __name__ == "__main__":
+    main()

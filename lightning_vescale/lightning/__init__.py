@@ -1,0 +1,23 @@
+"""Lightning integration: ``Trainer(strategy="vescale")`` and ``Fabric(strategy="vescale")``.
+
+Importing this package registers ``"vescale"`` and ``"vescale_hsdp"`` in Lightning's Trainer and Fabric
+strategy registries (Lightning discovers strategies only through them).
+"""
+
+from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry as _TRAINER_REGISTRY
+
+from lightning_vescale.lightning._common import ProcessGroupEnvironment
+from lightning_vescale.lightning.fabric import VeScaleFabricPrecision, VeScaleFabricStrategy
+from lightning_vescale.lightning.strategy import VeScalePrecision, VeScaleStrategy
+
+VeScaleStrategy.register_strategies(_TRAINER_REGISTRY)
+VeScaleFabricStrategy.register_strategies(_FABRIC_REGISTRY)
+
+__all__ = [
+    "ProcessGroupEnvironment",
+    "VeScaleFabricPrecision",
+    "VeScaleFabricStrategy",
+    "VeScalePrecision",
+    "VeScaleStrategy",
+]

@@ -1,0 +1,456 @@
+"""``Fabric(strategy="vescale")``: the engine's ZeRO-3 sharding behind Lightning Fabric.
+
+``fabric.setup(model, optimizer)`` shards the model (blocks first, then the model as the root),
+materializes meta-device weights and points the optimizer at the local pieces; or set up the model
+first and create the optimizer from ``model.parameters()`` afterwards, as with FSDP.
+``fabric.no_backward_sync(model)`` skips the ReduceScatter on accumulation steps,
+``fabric.clip_gradients(model, optimizer, max_norm=...)`` clips by the true global norm and
+``fabric.save`` / ``fabric.load`` write and read sharded checkpoint directories.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, _Stateful
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_vescale._api import MixedPrecisionPolicy
+from lightning_vescale.clip_grad import clip_grad_norm_
+from lightning_vescale.fully_shard import GranularityArg
+from lightning_vescale.lightning._common import (
+    AutoWrapPolicy,
+    ProcessGroupEnvironment,
+    _VeScalePrecisionMixin,
+    build_mesh,
+    check_accelerator,
+    is_sharded,
+    materialize,
+    no_gradient_sync,
+    param_mapping,
+    precision_of_plugin,
+    prepare_sharded,
+    remap_optimizer,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["VeScaleFabricPrecision", "VeScaleFabricStrategy"]
+
+
+class VeScaleFabricPrecision(_VeScalePrecisionMixin, Precision):
+    """Fabric's precision plugin under ``strategy="vescale"``: the engine's mixed precision, no autocast."""
+
+    def __init__(self, precision: str = "32-true") -> None:
+        self._setup_precision(precision)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        if self._true_dtype is None:
+            return data
+        from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+        from lightning_utilities import apply_to_collection
+
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
+
+
+class _VeScaleBackwardSyncControl(_BackwardSyncControl):
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        """Skip every ReduceScatter in this backward; gradients accumulate unsharded and local."""
+        return no_gradient_sync(module, enabled)
+
+
+class VeScaleFabricStrategy(ParallelStrategy):
+    """ZeRO-3 sharded data parallelism on RaggedShard placements for Fabric.
+
+    Args: as :class:`~lightning_vescale.lightning.VeScaleStrategy` (``auto_wrap_policy``,
+    ``reshard_after_forward``, ``mp_policy``, ``granularity``, ``replicate_size``, ``sync_module_states``,
+    ``process_group_backend``, ``timeout``). ``fabric.init_module(empty_init=True)`` builds the model on the
+    meta device; ``setup_module`` initializes it piece by piece with each module's ``reset_parameters``.
+    """
+
+    strategy_name = "vescale"
+
+    def __init__(
+        self,
+        *,
+        auto_wrap_policy: AutoWrapPolicy = None,
+        reshard_after_forward: bool = True,
+        mp_policy: Optional[MixedPrecisionPolicy] = None,
+        granularity: GranularityArg = None,
+        replicate_size: Union[None, int, Literal["auto"]] = None,
+        sync_module_states: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+    ) -> None:
+        if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise TypeError(f"mp_policy must be a lightning_vescale.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+        if not (replicate_size is None or replicate_size == "auto" or (isinstance(replicate_size, int) and replicate_size >= 1)):
+            raise ValueError(f"replicate_size must be None, 'auto' or a positive int, got {replicate_size!r}")
+        self._mp_policy = mp_policy
+        self._auto_wrap_policy = auto_wrap_policy
+        self._reshard_after_forward = reshard_after_forward
+        self._granularity = granularity
+        self._replicate_size = replicate_size
+        self._sync_module_states = sync_module_states
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self._device_mesh: Optional[DeviceMesh] = None
+        self._sharded_modules: list[Module] = []
+        if cluster_environment is None and ProcessGroupEnvironment.detect():
+            cluster_environment = ProcessGroupEnvironment()
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._backward_sync_control = _VeScaleBackwardSyncControl()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if "vescale" not in strategy_registry:
+            strategy_registry.register(
+                "vescale", cls, description="ZeRO-3 sharding on RaggedShard placements (lightning_vescale)"
+            )
+        if "vescale_hsdp" not in strategy_registry:
+            strategy_registry.register(
+                "vescale_hsdp", cls, description="lightning_vescale HSDP: shard within a node, replicate across nodes",
+                replicate_size="auto",
+            )
+
+    # -- plugins ------------------------------------------------------------------------------------------
+    @property
+    @override
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else VeScaleFabricPrecision()
+
+    @precision.setter
+    @override
+    def precision(self, precision: Optional[Precision]) -> None:
+        if precision is None:
+            self._precision = None
+            return
+        name = precision_of_plugin(precision)
+        if self._mp_policy is not None and name != "32-true":
+            raise ValueError(
+                f"VeScaleFabricStrategy got both mp_policy={self._mp_policy} and precision={name!r}: choose one "
+                f"(keep precision='32-true' with an explicit mp_policy)"
+            )
+        self._precision = precision if isinstance(precision, VeScaleFabricPrecision) else VeScaleFabricPrecision(name)
+
+    @property
+    @override
+    def accelerator(self) -> Optional[Accelerator]:
+        return self._accelerator
+
+    @accelerator.setter
+    @override
+    def accelerator(self, accelerator: Optional[Accelerator]) -> None:
+        check_accelerator(accelerator)
+        self._accelerator = accelerator
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        raise NotImplementedError(f"{type(self).__name__} writes sharded checkpoints itself, not through CheckpointIO")
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        if io is not None:
+            raise NotImplementedError(f"{type(self).__name__} does not take a CheckpointIO plugin")
+
+    # -- topology -----------------------------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists once the processes are set up (fabric.launch())")
+        return self._device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
+        self._device_mesh = build_mesh(self.root_device, self.world_size, replicate)
+
+    # -- model and optimizers -----------------------------------------------------------------------------
+    @override
+    def setup_module(self, module: Module) -> Module:
+        if not all(getattr(p, "_vescale", None) is not None for p in module.parameters()):
+            precision = self.precision
+            assert isinstance(precision, VeScaleFabricPrecision)
+            prepare_sharded(
+                module,
+                mesh=self.device_mesh,
+                device=self.root_device,
+                roots=[module],
+                auto_wrap_policy=self._auto_wrap_policy,
+                reshard_after_forward=self._reshard_after_forward,
+                mp_policy=self._mp_policy or precision.mp_policy,
+                granularity=self._granularity,
+                sync_module_states=self._sync_module_states,
+            )
+        else:
+            materialize(module)  # sharded on the meta device by the user
+        if module not in self._sharded_modules:
+            self._sharded_modules.append(module)
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
+    ) -> tuple[Module, list[Optimizer], Optional[Any]]:
+        """Shard the module, then point each optimizer (built on the unsharded parameters, no state yet) at
+        the local pieces."""
+        before = dict(module.named_parameters())
+        module = self.setup_module(module)
+        mapping = param_mapping(module, before)
+        for optimizer in optimizers:
+            remap_optimizer(optimizer, mapping)
+        return module, optimizers, scheduler
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        pass  # fully_shard places each local piece on the mesh's device
+
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))  # materialized piece by piece in setup_module
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the global norm of the sharded gradients (all-reduced over each shard group)."""
+        return clip_grad_norm_(
+            list(self.precision.main_params(optimizer)), max_norm, norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+        )
+
+    # -- collectives --------------------------------------------------------------------------------------
+    @override
+    def all_reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    @staticmethod
+    def _split_state(state: dict[str, Any]) -> tuple[tuple[str, Module], Optional[tuple[str, Optimizer]], dict[str, Any]]:
+        modules = [(k, v) for k, v in state.items() if isinstance(v, Module)]
+        optimizers = [(k, v) for k, v in state.items() if isinstance(v, Optimizer)]
+        sharded = [(k, m) for k, m in modules if is_sharded(m)]
+        if len(sharded) != 1 or len(modules) != 1:
+            raise ValueError(
+                f"strategy='vescale' saves and loads one sharded model per checkpoint; the state has modules "
+                f"{[k for k, _ in modules]} of which {[k for k, _ in sharded]} are set up by the strategy. Pass the "
+                f"model set up with fabric.setup (and save other models to other paths)."
+            )
+        if len(optimizers) > 1:
+            raise NotImplementedError(
+                f"strategy='vescale' checkpoints hold one optimizer; the state has {[k for k, _ in optimizers]}. "
+                f"Combine them into one optimizer with several parameter groups, or save them to separate paths."
+            )
+        rest = {k: v for k, v in state.items() if not isinstance(v, (Module, Optimizer))}
+        return sharded[0], (optimizers[0] if optimizers else None), rest
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Union[Module, Optimizer, Any]],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Write a sharded checkpoint directory: the model and optimizer as DCP shards, every other entry of
+        ``state`` (``state_dict()`` of stateful objects) as metadata."""
+        from lightning_vescale import checkpoint as vckpt
+
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
+        if filter is not None:
+            raise NotImplementedError(f"{type(self).__name__} does not filter sharded checkpoints")
+        path = Path(self.broadcast(path))
+        (_, module), opt_entry, rest = self._split_state(state)
+        extra = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in rest.items()}
+        vckpt.save(path, module, opt_entry[1] if opt_entry else None, extra=extra)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[Module, Optimizer, dict[str, Union[Module, Optimizer, Any]]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Restore the model, optimizer and entries of ``state`` in place; return what ``state`` didn't ask for."""
+        from lightning_vescale import checkpoint as vckpt
+
+        if not state:
+            raise ValueError(
+                f"{type(self).__name__}.load_checkpoint needs state={{'model': model, ...}} (or the model) to load into"
+            )
+        path = Path(self.broadcast(path))
+        if isinstance(state, Module):
+            vckpt.load(path, state)
+            return {}
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(f"{type(self).__name__} loads an optimizer together with its model")
+        (_, module), opt_entry, rest = self._split_state(state)
+        extra = dict(vckpt.load(path, module, opt_entry[1] if opt_entry else None) or {})
+        missing = [k for k in rest if k not in extra]
+        if strict and missing:
+            raise KeyError(f"the checkpoint at {str(path)!r} has no entries {missing}")
+        for key in rest:
+            if key not in extra:
+                continue
+            value = extra.pop(key)
+            if isinstance(state[key], _Stateful):
+                state[key].load_state_dict(value)
+            else:
+                state[key] = value
+        return extra
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        from lightning_vescale import checkpoint as vckpt
+
+        return vckpt.get_model_state_dict(module)
+
+    @override
+    def load_module_state_dict(
+        self, module: Module, state_dict: dict[str, Union[Any, Tensor]], strict: bool = True
+    ) -> None:
+        """Load a full (unsharded) state dict into a sharded module: each rank keeps its pieces."""
+        from lightning_vescale import checkpoint as vckpt
+
+        vckpt.load_full_state_dict(module, state_dict)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        from lightning_vescale import checkpoint as vckpt
+
+        if len(self._sharded_modules) != 1:
+            raise RuntimeError(
+                f"{type(self).__name__}.get_optimizer_state needs exactly one model set up by the strategy, found "
+                f"{len(self._sharded_modules)}"
+            )
+        return vckpt.get_optimizer_state_dict(self._sharded_modules[0], optimizer)
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision.teardown()
+        self.accelerator.teardown()

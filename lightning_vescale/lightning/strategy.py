@@ -1,0 +1,481 @@
+"""``Trainer(strategy="vescale")``: the engine's ZeRO-3 sharding behind Lightning's Trainer.
+
+The strategy is thin (STYLE 15): it sets up the process group and the mesh, shards the LightningModule with
+``fully_shard`` (unless ``configure_model`` already did), materializes meta-device weights, builds the
+optimizers on the local pieces, and routes clipping, accumulation and checkpoints to the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_vescale._api import MixedPrecisionPolicy
+from lightning_vescale.clip_grad import clip_grad_norm_
+from lightning_vescale.fully_shard import GranularityArg
+from lightning_vescale.lightning._common import (
+    AutoWrapPolicy,
+    ProcessGroupEnvironment,
+    _VeScalePrecisionMixin,
+    build_mesh,
+    check_accelerator,
+    is_sharded,
+    materialize,
+    no_gradient_sync,
+    precision_of_plugin,
+    prepare_sharded,
+    top_level_roots,
+    warn_if_policy_ignored,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+__all__ = ["VeScalePrecision", "VeScaleStrategy"]
+
+
+class VeScalePrecision(_VeScalePrecisionMixin, Precision):
+    """The Trainer's precision plugin under ``strategy="vescale"``: the engine's mixed precision, no autocast.
+
+    ``"bf16-mixed"`` gathers bf16 parameters and reduces fp32 gradients into fp32 master pieces;
+    ``"bf16-true"`` converts the model to bf16 before sharding. Norm clipping uses the true global norm.
+    """
+
+    def __init__(self, precision: str = "32-true") -> None:
+        self._setup_precision(precision)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_norm_(list(self.main_params(optimizer)), clip_val)
+
+
+class VeScaleStrategy(ParallelStrategy):
+    """ZeRO-3 sharded data parallelism on RaggedShard placements (``lightning_vescale.fully_shard``).
+
+    In ``setup`` the strategy shards the LightningModule: every element of an ``nn.ModuleList`` of
+    identical blocks (or what ``auto_wrap_policy`` selects) becomes a group, then each child of the
+    LightningModule that holds parameters becomes a root. A model sharded by the user in
+    ``configure_model()`` (through ``self.device_mesh``) is kept as it is, and only its unsharded
+    remainder is added. Meta-device weights (``configure_model`` runs on the meta device; or
+    ``trainer.init_module(empty_init=True)``) are initialized piece by piece with each module's
+    ``reset_parameters``, equal to an unsharded init with the same seed. The optimizers are created after
+    sharding, so they hold and step only the local pieces.
+
+    Args:
+        auto_wrap_policy: which submodules become groups: ``None`` (every element of an ``nn.ModuleList`` of
+            identical blocks), a set of module classes (or their import paths, e.g. for Hydra), or a callable
+            ``module -> bool``. Ignored if ``configure_model`` sharded the model.
+        reshard_after_forward: free gathered parameters after forward and gather again in backward (ZeRO-3);
+            ``False`` keeps them until backward ends (one AllGather less per group, more memory).
+        mp_policy: an explicit :class:`~lightning_vescale.MixedPrecisionPolicy`. By default the Trainer's
+            ``precision`` decides: ``"32-true"``, ``"bf16-mixed"`` (bf16 compute, fp32 reduction and master
+            weights) or ``"bf16-true"`` (everything bf16). Giving both an ``mp_policy`` and a precision other than
+            ``"32-true"`` is an error.
+        granularity: the cut granularity per parameter, as ``fully_shard`` takes it (``"element"``, ``"row"``,
+            a number of rows, ``"tensor"``, a mapping of name globs to those, or a callable).
+        replicate_size: ``None`` shards over every rank (1-D mesh ``("shard",)``). An int ``R`` or ``"auto"``
+            (the number of nodes) builds a 2-D ``("replicate", "shard")`` mesh for HSDP: parameters are sharded
+            within groups of ``world_size // R`` ranks and gradients averaged across the ``R`` replicas.
+        sync_module_states: broadcast rank 0's weights before sharding (as DDP does), so every rank cuts the
+            same model even if the ranks were seeded differently. Meta-device weights are initialized with rank
+            0's RNG state instead.
+        meta_init: build the modules created in ``configure_model()`` on the meta device (each rank then only
+            ever allocates its pieces). Set ``False`` if ``configure_model`` loads real weights.
+        process_group_backend: defaults to ``"gloo"`` on CPU and ``"nccl"`` on CUDA.
+        timeout: the process group timeout.
+
+    .. note::
+        The strategy saves and loads checkpoints itself, as a directory of shards
+        (``lightning_vescale.checkpoint``) holding model, optimizer, schedulers, loops and each rank's RNG
+        state; it loads on another world size. Lightning's default saving would keep only rank 0's shard.
+    """
+
+    strategy_name = "vescale"
+
+    def __init__(
+        self,
+        *,
+        auto_wrap_policy: AutoWrapPolicy = None,
+        reshard_after_forward: bool = True,
+        mp_policy: Optional[MixedPrecisionPolicy] = None,
+        granularity: GranularityArg = None,
+        replicate_size: Union[None, int, Literal["auto"]] = None,
+        sync_module_states: bool = True,
+        meta_init: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise TypeError(f"mp_policy must be a lightning_vescale.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+        if not (replicate_size is None or replicate_size == "auto" or (isinstance(replicate_size, int) and replicate_size >= 1)):
+            raise ValueError(f"replicate_size must be None, 'auto' or a positive int, got {replicate_size!r}")
+        self._mp_policy = mp_policy
+        self._auto_wrap_policy = auto_wrap_policy
+        self._reshard_after_forward = reshard_after_forward
+        self._granularity = granularity
+        self._replicate_size = replicate_size
+        self._sync_module_states = sync_module_states
+        self._meta_init = meta_init
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._device_mesh: Optional[DeviceMesh] = None
+        self.num_nodes = 1
+        if cluster_environment is None and ProcessGroupEnvironment.detect():
+            # Processes and process group exist already (spawned by the user or a test harness).
+            cluster_environment = ProcessGroupEnvironment()
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+
+    # -- registry -----------------------------------------------------------------------------------------
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if "vescale" not in strategy_registry:
+            strategy_registry.register(
+                "vescale", cls, description="ZeRO-3 sharding on RaggedShard placements (lightning_vescale)"
+            )
+        if "vescale_hsdp" not in strategy_registry:
+            strategy_registry.register(
+                "vescale_hsdp", cls, description="lightning_vescale HSDP: shard within a node, replicate across nodes",
+                replicate_size="auto",
+            )
+
+    # -- plugins ------------------------------------------------------------------------------------------
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else VeScalePrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        if precision_plugin is None:
+            self._precision_plugin = None
+            return
+        precision = precision_of_plugin(precision_plugin)
+        if self._mp_policy is not None and precision != "32-true":
+            raise ValueError(
+                f"VeScaleStrategy got both mp_policy={self._mp_policy} and precision={precision!r}: choose one "
+                f"(keep precision='32-true' with an explicit mp_policy)"
+            )
+        if not isinstance(precision_plugin, VeScalePrecision):
+            precision_plugin = VeScalePrecision(precision)
+        self._precision_plugin = precision_plugin
+
+    @property
+    @override
+    def accelerator(self) -> Optional["pl.accelerators.Accelerator"]:
+        return self._accelerator
+
+    @accelerator.setter
+    @override
+    def accelerator(self, accelerator: Optional["pl.accelerators.Accelerator"]) -> None:
+        check_accelerator(accelerator)
+        self._accelerator = accelerator
+
+    # -- topology -----------------------------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists once the processes are set up (setup_environment)")
+        return self._device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank, HSDP included.
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def is_distributed(self) -> bool:
+        # Without it Lightning silently drops the DistributedSampler and sync_dist.
+        return True
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
+        self._device_mesh = build_mesh(self.root_device, self.world_size, replicate)
+        assert self.lightning_module is not None
+        # configure_model() can shard by hand with self.device_mesh.
+        self.lightning_module._device_mesh = self._device_mesh
+
+    # -- model --------------------------------------------------------------------------------------------
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # Materialization happens in setup(), after sharding.
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        with torch.device("meta") if self._meta_init else nullcontext():
+            yield
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        precision = self.precision_plugin
+        assert isinstance(precision, VeScalePrecision)
+        user_sharded = is_sharded(module)
+        if not all(getattr(p, "_vescale", None) is not None for p in module.parameters()):
+            module = precision.convert_module(module)
+            prepare_sharded(
+                module,
+                mesh=self.device_mesh,
+                device=self.root_device,
+                roots=top_level_roots(module),
+                auto_wrap_policy=self._auto_wrap_policy,
+                reshard_after_forward=self._reshard_after_forward,
+                mp_policy=self._mp_policy or precision.mp_policy,
+                granularity=self._granularity,
+                sync_module_states=self._sync_module_states,
+            )
+        else:
+            materialize(module)  # sharded on the meta device by the user
+        if user_sharded:
+            warn_if_policy_ignored(module, precision.precision)
+        self.model = module
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        # Optimizers from an earlier stage may point at stale parameters; build them again on the local pieces.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        # Sharded parameters already live on the mesh's device; only stray buffers need moving. Module.to()
+        # would swap parameter storage away from the DBuffers.
+        assert self.model is not None
+        for m in self.model.modules():
+            for name, buf in list(m._buffers.items()):
+                if buf is not None and buf.device != self.root_device:
+                    m._buffers[name] = buf.to(self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of gradient accumulation: no ReduceScatter, gradients stay local."""
+        assert self.model is not None
+        with no_gradient_sync(self.model):
+            yield
+
+    # -- collectives --------------------------------------------------------------------------------------
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def _optimizer_for_checkpoint(self) -> Optional[Optimizer]:
+        if not self.optimizers:
+            return None
+        if len(self.optimizers) > 1:
+            raise NotImplementedError(
+                f"VeScaleStrategy checkpoints hold one optimizer; this LightningModule has {len(self.optimizers)}. "
+                f"Combine the parameter groups into one optimizer, or save the others yourself in on_save_checkpoint."
+            )
+        opt = self.optimizers[0]
+        return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The sharded model state dict (each rank's pieces); ``save_checkpoint`` writes it as DCP shards."""
+        from lightning_vescale import checkpoint
+
+        assert self.model is not None
+        return checkpoint.get_model_state_dict(self.model)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # load_checkpoint() already restored the model
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from lightning_vescale import checkpoint
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return checkpoint.get_optimizer_state_dict(self.model, optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # load_checkpoint() already restored the optimizer
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Write a directory of shards (``lightning_vescale.checkpoint.save``): model and optimizer as DCP
+        shards, the rest of Lightning's checkpoint (loops, callbacks, LR schedulers, hyperparameters) as
+        ``extra``, and every rank's RNG states."""
+        from lightning_vescale import checkpoint as vckpt
+
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: the strategy "
+                f"writes sharded checkpoints itself instead of through a CheckpointIO plugin"
+            )
+        path = Path(self.broadcast(filepath))
+        if self.is_global_zero and path.is_file():
+            path.unlink()  # an older single-file checkpoint of the same name
+        self.barrier()
+        extra = dict(checkpoint)
+        extra.pop("state_dict", None)
+        with_optimizer = extra.pop("optimizer_states", None) is not None
+        assert self.model is not None
+        vckpt.save(path, self.model, self._optimizer_for_checkpoint() if with_optimizer else None, extra=extra)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from lightning_vescale import checkpoint as vckpt
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_dir():
+            raise ValueError(
+                f"strategy='vescale' resumes from the sharded checkpoint directories it saves; {str(path)!r} is not "
+                f"a directory. To start from a full state dict, load it with "
+                f"lightning_vescale.checkpoint.load_full_state_dict(model, state_dict) in setup/on_fit_start."
+            )
+        assert self.model is not None
+        # Also restores this rank's RNG states (when the world size is the one that saved).
+        extra = dict(vckpt.load(path, self.model, self._optimizer_for_checkpoint()))
+        # Hooks such as on_load_checkpoint expect the key; the weights are already in the model.
+        extra.setdefault("state_dict", vckpt.get_model_state_dict(self.model))
+        return extra
+
+    # -- teardown -----------------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        # Unlike Strategy.teardown, don't move the model to CPU: that would swap parameter storage away from
+        # the DBuffers on CUDA.
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()

@@ -1,0 +1,298 @@
+"""Callbacks of the recipes: step statistics, a compact progress bar, step-based checkpoints and the run summary.
+
+* :class:`StepStats` times every optimizer step and closes the engine's byte counters
+  (``lightning_vescale.comm_stats.step()``), logging ``tok/s`` (tokens of all ranks per second) and
+  ``comm/step`` (bytes this rank sent in the step's collectives) to the progress bar, and the bytes per
+  collective kind to the loggers. It keeps the per-step history the summary and the plot use.
+* :class:`RecipeProgressBar` is Lightning's TQDM bar with readable units.
+* :class:`StepCheckpoint` is ``ModelCheckpoint`` every N steps that also saves the final step.
+* :class:`RunSummary` writes ``loss_curve.png`` (matplotlib, Agg) and ``summary.json`` at the end, and logs
+  the summary: steps, first/final/min training loss, last validation loss, tokens/s, bytes/step, peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.utilities import rank_zero_only
+
+from lightning_vescale.collectives import comm_stats
+
+__all__ = ["RecipeProgressBar", "RunSummary", "StepCheckpoint", "StepStats", "format_bytes", "peak_memory_bytes"]
+
+logger = logging.getLogger(__name__)
+
+
+def format_bytes(num_bytes: float) -> str:
+    """``1536`` -> ``"1.5 KB"`` (powers of 1024)."""
+    value = float(num_bytes)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(value) < 1024 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """This process's peak memory and how it was measured.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (tensor memory). CPU: the peak resident set size
+    (``ru_maxrss``: the whole process, including Python and the libraries, not only tensors).
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (rss if sys.platform == "darwin" else rss * 1024), "cpu_peak_rss"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class StepStats(Callback):
+    """Per optimizer step: wall time, tokens/s and the bytes of the engine's collectives.
+
+    Args:
+        tokens_per_batch: tokens in one micro-batch of one process (``batch_size * seq_len``).
+
+    Attributes (per completed optimizer step, in order): ``steps``, ``losses`` (this rank's mean training
+    loss over the step's micro-batches), ``step_times`` (seconds), ``comm_bytes`` (this rank's bytes),
+    ``val_losses`` (``(step, val_loss)`` after each validation). Validation's time and bytes, and the
+    one-off ``setup`` collectives, are kept out of the steps' numbers.
+    """
+
+    def __init__(self, tokens_per_batch: int) -> None:
+        self.tokens_per_batch = tokens_per_batch
+        self.steps: list[int] = []
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.comm_bytes: list[int] = []
+        self.comm_kinds: dict[str, int] = {}
+        self.val_losses: list[tuple[int, float]] = []
+        self.setup_bytes = 0
+        self.counts_bytes = False
+        self._step_start: Optional[float] = None
+        self._paused_at: Optional[float] = None
+        self._micro_losses: list[torch.Tensor] = []
+        self._last_step = -1
+
+    def tokens_per_step(self, trainer: Trainer) -> int:
+        return self.tokens_per_batch * trainer.accumulate_grad_batches * trainer.world_size
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        comm_stats.step()  # drop setup traffic (plan checks, initial broadcasts) from the first step
+        self._last_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = getattr(pl_module, "last_loss", None)
+        if loss is None and isinstance(outputs, dict):
+            loss = outputs["loss"] * trainer.accumulate_grad_batches
+        if loss is not None:
+            self._micro_losses.append(loss.detach().float())
+        if trainer.global_step == self._last_step:
+            return  # an accumulation micro-batch: the step is not over
+        self._last_step = trainer.global_step
+        elapsed = time.perf_counter() - (self._step_start or time.perf_counter())
+        self._step_start = None
+        by_kind = comm_stats.step()
+        self.setup_bytes += by_kind.pop("setup", 0)  # one-off plan checks, not per-step traffic
+        step_bytes = sum(by_kind.values())
+        self.counts_bytes = self.counts_bytes or step_bytes > 0
+        for kind, num in by_kind.items():
+            self.comm_kinds[kind] = self.comm_kinds.get(kind, 0) + num
+        self.steps.append(trainer.global_step)
+        self.losses.append(torch.stack(self._micro_losses).mean().item() if self._micro_losses else math.nan)
+        self._micro_losses.clear()
+        self.step_times.append(elapsed)
+        self.comm_bytes.append(step_bytes)
+        tokens_per_s = self.tokens_per_step(trainer) / max(elapsed, 1e-9)
+        pl_module.log("tok/s", tokens_per_s, prog_bar=True, rank_zero_only=True)
+        if self.counts_bytes:
+            pl_module.log("comm/step", float(step_bytes), prog_bar=True, rank_zero_only=True)
+            for kind, num in by_kind.items():
+                pl_module.log(f"comm/{kind}_bytes", float(num), rank_zero_only=True)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._paused_at = time.perf_counter()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        comm_stats.step()  # validation's AllGathers are not a training step's traffic
+        if self._step_start is not None and self._paused_at is not None:
+            self._step_start += time.perf_counter() - self._paused_at  # nor is its time
+        self._paused_at = None
+        if trainer.sanity_checking:
+            return
+        val = trainer.callback_metrics.get("val_loss")
+        if val is not None:
+            self.val_losses.append((trainer.global_step, float(val)))
+
+
+class RecipeProgressBar(TQDMProgressBar):
+    """TQDM bar showing ``loss``, ``val_loss``, ``lr``, ``tok/s`` and ``comm/step`` in readable units."""
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        if "tok/s" in metrics:
+            metrics["tok/s"] = f"{float(metrics['tok/s']):,.0f}"
+        if "comm/step" in metrics:
+            metrics["comm/step"] = format_bytes(float(metrics["comm/step"]))
+        return metrics
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` every ``every_n_train_steps`` steps (``step-000100.ckpt``, ``last.ckpt``), plus the
+    final step when the run does not end on a multiple of N."""
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if self._last_global_step_saved == trainer.global_step or trainer.global_step == 0:
+            return
+        if trainer.fast_dev_run or trainer.sanity_checking:
+            return
+        monitor_candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, monitor_candidates)
+        self._save_last_checkpoint(trainer, monitor_candidates)
+
+
+class RunSummary(Callback):
+    """At the end of training: the loss curve (PNG), a summary (JSON) and a log line of it.
+
+    Args:
+        stats: the :class:`StepStats` callback of the same run.
+        output_dir: where ``loss_curve.png`` and ``summary.json`` go.
+        extra: fields added to the summary as they are (model name, strategy, config...).
+        warmup_steps: steps left out of the tokens/s mean (start-up and first-step costs).
+    """
+
+    def __init__(self, stats: StepStats, output_dir: str | Path, *, extra: Optional[dict] = None, warmup_steps: int = 3):
+        self.stats = stats
+        self.output_dir = Path(output_dir)
+        self.extra = dict(extra or {})
+        self.warmup_steps = warmup_steps
+        self.summary: Optional[dict[str, Any]] = None
+        self._start_time = 0.0
+        self._start_step = 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start_time = time.perf_counter()
+        self._start_step = trainer.global_step
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        s = self.stats
+        wall = time.perf_counter() - self._start_time
+        # Average the per-step losses over ranks (each saw its own data) in one collective.
+        losses = torch.tensor(s.losses, dtype=torch.float64)
+        peak, peak_kind = peak_memory_bytes(pl_module.device)
+        peak_t = torch.tensor([float(peak)], dtype=torch.float64)
+        if _distributed():
+            dist.all_reduce(losses)
+            losses /= dist.get_world_size()
+            dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+        losses_list = losses.tolist()
+        timed = s.step_times[self.warmup_steps :] if len(s.step_times) > self.warmup_steps else s.step_times
+        tokens_per_step = s.tokens_per_step(trainer)
+        finite = [x for x in losses_list if math.isfinite(x)]
+        summary = {
+            **self.extra,
+            "steps": trainer.global_step,
+            "steps_this_run": len(s.steps),
+            "resumed_from_step": self._start_step,
+            "world_size": trainer.world_size,
+            "tokens_per_step": tokens_per_step,
+            "first_loss": losses_list[0] if losses_list else None,
+            "final_loss": losses_list[-1] if losses_list else None,
+            "final_loss_mean_last_10": sum(losses_list[-10:]) / len(losses_list[-10:]) if losses_list else None,
+            "min_loss": min(finite) if finite else None,
+            "loss_is_finite": len(finite) == len(losses_list),
+            "val_loss": s.val_losses[-1][1] if s.val_losses else None,
+            "val_losses": [{"step": st, "val_loss": v} for st, v in s.val_losses],
+            "tokens_per_s": tokens_per_step * len(timed) / sum(timed) if timed and sum(timed) > 0 else None,
+            "step_time_s": sum(timed) / len(timed) if timed else None,
+            "wall_time_s": wall,
+            "comm_bytes_per_step": (sum(s.comm_bytes) / len(s.comm_bytes)) if s.counts_bytes else None,
+            "comm_bytes_per_step_by_kind": (
+                {k: v / max(1, len(s.comm_bytes)) for k, v in sorted(s.comm_kinds.items())} if s.counts_bytes else None
+            ),
+            "comm_setup_bytes": s.setup_bytes,
+            "peak_memory_bytes": int(peak_t.item()),
+            "peak_memory_kind": peak_kind,
+            "losses": [{"step": st, "loss": x} for st, x in zip(s.steps, losses_list)],
+        }
+        self.summary = summary
+        self._write(summary)
+
+    @rank_zero_only
+    def _write(self, summary: dict[str, Any]) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot = self._plot(summary)
+        bytes_line = (
+            format_bytes(summary["comm_bytes_per_step"]) + "/step per rank"
+            if summary["comm_bytes_per_step"] is not None
+            else "n/a (this strategy's collectives are not counted)"
+        )
+
+        def fmt(x: Optional[float], spec: str = ".4f") -> str:
+            return "n/a" if x is None else format(x, spec)
+
+        lines = [
+            "run summary",
+            f"  steps          {summary['steps']} ({summary['steps_this_run']} in this run, world size {summary['world_size']})",
+            f"  loss           first {fmt(summary['first_loss'])}  final {fmt(summary['final_loss'])}  "
+            f"min {fmt(summary['min_loss'])}  (mean of last 10: {fmt(summary['final_loss_mean_last_10'])})",
+            f"  val loss       {fmt(summary['val_loss'])}",
+            f"  throughput     {fmt(summary['tokens_per_s'], ',.0f')} tokens/s, {fmt(summary['step_time_s'], '.3f')} s/step",
+            f"  communication  {bytes_line}",
+            f"  peak memory    {format_bytes(summary['peak_memory_bytes'])} ({summary['peak_memory_kind']}, max over ranks)",
+            f"  wall time      {summary['wall_time_s']:.1f} s",
+            f"  written        {self.output_dir / 'summary.json'}" + (f", {plot}" if plot else ""),
+        ]
+        logger.info("\n".join(lines))
+
+    def _plot(self, summary: dict[str, Any]) -> Optional[Path]:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            logger.warning("matplotlib is not installed: no loss curve (pip install matplotlib)")
+            return None
+        steps = [p["step"] for p in summary["losses"]]
+        losses = [p["loss"] for p in summary["losses"]]
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+        ax.plot(steps, losses, label="train loss (mean over ranks)", linewidth=1.2)
+        if summary["val_losses"]:
+            ax.plot(
+                [p["step"] for p in summary["val_losses"]], [p["val_loss"] for p in summary["val_losses"]],
+                "o-", label="validation loss",
+            )
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        title = " ".join(str(summary[k]) for k in ("model", "strategy") if k in summary)
+        ax.set_title(title or "loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = self.output_dir / "loss_curve.png"
+        fig.savefig(path)
+        plt.close(fig)
+        return path

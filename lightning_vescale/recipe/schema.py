@@ -1,0 +1,612 @@
+"""Typed configs of the training recipes, registered as Hydra structured configs.
+
+Every option of a config group in ``configs/`` extends one of these dataclasses (its defaults list names
+the schema), so Hydra rejects a misspelled key while composing, and :func:`validate` turns the composed
+config into the dataclasses, whose ``__post_init__`` reject bad values with a ``ValueError`` naming the
+field, what it got and what is allowed. The YAML files only pick and override.
+
+[Note: the config tree]
+::
+
+    TrainConfig
+      model      ModelConfig       LlamaModelConfig | MoEModelConfig: a preset plus field overrides
+      optimizer  OptimizerConfig   AdamWConfig | MuonConfig: a ``_target_`` factory and its kwargs
+      scheduler  SchedulerConfig   warmup, then cosine / linear / constant
+      strategy   StrategyConfig    VeScaleStrategyConfig | DDPStrategyConfig | ModelParallelStrategyConfig
+      data       DataConfig        corpus, tokenizer, windows
+      trainer    TrainerConfig     Lightning Trainer settings (+ ``precision``, set by the precision group)
+
+Components that carry ``_target_`` are built with ``hydra.utils.instantiate``, so a new optimizer or
+strategy plugs in with a new YAML file (and, for validation of its keys, a schema dataclass here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional, Tuple, Union
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from lightning_vescale.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, llama_config
+from lightning_vescale.models.moe import MOE_CONFIGS, MoE, MoEConfig, moe_config
+
+__all__ = [
+    "AdamWConfig",
+    "DDPStrategyConfig",
+    "DataConfig",
+    "FinetuneConfig",
+    "LlamaModelConfig",
+    "MODEL_FAMILIES",
+    "ModelConfig",
+    "ModelParallelStrategyConfig",
+    "MoEModelConfig",
+    "MuonConfig",
+    "OptimizerConfig",
+    "PRECISIONS",
+    "SchedulerConfig",
+    "StrategyConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "VeScaleStrategyConfig",
+    "register_configs",
+    "validate",
+]
+
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
+"""Values ``trainer.precision`` accepts (Lightning's names; the precision group picks one)."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_target(owner: str, target: str) -> None:
+    _check(
+        isinstance(target, str) and "." in target and all(part.isidentifier() for part in target.split(".")),
+        f"{owner}._target_ must be a dotted import path like 'torch.optim.AdamW', got {target!r}",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------------
+
+ModelArchConfig = Union[LlamaConfig, MoEConfig]
+_FAMILIES: dict[str, tuple[type, dict, Any, type]] = {
+    "llama": (LlamaConfig, LLAMA_CONFIGS, llama_config, Llama),
+    "moe": (MoEConfig, MOE_CONFIGS, moe_config, MoE),
+}
+MODEL_FAMILIES = tuple(_FAMILIES)
+"""Model families the recipes train."""
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train: a family, one of its presets, and per-field overrides of the preset.
+
+    The concrete schemas :class:`LlamaModelConfig` and :class:`MoEModelConfig` add one optional field per
+    field of :class:`~lightning_vescale.models.llama.LlamaConfig` / :class:`~lightning_vescale.models.moe.MoEConfig`
+    (same name, same meaning; ``None`` keeps the preset's value), so ``model.n_layers=4`` works and
+    ``model.n_layer=4`` is rejected while composing.
+    """
+
+    family: str = MISSING
+    """``"llama"`` or ``"moe"``; set by the schema each model option extends."""
+    preset: str = MISSING
+    """A key of ``LLAMA_CONFIGS`` / ``MOE_CONFIGS`` (``tiny``, ``debug``, ``small``, ...)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.family in _FAMILIES,
+            f"model.family must be one of {', '.join(MODEL_FAMILIES)}, got {self.family!r}",
+        )
+        self.build_config()  # validates the preset name and every override
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields set to something other than ``None`` (``family`` and ``preset`` excluded)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in ("family", "preset") and value is not None:
+                out[f.name] = value
+        return out
+
+    def build_config(self) -> ModelArchConfig:
+        """The model's config: the preset with the overrides applied (validated by the model's config).
+
+        Raises:
+            ValueError: unknown preset (the message lists the valid ones), an override the family does not
+                have, or an invalid value (the model config's message names the field).
+        """
+        config_cls, presets, lookup, _ = _FAMILIES[self.family]
+        if self.preset not in presets:
+            raise ValueError(
+                f"unknown {self.family} preset model.preset={self.preset!r}; valid presets are: "
+                f"{', '.join(sorted(presets))} (or pick another model: model=llama_tiny, moe_tiny, ...)"
+            )
+        base = lookup(self.preset)
+        overrides = self.overrides()
+        names = {f.name for f in dataclasses.fields(config_cls)}
+        unknown = sorted(set(overrides) - names)
+        _check(not unknown, f"model: {self.family} models have no field(s) {unknown}; valid: {sorted(names)}")
+        if isinstance(overrides.get("rope_scaling"), dict):
+            from lightning_vescale.models.llama import RopeScaling
+
+            overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
+        if "dense_layers" in overrides:
+            overrides["dense_layers"] = tuple(overrides["dense_layers"])
+        try:
+            return dataclasses.replace(base, **overrides)
+        except ValueError as err:
+            raise ValueError(f"model={self.family}_{self.preset} with overrides {overrides}: {err}") from err
+
+    def build_model(self):
+        """Build the model (on the current default device: use ``torch.device("meta")`` for an empty one)."""
+        return _FAMILIES[self.family][3](self.build_config())
+
+
+def _override_fields(config_cls: type) -> list[tuple[str, Any, Any]]:
+    hints = typing.get_type_hints(config_cls)
+    return [(f.name, Optional[hints[f.name]], field(default=None)) for f in dataclasses.fields(config_cls)]
+
+
+LlamaModelConfig = dataclasses.make_dataclass(
+    "LlamaModelConfig",
+    [("family", str, field(default="llama"))] + _override_fields(LlamaConfig),
+    bases=(ModelConfig,),
+    namespace={
+        "__doc__": "A Llama preset plus optional overrides of every ``LlamaConfig`` field (``None``: the preset's).",
+        "__module__": __name__,
+    },
+)
+MoEModelConfig = dataclasses.make_dataclass(
+    "MoEModelConfig",
+    [("family", str, field(default="moe"))] + _override_fields(MoEConfig),
+    bases=(ModelConfig,),
+    namespace={
+        "__doc__": "An MoE preset plus optional overrides of every ``MoEConfig`` field (``None``: the preset's).",
+        "__module__": __name__,
+    },
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Optimizer and schedule
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OptimizerConfig:
+    """An optimizer factory, built with ``hydra.utils.instantiate(cfg, <params or model>)``.
+
+    If ``_target_`` is a ``torch.optim.Optimizer`` subclass it receives ``model.parameters()``; any other
+    callable (e.g. ``lightning_vescale.optim.build_optimizer``) receives the model, so it can route
+    parameters by name and shape.
+    """
+
+    _target_: str = MISSING
+    """Import path of the optimizer class or factory."""
+    lr: float = MISSING
+    """Peak learning rate (the scheduler scales it)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+
+    def __post_init__(self) -> None:
+        _check_target("optimizer", self._target_)
+        _check(self.lr > 0, f"optimizer.lr must be > 0, got {self.lr}")
+        _check(self.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass
+class AdamWConfig(OptimizerConfig):
+    """``torch.optim.AdamW``."""
+
+    _target_: str = "torch.optim.AdamW"
+    """Import path of the optimizer class."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    betas: Tuple[float, float] = (0.9, 0.95)
+    """Adam's moment decay rates."""
+    eps: float = 1e-8
+    """Adam's epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}",
+        )
+        _check(self.eps > 0, f"optimizer.eps must be > 0, got {self.eps}")
+
+
+@dataclass
+class MuonConfig(OptimizerConfig):
+    """Muon for the hidden matrices and expert stacks, AdamW for embeddings, output head, norms and biases:
+    one optimizer from ``lightning_vescale.optim.build_optimizer`` (keyword names as it takes them)."""
+
+    _target_: str = "lightning_vescale.optim.build_optimizer"
+    """Import path of the factory; called with the model."""
+    lr: float = 3e-3
+    """Peak learning rate of the AdamW part."""
+    muon_lr: float = 0.02
+    """Peak learning rate of the Muon part (before Muon's shape adjustment ``adjust_lr_fn``)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay of the Muon part (and of AdamW unless ``adamw_weight_decay`` is set)."""
+    adamw_weight_decay: Optional[float] = None
+    """Weight decay of the AdamW part; ``None``: ``weight_decay``."""
+    adamw_betas: Tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decay rates."""
+    momentum: float = 0.95
+    """Muon's momentum."""
+    nesterov: bool = True
+    """Nesterov momentum in Muon."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations."""
+    adjust_lr_fn: Optional[str] = None
+    """Muon's learning-rate scaling by shape: ``None``/``"original"`` or ``"match_rms_adamw"``."""
+    mode: str = "auto"
+    """Where whole matrices are orthogonalized when sharded: ``"auto"``, ``"local"`` or ``"gather"``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.muon_lr > 0, f"optimizer.muon_lr must be > 0, got {self.muon_lr}")
+        _check(0.0 <= self.momentum < 1.0, f"optimizer.momentum must be in [0, 1), got {self.momentum}")
+        _check(
+            len(self.adamw_betas) == 2 and all(0.0 <= b < 1.0 for b in self.adamw_betas),
+            f"optimizer.adamw_betas must be two numbers in [0, 1), got {list(self.adamw_betas)}",
+        )
+        _check(self.ns_steps >= 1, f"optimizer.ns_steps must be >= 1, got {self.ns_steps}")
+        _check(
+            self.adjust_lr_fn in (None, "original", "match_rms_adamw"),
+            f"optimizer.adjust_lr_fn must be null, 'original' or 'match_rms_adamw', got {self.adjust_lr_fn!r}",
+        )
+        _check(self.mode in ("auto", "local", "gather"), f"optimizer.mode must be auto, local or gather, got {self.mode!r}")
+
+
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate multiplier per optimizer step: linear warmup from 0, then a decay to ``min_lr_ratio``
+    at ``trainer.max_steps``."""
+
+    warmup_steps: int = 20
+    """Steps of linear warmup."""
+    decay: str = "cosine"
+    """``"cosine"``, ``"linear"`` or ``"constant"`` (no decay)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+
+    def __post_init__(self) -> None:
+        _check(self.warmup_steps >= 0, f"scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(self.decay in SCHEDULES, f"scheduler.decay must be one of {', '.join(SCHEDULES)}, got {self.decay!r}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, f"scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Strategy
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StrategyConfig:
+    """A Lightning strategy, built with ``hydra.utils.instantiate``."""
+
+    _target_: str = MISSING
+    """Import path of the strategy class."""
+
+    def __post_init__(self) -> None:
+        _check_target("strategy", self._target_)
+
+
+@dataclass
+class VeScaleStrategyConfig(StrategyConfig):
+    """``lightning_vescale.lightning.VeScaleStrategy``: ZeRO-3 on RaggedShard placements (same argument names)."""
+
+    _target_: str = "lightning_vescale.lightning.VeScaleStrategy"
+    """Import path of the strategy class."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward and gather again in backward (ZeRO-3); False keeps them."""
+    granularity: Any = None
+    """Cut granularity: ``null`` (element), ``"row"``, ``"tensor"``, a number of rows, or a mapping of name
+    globs to those."""
+    replicate_size: Any = None
+    """``null``: shard over every rank. An int or ``"auto"`` (the number of nodes): HSDP replicas."""
+    sync_module_states: bool = True
+    """Start every rank from rank 0's weights (meta-device init replays rank 0's RNG)."""
+    meta_init: bool = True
+    """Build the model on the meta device in ``configure_model`` (each rank allocates only its pieces)."""
+    process_group_backend: Optional[str] = None
+    """``null``: gloo on CPU, nccl on CUDA."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        r = self.replicate_size
+        _check(
+            r is None or r == "auto" or (isinstance(r, int) and not isinstance(r, bool) and r >= 1),
+            f"strategy.replicate_size must be null, 'auto' or a positive int, got {r!r}",
+        )
+        g = self.granularity
+        _check(
+            g is None or g in ("element", "row", "tensor") or (isinstance(g, int) and g >= 1) or isinstance(g, dict),
+            f"strategy.granularity must be null, 'element', 'row', 'tensor', a positive number of rows or a mapping "
+            f"of name globs to those, got {g!r}",
+        )
+
+
+@dataclass
+class DDPStrategyConfig(StrategyConfig):
+    """Lightning's ``DDPStrategy`` (replicated parameters; the simplest baseline)."""
+
+    _target_: str = "lightning.pytorch.strategies.DDPStrategy"
+    """Import path of the strategy class."""
+    process_group_backend: Optional[str] = None
+    """``None``: gloo on CPU, nccl on CUDA."""
+    find_unused_parameters: bool = False
+    """Let DDP tolerate parameters without gradients (slower)."""
+
+
+@dataclass
+class ModelParallelStrategyConfig(StrategyConfig):
+    """Lightning's ``ModelParallelStrategy`` with FSDP2 (``torch.distributed.fsdp.fully_shard``) applied by
+    the recipe's module to each block and the root; it runs on CPU, so it is the reference baseline."""
+
+    _target_: str = "lightning.pytorch.strategies.ModelParallelStrategy"
+    """Import path of the strategy class."""
+    data_parallel_size: Optional[int] = None
+    """FSDP ranks; ``None``: every process (``devices * num_nodes``)."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel ranks (the recipe's models apply no tensor parallelism: keep 1)."""
+    save_distributed_checkpoint: bool = True
+    """Sharded (DCP) checkpoints; False gathers a full checkpoint on rank 0."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(
+            self.tensor_parallel_size == 1,
+            f"strategy.tensor_parallel_size={self.tensor_parallel_size}: the recipe applies FSDP2 only; keep 1",
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data and trainer
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    """The corpus, tokenizer and windows (:class:`lightning_vescale.data.TextDataModule`)."""
+
+    path: Optional[str] = MISSING
+    """A UTF-8 text file; ``None``: the corpus embedded in the package. Required (``???``) so that
+    ``data=text_file`` without ``data.path`` stops with a message naming ``data.path``."""
+    tokenizer: str = "byte"
+    """``"byte"`` (vocab 256) or ``"bpe"`` (trained on the corpus at start-up)."""
+    bpe_vocab_size: int = 512
+    """Upper bound of the BPE vocabulary (must fit the model's ``vocab_size``)."""
+    seq_len: int = 128
+    """Tokens per window (must fit the model's ``max_seq_len``)."""
+    batch_size: int = 16
+    """Windows per micro-batch per process."""
+    val_fraction: float = 0.05
+    """Tail of the corpus held out for validation."""
+    stride: Optional[int] = None
+    """Distance between training windows; ``None``: ``seq_len`` (no overlap)."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+
+    def __post_init__(self) -> None:
+        from lightning_vescale.data import TOKENIZERS, load_text
+
+        if self.path is not None:
+            from pathlib import Path
+
+            if not Path(self.path).is_file():
+                load_text(self.path)  # FileNotFoundError naming the path
+        _check(
+            self.tokenizer in TOKENIZERS,
+            f"data.tokenizer must be one of {', '.join(TOKENIZERS)}, got {self.tokenizer!r}",
+        )
+        _check(self.bpe_vocab_size >= 256, f"data.bpe_vocab_size must be >= 256, got {self.bpe_vocab_size}")
+        _check(self.seq_len >= 1, f"data.seq_len must be >= 1, got {self.seq_len}")
+        _check(self.batch_size >= 1, f"data.batch_size must be >= 1, got {self.batch_size}")
+        _check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        _check(self.stride is None or self.stride >= 1, f"data.stride must be >= 1 or null, got {self.stride}")
+        _check(self.num_workers >= 0, f"data.num_workers must be >= 0, got {self.num_workers}")
+
+    @property
+    def vocab_size(self) -> int:
+        """The largest vocabulary the tokenizer can produce."""
+        return 256 if self.tokenizer == "byte" else self.bpe_vocab_size
+
+
+@dataclass
+class TrainerConfig:
+    """Lightning ``Trainer`` settings (same names and meanings), plus the recipe's step-based intervals."""
+
+    accelerator: str = "cpu"
+    """``"cpu"``, ``"gpu"``/``"cuda"`` or ``"auto"``."""
+    devices: Any = 2
+    """Processes per node: an int, ``"auto"``, or a list of device ids."""
+    num_nodes: int = 1
+    """Number of nodes."""
+    precision: str = "32-true"
+    """Lightning precision; set by the ``precision`` group (fp32, bf16_mixed, bf16_true)."""
+    max_steps: int = 300
+    """Optimizer steps to train (the learning-rate schedule ends here)."""
+    accumulate_grad_batches: int = 1
+    """Micro-batches per optimizer step."""
+    gradient_clip_val: Optional[float] = 1.0
+    """Clip the global gradient norm to this; ``None`` disables clipping."""
+    val_every_n_steps: int = 100
+    """Run validation every this many optimizer steps."""
+    limit_val_batches: int = 8
+    """Validation batches per validation run."""
+    log_every_n_steps: int = 10
+    """Write logged metrics (CSV, TensorBoard) every this many steps; the progress bar updates every step."""
+    checkpoint_every_n_steps: int = 100
+    """Save a checkpoint every this many optimizer steps (and at the end); 0 disables checkpoints."""
+    checkpoint_keep: int = -1
+    """``-1``: keep every checkpoint; ``1``: keep only the latest."""
+    num_sanity_val_steps: int = 0
+    """Validation batches run before training as a smoke test."""
+    deterministic: bool = False
+    """``torch.use_deterministic_algorithms``."""
+    enable_progress_bar: bool = True
+    """Show the progress bar (loss, tokens/s, communication bytes per step)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.devices, (int, list)) and not isinstance(self.devices, bool) or self.devices == "auto",
+            f"trainer.devices must be an int, 'auto' or a list of ids, got {self.devices!r}",
+        )
+        if isinstance(self.devices, int):
+            _check(self.devices >= 1, f"trainer.devices must be >= 1, got {self.devices}")
+        _check(self.num_nodes >= 1, f"trainer.num_nodes must be >= 1, got {self.num_nodes}")
+        _check(
+            self.precision in PRECISIONS,
+            f"trainer.precision must be one of {', '.join(PRECISIONS)} (pick it with precision=fp32, bf16_mixed "
+            f"or bf16_true), got {self.precision!r}",
+        )
+        _check(self.max_steps >= 1, f"trainer.max_steps must be >= 1, got {self.max_steps}")
+        for name in ("accumulate_grad_batches", "val_every_n_steps", "log_every_n_steps"):
+            _check(getattr(self, name) >= 1, f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.limit_val_batches >= 0, f"trainer.limit_val_batches must be >= 0, got {self.limit_val_batches}")
+        _check(
+            self.checkpoint_every_n_steps >= 0,
+            f"trainer.checkpoint_every_n_steps must be >= 0 (0 disables), got {self.checkpoint_every_n_steps}",
+        )
+        _check(self.checkpoint_keep in (-1, 1), f"trainer.checkpoint_keep must be -1 or 1, got {self.checkpoint_keep}")
+        _check(
+            self.gradient_clip_val is None or self.gradient_clip_val > 0,
+            f"trainer.gradient_clip_val must be > 0 or null, got {self.gradient_clip_val}",
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# The whole run
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    """A pre-training run (``recipes/train.py``)."""
+
+    model: ModelConfig = MISSING
+    """The model (group ``model``)."""
+    optimizer: OptimizerConfig = MISSING
+    """The optimizer (group ``optimizer``)."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """The learning-rate schedule."""
+    strategy: StrategyConfig = MISSING
+    """The Lightning strategy (group ``strategy``)."""
+    data: DataConfig = MISSING
+    """The data (group ``data``)."""
+    trainer: TrainerConfig = MISSING
+    """Trainer settings (groups ``trainer`` and ``precision``)."""
+    name: str = MISSING
+    """Run name; runs are written to ``{output_root}/{name}/{timestamp}``."""
+    output_root: str = "outputs"
+    """Directory that holds the runs (resume searches it)."""
+    seed: int = 1234
+    """Seed of model initialization and data order (same on every rank)."""
+    resume: bool = False
+    """Continue from the newest ``last.ckpt`` of this run name (in this run dir or an earlier one)."""
+    ckpt_path: Optional[str] = None
+    """Continue from this checkpoint (exclusive with ``resume``)."""
+    expert_bias_rate: float = 1e-3
+    """MoE auxiliary-loss-free balancing: expert-bias step per optimizer step; 0 disables (no effect on Llama)."""
+
+    def __post_init__(self) -> None:
+        arch = self.model.build_config()
+        where = f"model={self.model.family}_{self.model.preset}"
+        _check(
+            self.data.seq_len <= arch.max_seq_len,
+            f"data.seq_len={self.data.seq_len} exceeds {where} max_seq_len={arch.max_seq_len}; lower data.seq_len "
+            f"or set model.max_seq_len",
+        )
+        _check(
+            self.data.vocab_size <= arch.vocab_size,
+            f"data.tokenizer={self.data.tokenizer} can produce {self.data.vocab_size} token ids but {where} has "
+            f"vocab_size={arch.vocab_size}; use a smaller tokenizer vocabulary or a larger model.vocab_size",
+        )
+        _check(
+            not (self.resume and self.ckpt_path),
+            f"set either resume=true or ckpt_path=..., not both (got ckpt_path={self.ckpt_path!r})",
+        )
+        _check(self.expert_bias_rate >= 0, f"expert_bias_rate must be >= 0, got {self.expert_bias_rate}")
+        _check(bool(self.name) and "/" not in self.name, f"name must be a non-empty directory name, got {self.name!r}")
+
+
+@dataclass
+class FinetuneConfig(TrainConfig):
+    """A fine-tuning run (``recipes/finetune.py``): like :class:`TrainConfig`, starting from given weights."""
+
+    init_from: str = MISSING
+    """A Hugging Face checkpoint directory (``config.json`` + safetensors) or a full state-dict file
+    (``.pt``/``.pth``/``.bin``: ``torch.save`` of a ``state_dict``; or ``.safetensors``)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from pathlib import Path
+
+        path = Path(self.init_from)
+        _check(
+            path.exists(),
+            f"init_from={self.init_from!r} does not exist (resolved to {str(path.resolve())!r}); pass a Hugging "
+            "Face checkpoint directory or a full state-dict file",
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Registration and validation
+# ----------------------------------------------------------------------------------------------------
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent).
+
+    The top-level schemas are ``train_schema`` / ``finetune_schema``; a group's schemas live in
+    ``schema/<group>/<name>`` (not in the group itself, so they are not listed as options), and each
+    YAML option extends one with ``- /schema/<group>/<name>@_here_`` in its defaults list.
+    """
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="finetune_schema", node=FinetuneConfig)
+    cs.store(group="schema/model", name="llama", node=LlamaModelConfig)
+    cs.store(group="schema/model", name="moe", node=MoEModelConfig)
+    cs.store(group="schema/optimizer", name="adamw", node=AdamWConfig)
+    cs.store(group="schema/optimizer", name="muon", node=MuonConfig)
+    cs.store(group="schema/strategy", name="vescale", node=VeScaleStrategyConfig)
+    cs.store(group="schema/strategy", name="ddp", node=DDPStrategyConfig)
+    cs.store(group="schema/strategy", name="model_parallel", node=ModelParallelStrategyConfig)
+    cs.store(group="schema/data", name="data", node=DataConfig)
+    cs.store(group="schema/trainer", name="trainer", node=TrainerConfig)
+
+
+def validate(cfg: Union[DictConfig, TrainConfig]) -> TrainConfig:
+    """The composed config as validated dataclasses (a :class:`TrainConfig` or :class:`FinetuneConfig`).
+
+    Raises:
+        omegaconf.errors.MissingMandatoryValue: a required value (``???``) was not given; names the key.
+        ValueError: a bad value; the message names the field, the value and what is allowed.
+        FileNotFoundError: ``data.path`` or ``init_from`` does not exist; names the path.
+    """
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, TrainConfig):
+        raise TypeError(
+            f"expected a config composed from train.yaml or finetune.yaml (schema TrainConfig), got {type(obj).__name__}"
+        )
+    return obj
+
+
+register_configs()

@@ -1,0 +1,349 @@
+"""Sharded checkpoints (DESIGN invariant 6): resume, reshard N -> M, atomic save, full export.
+
+Process groups are expensive here, so a few ``run_distributed`` calls check many things each:
+
+* 4 ranks (fixture): a model trained side by side with a single-process reference is saved (``ck4``),
+  exported in full (safetensors and torch) and re-imported; a save + reload into a fresh model and
+  optimizer continues bitwise like the run that never stopped (RNG streams included); an HSDP (2x2)
+  model is saved with each element written once.
+* 2 ranks: ``ck4`` (and the HSDP checkpoint) reload with the same parameters and optimizer states as the
+  full tensors, and keep training like the reference; ``ck2`` is saved; mismatched models and optimizers
+  are refused before anything changes.
+* 2 ranks, killed: rank 1 dies while writing a new ``ck2``.
+* 3 ranks: the old ``ck2`` still loads and equals what was saved (2 -> 3); ``ck3`` is saved.
+* 1 rank: ``ck3`` loads (3 -> 1) and keeps training like the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import math
+import os
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import init_device_mesh
+
+import lightning_vescale as lv
+from lightning_vescale import checkpoint as ckpt
+from tests.dist_utils import run_distributed
+from tests.toy_models import TinyTransformer
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
+
+
+def shard(model: nn.Module, mesh=None) -> nn.Module:
+    for block in model.layers:
+        lv.fully_shard(block, mesh=mesh)
+    return lv.fully_shard(model, mesh=mesh)
+
+
+def make(seed: int, mesh=None, **model_kwargs):
+    torch.manual_seed(seed)
+    model = shard(TinyTransformer(**model_kwargs), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def global_batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, 53, (GLOBAL_BATCH, 9), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_step(model, opt, sched, x, y) -> torch.Tensor:
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+    return loss.detach()
+
+
+def global_step(model, opt, sched, step: int, num_slices: int, slice_index: int) -> None:
+    """One step on this rank's slice of the global batch (equal slices: the mean loss is the global one)."""
+    x, y = global_batch(step)
+    per = GLOBAL_BATCH // num_slices
+    mine = slice(slice_index * per, (slice_index + 1) * per)
+    train_step(model, opt, sched, x[mine], y[mine])
+
+
+def pieces(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same_pieces(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+
+
+def assert_equal_tree(got, want, path="") -> None:
+    """Bitwise equality of nested dicts / lists of tensors and values."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), (path, list(got), list(want))
+        for k in want:
+            assert_equal_tree(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_equal_tree(g, w, f"{path}/{i}")
+    elif isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want), path
+    else:
+        assert got == want, (path, got, want)
+
+
+def max_diff(got: dict, want: dict) -> float:
+    assert list(got) == list(want)
+    return max((got[k].float() - want[k].float()).abs().max().item() for k in want if want[k].numel())
+
+
+def each_element_once(directory: str) -> None:
+    """Every tensor's saved chunks tile it exactly once (no replica wrote a duplicate)."""
+    md = FileSystemReader(directory).read_metadata()
+    for key, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            written = sum(math.prod(c.sizes) for c in item.chunks)
+            assert written == math.prod(item.size), (key, written, tuple(item.size))
+
+
+# --------------------------------------------------------------------------------------------------------
+# 4 ranks: save, full export, bitwise resume, HSDP
+
+
+def _save4(rank: int, world: int, tmp: str) -> None:
+    # (1) Train side by side with a single-process reference; save; export in full.
+    torch.manual_seed(0)
+    ref = TinyTransformer()
+    model = shard(copy.deepcopy(ref))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    for step in range(3):
+        global_step(model, opt, sched, step, world, rank)
+        global_step(ref, ref_opt, ref_sched, step, 1, 0)
+    ckpt.save(os.path.join(tmp, "ck4"), model, opt, schedulers=[sched], extra={"step": 3, "tag": "ck4"})
+    full = ckpt.export_full_state_dict(model)
+    full_optim = ckpt.export_full_optimizer_state_dict(model, opt)
+    everywhere = ckpt.export_full_state_dict(model, rank0_only=False)
+    assert list(everywhere) == list(ref.state_dict())
+    assert all(torch.equal(everywhere[k], v) for k, v in full.items())
+    if rank == 0:
+        # Same names and order as the unsharded model (tied head.weight included), equal to the reference.
+        assert list(full) == list(ref.state_dict()), (list(full), list(ref.state_dict()))
+        assert max_diff(full, ref.state_dict()) < 1e-5
+        assert full["head.weight"] is full["tok.weight"]
+        assert set(full_optim["state"]) == {n for n, p in ref.named_parameters() if p.requires_grad}
+        assert full_optim["state"]["tok.weight"]["exp_avg"].shape == (53, 24)
+        torch.save({"params": full, "optim": full_optim, "sched": sched.state_dict(), "ref": ref.state_dict()},
+                   os.path.join(tmp, "ref4.pt"))
+    else:
+        assert full == {} and full_optim == {}
+    ckpt.save_full(os.path.join(tmp, "full.safetensors"), model)
+    ckpt.save_full(os.path.join(tmp, "full.pt"), model, format="torch")
+    # Import: a fresh sharded model starts from the exported file, bitwise equal to the exporting model.
+    from safetensors.torch import load_file
+
+    fresh, _, _ = make(seed=5)
+    ckpt.load_full_state_dict(fresh, load_file(os.path.join(tmp, "full.safetensors")))
+    assert_same_pieces(fresh, pieces(model))
+    # One more step from the global batch: what a reloaded model must reproduce on any world size.
+    global_step(model, opt, sched, 3, world, rank)
+    nxt = ckpt.export_full_state_dict(model)
+    if rank == 0:
+        torch.save(nxt, os.path.join(tmp, "ref4_next.pt"))
+
+    # (2) Resume is bitwise: per-rank RNG streams draw the data, so they must be restored too.
+    model, opt, sched = make(seed=1)
+    torch.manual_seed(100 + rank)
+    random.seed(rank)
+    np.random.seed(rank)
+
+    def rng_batch():
+        tokens = torch.randint(0, 53, (3, 9))
+        return tokens[:, :-1], tokens[:, 1:]
+
+    for _ in range(3):
+        train_step(model, opt, sched, *rng_batch())
+    ckpt.save(os.path.join(tmp, "resume"), model, opt, schedulers=sched, extra={"step": 3})
+    draws = (torch.rand(3), random.random(), np.random.rand())
+    losses = [train_step(model, opt, sched, *rng_batch()) for _ in range(3)]
+
+    resumed, r_opt, r_sched = make(seed=2)
+    assert not r_opt.state
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+    assert ckpt.load(os.path.join(tmp, "resume"), resumed, r_opt, schedulers=r_sched) == {"step": 3}
+    assert torch.equal(torch.rand(3), draws[0]) and random.random() == draws[1] and np.random.rand() == draws[2]
+    r_losses = [train_step(resumed, r_opt, r_sched, *rng_batch()) for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(losses, r_losses)), (losses, r_losses)
+    assert_same_pieces(resumed, pieces(model))
+    for (_, p), (_, q) in zip(model.named_parameters(), resumed.named_parameters()):
+        assert_equal_tree(r_opt.state[q], opt.state[p])
+    assert r_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"] and r_sched.state_dict() == sched.state_dict()
+    # Negative control: the same continuation (same data: the RNG is restored) with a fresh optimizer and
+    # scheduler is visibly different, so the comparison above can see a state that was not restored.
+    control, c_opt, c_sched = make(seed=2)
+    ckpt.load(os.path.join(tmp, "resume"), control)
+    for _ in range(3):
+        train_step(control, c_opt, c_sched, *rng_batch())
+    differs = torch.tensor([float(any(not torch.equal(p.detach(), q.detach()) for p, q in
+                                      zip(control.parameters(), model.parameters())))])
+    dist.all_reduce(differs)
+    assert differs.item() > 0
+
+    # (3) HSDP: replicas hold the same pieces; each element is written once.
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    hsdp, h_opt, h_sched = make(seed=3, mesh=mesh)
+    for step in range(2):
+        global_step(hsdp, h_opt, h_sched, step, world, rank)
+    ckpt.save(os.path.join(tmp, "hsdp"), hsdp, h_opt, schedulers=h_sched)
+    h_full = ckpt.export_full_state_dict(hsdp)
+    h_optim = ckpt.export_full_optimizer_state_dict(hsdp, h_opt)
+    if rank == 0:
+        each_element_once(os.path.join(tmp, "hsdp"))
+        each_element_once(os.path.join(tmp, "ck4"))
+        torch.save({"params": h_full, "optim": h_optim}, os.path.join(tmp, "ref_hsdp.pt"))
+    assert not glob.glob(os.path.join(tmp, "*.tmp-*")) and not glob.glob(os.path.join(tmp, "*.old"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    tmp = str(tmp_path_factory.mktemp("ckpt"))
+    run_distributed(_save4, 4, tmp)
+    return tmp
+
+
+def test_full_export_loads_without_the_library(saved: str) -> None:
+    """The exported files are ordinary state dicts: plain safetensors / torch.load + load_state_dict."""
+    from safetensors.torch import load_file
+
+    ref = torch.load(os.path.join(saved, "ref4.pt"))
+    st = load_file(os.path.join(saved, "full.safetensors"))
+    pt = torch.load(os.path.join(saved, "full.pt"))
+    assert list(pt) == list(ref["ref"]) and set(st) == set(ref["ref"])
+    for sd in (st, pt):
+        model = TinyTransformer()
+        model.load_state_dict(sd, strict=True)
+        assert model.head.weight is model.tok.weight
+        assert max_diff(model.state_dict(), ref["ref"]) < 1e-5  # the single-process reference
+        assert max_diff(model.state_dict(), ref["params"]) == 0.0  # bitwise the sharded model's values
+
+
+# --------------------------------------------------------------------------------------------------------
+# 4 -> 2 -> (killed) -> 3 -> 1
+
+
+def _check_against_reference(model, opt, sched, tmp: str, ref_name: str = "ref4.pt") -> None:
+    full = ckpt.export_full_state_dict(model)
+    full_optim = ckpt.export_full_optimizer_state_dict(model, opt)
+    if dist.get_rank() == 0:
+        ref = torch.load(os.path.join(tmp, ref_name))
+        assert_equal_tree(full, ref["params"])
+        assert_equal_tree(full_optim, ref["optim"])
+        if "sched" in ref:
+            assert sched.state_dict() == ref["sched"]
+
+
+def _continue_like_reference(model, opt, sched, tmp: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    global_step(model, opt, sched, 3, world, rank)
+    nxt = ckpt.export_full_state_dict(model)
+    if rank == 0:
+        diff = max_diff(nxt, torch.load(os.path.join(tmp, "ref4_next.pt")))
+        assert diff < 1e-5, diff
+
+
+def _load2(rank: int, world: int, tmp: str) -> None:
+    model, opt, sched = make(seed=11)
+    assert ckpt.load(os.path.join(tmp, "ck4"), model, opt, schedulers=sched) == {"step": 3, "tag": "ck4"}
+    _check_against_reference(model, opt, sched, tmp)
+    ckpt.save(os.path.join(tmp, "ck2"), model, opt, schedulers=sched, extra={"step": 3})
+    _continue_like_reference(model, opt, sched, tmp)
+
+    # An HSDP checkpoint loads on a plain 1-D mesh of another size.
+    h_model, h_opt, h_sched = make(seed=12)
+    ckpt.load(os.path.join(tmp, "hsdp"), h_model, h_opt, schedulers=h_sched)
+    _check_against_reference(h_model, h_opt, h_sched, tmp, "ref_hsdp.pt")
+
+    # Another model: every difference is named, and nothing changes.
+    other, o_opt, o_sched = make(seed=13, vocab=60, n_layers=1)
+    before = pieces(other)
+    with pytest.raises(ValueError, match="does not match the model") as err:
+        ckpt.load(os.path.join(tmp, "ck4"), other, o_opt, schedulers=o_sched)
+    message = str(err.value)
+    assert "ck4" in message and "layers.1.attn.qkv.weight (72, 24)" in message, message
+    assert "tok.weight: checkpoint (53, 24), model (60, 24)" in message, message
+    assert_same_pieces(other, before)
+    assert not o_opt.state
+    # Another optimizer: refused before its states are created or the model is touched.
+    model, _, _ = make(seed=14)
+    before = pieces(model)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sgd_sched = torch.optim.lr_scheduler.StepLR(sgd, step_size=2)
+    with pytest.raises(ValueError, match="hyperparameters differ"):
+        ckpt.load(os.path.join(tmp, "ck4"), model, sgd, schedulers=sgd_sched)
+    assert not sgd.state
+    assert_same_pieces(model, before)
+
+
+def _killed_save(rank: int, world: int, tmp: str) -> None:
+    """Rank 1 dies after writing its data, before the checkpoint's .metadata exists."""
+    model, opt, sched = make(seed=21)
+    global_step(model, opt, sched, 0, world, rank)
+    write_data = FileSystemWriter.write_data
+
+    def write_then_die(self, plan, planner):
+        fut = write_data(self, plan, planner)
+        fut.wait()
+        if rank == 1:
+            os._exit(1)
+        return fut
+
+    FileSystemWriter.write_data = write_then_die
+    ckpt.save(os.path.join(tmp, "ck2"), model, opt, schedulers=sched, extra={"step": 99})
+    open(os.path.join(tmp, f"save_returned_on_rank{rank}"), "w").close()  # must never happen
+
+
+def _load3(rank: int, world: int, tmp: str) -> None:
+    unfinished = glob.glob(os.path.join(tmp, "ck2.tmp-*"))
+    assert len(unfinished) == 1, unfinished
+    model, opt, sched = make(seed=31)
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint directory {unfinished[0]} is incomplete")):
+        ckpt.load(unfinished[0], model, opt, schedulers=sched)
+    assert ckpt.load(os.path.join(tmp, "ck2"), model, opt, schedulers=sched) == {"step": 3}
+    _check_against_reference(model, opt, sched, tmp)
+    ckpt.save(os.path.join(tmp, "ck3"), model, opt, schedulers=sched, extra={"step": 3})
+
+
+def _load1(rank: int, world: int, tmp: str) -> None:
+    model, opt, sched = make(seed=41)
+    ckpt.load(os.path.join(tmp, "ck3"), model, opt, schedulers=sched)
+    _check_against_reference(model, opt, sched, tmp)
+    _continue_like_reference(model, opt, sched, tmp)
+
+
+def test_reshard_and_atomic_save(saved: str) -> None:
+    run_distributed(_load2, 2, saved)
+    with pytest.raises(AssertionError, match="failed|exited with codes"):
+        run_distributed(_killed_save, 2, saved, timeout=120)
+    assert not glob.glob(os.path.join(saved, "save_returned_on_rank*"))
+    assert os.path.isfile(os.path.join(saved, "ck2", ".metadata"))
+    run_distributed(_load3, 3, saved)
+    run_distributed(_load1, 1, saved)

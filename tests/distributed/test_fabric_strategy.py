@@ -1,0 +1,154 @@
+"""``Fabric(strategy="vescale")`` on 2 gloo ranks equals single-process training of the same model.
+
+One process group: a transformer with a tied embedding/head and a frozen parameter is set up jointly
+with its optimizer (``fabric.setup(model, optimizer)``), trained with gradient accumulation under
+``fabric.no_backward_sync`` (no ReduceScatter on non-final micro-batches) and
+``fabric.clip_gradients`` (the true global norm), saved with ``fabric.save`` as a sharded directory
+and resumed with ``fabric.load`` into a differently initialized model; ``fabric.init_module(empty_init=True)``
+gives the same weights as an unsharded init; bf16-mixed uses the engine's policy.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+
+import lightning_vescale as lv
+import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
+from lightning_vescale.fully_shard import sharded_groups
+from lightning_vescale.lightning import VeScaleFabricStrategy
+from tests.dist_utils import run_distributed
+from tests.toy_models import MLP, TinyTransformer
+
+LOCAL_BATCH = 4
+ACCUM = 2
+CLIP = 0.05
+
+
+def lm_batch(n: int):
+    tokens = torch.randint(0, 53, (n, 9))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def rs_calls() -> int:
+    return lv.comm_stats.total_calls.get("reduce_scatter", 0)
+
+
+def train(fabric, model, opt, ref, ref_opt, steps: int, first_step: int = 0):
+    """Train the sharded model (local slices) and, if given, the reference (whole batch) side by side."""
+    rank, world = fabric.global_rank, fabric.world_size
+    mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    losses, norms, comm = [], [], []
+    for step in range(first_step, first_step + steps):
+        torch.manual_seed(100 + step)
+        micro = [lm_batch(world * LOCAL_BATCH) for _ in range(ACCUM)]
+        for i, (x, y) in enumerate(micro):
+            before = rs_calls()
+            with fabric.no_backward_sync(model, enabled=i < ACCUM - 1):
+                loss = lm_loss(model(x[mine]), y[mine]) / ACCUM
+                fabric.backward(loss)
+            comm.append(rs_calls() - before)
+        losses.append(fabric.all_reduce(loss.detach() * ACCUM, reduce_op="mean").item())
+        norms.append(fabric.clip_gradients(model, opt, max_norm=CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        if ref is not None:
+            with torch.no_grad():
+                last = lm_loss(ref(micro[-1][0]), micro[-1][1]).item()
+            ref_loss = sum(lm_loss(ref(x), y) / ACCUM for x, y in micro)
+            ref_loss.backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert abs(losses[-1] - last) <= 1e-5 * max(1.0, last), (step, losses[-1], last)
+            assert abs(norms[-1] - ref_norm.item()) <= 1e-5 * max(1.0, ref_norm.item()), (norms[-1], ref_norm)
+            assert ref_norm.item() > CLIP, "clipping must be active for the check to mean anything"
+    return losses, norms, comm
+
+
+def max_param_diff(model, ref) -> float:
+    ref_params = dict(ref.named_parameters())
+    worst = torch.zeros(())
+    for name, p in getattr(model, "module", model).named_parameters():  # unwrap the _FabricModule
+        start, end = p._vescale.piece
+        if end > start:
+            full = ref_params[name].detach().reshape(-1)[start:end]
+            worst = torch.maximum(worst, (p.detach().reshape(-1) - full).abs().max())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def _run(rank: int, world: int, tmp: str) -> None:
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="vescale")
+    fabric.launch()
+    assert isinstance(fabric.strategy, VeScaleFabricStrategy)
+    assert fabric.broadcast(rank, src=1) == 1
+
+    # 1. Joint setup: the optimizer built on the unsharded parameters is pointed at the local pieces.
+    torch.manual_seed(0)
+    ref = TinyTransformer()
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt = fabric.setup(model, opt)
+    assert len(sharded_groups(model)) == 3, "2 blocks + the root"
+    opt_params = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert opt_params == {id(p) for p in model.parameters()}
+    losses, norms, comm = train(fabric, model, opt, ref, ref_opt, steps=3)
+    # Non-final micro-batches communicate nothing; final ones reduce each group once.
+    assert comm[0::2] == [0, 0, 0] and comm[1::2] == [3, 3, 3], comm
+    assert max_param_diff(model, ref) < 1e-5
+
+    # 2. Sharded save, two more steps, then load into another init and replay them.
+    ckpt = os.path.join(tmp, "fabric_ckpt")
+    fabric.save(ckpt, {"model": model, "optimizer": opt, "step": 3, "note": {"tag": "a"}})
+    assert os.path.isdir(ckpt)
+    after, after_norms, _ = train(fabric, model, opt, None, None, steps=2, first_step=3)
+    torch.manual_seed(1)
+    other = TinyTransformer()
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other, other_opt = fabric.setup(other, other_opt)
+    state = {"model": other, "optimizer": other_opt, "step": 0, "note": None}
+    remainder = fabric.load(ckpt, state)
+    assert state["step"] == 3 and state["note"] == {"tag": "a"} and remainder == {}
+    replay, replay_norms, _ = train(fabric, other, other_opt, None, None, steps=2, first_step=3)
+    assert replay == pytest.approx(after, abs=1e-6) and replay_norms == pytest.approx(after_norms, abs=1e-6)
+
+    # 3. Meta-device init equals an unsharded init with the same seed; setup_module, then the optimizer.
+    torch.manual_seed(7)
+    full = MLP()
+    torch.manual_seed(7)
+    with fabric.init_module(empty_init=True):
+        meta = MLP()
+    assert next(meta.parameters()).is_meta
+    meta = fabric.setup_module(meta)
+    assert max_param_diff(meta, full) == 0.0
+    meta_opt = fabric.setup_optimizers(torch.optim.SGD(meta.parameters(), lr=0.1))
+    meta(torch.randn(2, 7)).sum().backward()
+    meta_opt.step()
+
+    # 4. bf16-mixed: engine policy, fp32 local pieces.
+    bf16 = Fabric(accelerator="cpu", devices=world, strategy="vescale", precision="bf16-mixed")
+    bf16.launch()
+    torch.manual_seed(0)
+    net = bf16.setup_module(TinyTransformer())
+    assert all(g.mp_policy.param_dtype == torch.bfloat16 for g in sharded_groups(net))
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    out = net(lm_batch(2)[0])
+    assert out.dtype == torch.float32, "root outputs come back in fp32"
+    with pytest.raises(ValueError, match="does not support precision='16-true'"):
+        Fabric(accelerator="cpu", devices=world, strategy="vescale", precision="16-true")
+
+
+def test_vescale_fabric_matches_single_process(tmp_path) -> None:
+    run_distributed(_run, 2, str(tmp_path), timeout=300)

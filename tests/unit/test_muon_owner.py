@@ -1,0 +1,127 @@
+"""Owner assignment for Muon (pure): Newton–Schulz cost, LPT determinism and balance, routing helpers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_vescale.optim import (
+    Muon,
+    assign_owners,
+    build_optimizer,
+    muon_granularity,
+    newton_schulz_cost,
+    route_parameters,
+)
+
+
+def test_newton_schulz_cost_formula() -> None:
+    # steps * s^2 * (2l + s) with s the short side, l the long side: orientation does not matter.
+    assert newton_schulz_cost((3, 7), 5) == 5 * 9 * (14 + 3)
+    assert newton_schulz_cost((7, 3), 5) == newton_schulz_cost((3, 7), 5)
+    assert newton_schulz_cost((4, 4), 1) == 16 * 12
+    assert newton_schulz_cost((4096, 14336)) == 5 * 4096**2 * (2 * 14336 + 4096)
+    assert newton_schulz_cost((0, 9)) == 0.0
+    # Matches the multiply-adds of torch's iteration on the short-side-first matrix X (s x l):
+    # X Xᵀ (s·s·l), A·A (s·s·s), B·X (s·s·l) per step.
+    s, l, steps = 5, 11, 3
+    assert newton_schulz_cost((l, s), steps) == steps * (s * s * l + s * s * s + s * s * l)
+    with pytest.raises(ValueError, match="matrices"):
+        newton_schulz_cost((3, 4, 5))
+
+
+def test_lpt_known_answer_and_ties() -> None:
+    # Classic LPT: 7,6,5,4,3 on 2 ranks -> [7,4,3]=14? LPT gives 7->0, 6->1, 5->1 (6<7), 4->0, 3->1: 11 / 14.
+    costs = {"a": 7.0, "b": 6.0, "c": 5.0, "d": 4.0, "e": 3.0}
+    out = assign_owners(costs, 2)
+    assert out.owners == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 0}
+    assert out.loads == (14.0, 11.0)
+    assert out.balance == pytest.approx(14.0 / 12.5)
+    assert out.owned_by(1) == ["b", "c"]
+    # Equal costs: by name, each to the least loaded rank, ties to the lowest rank.
+    equal = assign_owners({"w3": 1.0, "w1": 1.0, "w2": 1.0, "w0": 1.0}, 3)
+    assert equal.owners == {"w0": 0, "w1": 1, "w2": 2, "w3": 0}
+    # Initial loads are filled around.
+    seeded = assign_owners({"x": 2.0, "y": 1.0}, 3, initial_loads=[0.0, 5.0, 1.0])
+    assert seeded.owners == {"x": 0, "y": 2} and seeded.loads == (2.0, 5.0, 2.0)
+    assert assign_owners({}, 4).balance == 1.0
+    with pytest.raises(ValueError, match="initial_loads"):
+        assign_owners({"x": 1.0}, 2, initial_loads=[0.0])
+    with pytest.raises(ValueError, match="finite"):
+        assign_owners({"x": float("nan")}, 2)
+
+
+def test_lpt_deterministic_and_balanced() -> None:
+    # A Llama-like stack: 16 layers of 7 matrices; insertion order must not matter.
+    dim, hidden, kv = 512, 1376, 128
+    shapes = {"wq": (dim, dim), "wk": (kv, dim), "wv": (kv, dim), "wo": (dim, dim),
+              "w1": (hidden, dim), "w2": (dim, hidden), "w3": (hidden, dim)}
+    costs = {f"layers.{i}.{n}": newton_schulz_cost(s) for i in range(16) for n, s in shapes.items()}
+    items = list(costs.items())
+    first = assign_owners(costs, 8)
+    for seed in range(5):
+        random.Random(seed).shuffle(items)
+        again = assign_owners(dict(items), 8)
+        assert again.owners == first.owners and again.loads == first.loads
+    for n in (2, 3, 4, 8):
+        out = assign_owners(costs, n)
+        assert sum(out.loads) == pytest.approx(sum(costs.values()))
+        assert out.balance <= 1.05, (n, out.balance)
+        # LPT bound: max load <= mean + largest job.
+        assert max(out.loads) <= sum(costs.values()) / n + max(costs.values())
+    # Far fewer matrices than ranks: some ranks idle, balance reported honestly.
+    few = assign_owners({"a": 1.0, "b": 1.0}, 4)
+    assert few.balance == pytest.approx(2.0)
+
+
+class _Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(11, 6)
+        self.proj = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+        self.experts = nn.Module()
+        self.experts.w1 = nn.Parameter(torch.randn(3, 6, 4))
+        self.blob = nn.Parameter(torch.randn(2, 3, 4))
+        self.head = nn.Linear(6, 11, bias=False)
+        self.frozen = nn.Parameter(torch.randn(3, 3), requires_grad=False)
+
+
+def test_routing_and_granularity() -> None:
+    model = _Toy()
+    routes = route_parameters(model)
+    muon = [n for n, _ in routes["muon"]]
+    adamw = [n for n, _ in routes["adamw"]]
+    assert muon == ["proj.weight", "experts.w1"]
+    assert adamw == ["blob", "tok.weight", "proj.bias", "norm.weight", "norm.bias", "head.weight"]  # direct params first
+    # Overrides by name.
+    routes = route_parameters(model, muon_patterns=["head.*"], adamw_patterns=["proj.weight"])
+    assert [n for n, _ in routes["muon"]] == ["experts.w1", "head.weight"]
+    with pytest.raises(ValueError, match="both"):
+        route_parameters(model, muon_patterns=["proj.*"], adamw_patterns=["proj.weight"])
+    gran = muon_granularity(model)
+    by_name = dict(model.named_parameters())
+    assert gran("proj.weight", by_name["proj.weight"]) == "tensor"
+    assert gran("w1", by_name["experts.w1"]) == "row"  # the full name is found from the parameter
+    assert gran("tok.weight", by_name["tok.weight"]) == "element"
+    assert gran("norm.weight", by_name["norm.weight"]) == "element"
+
+
+def test_muon_rejects_what_it_cannot_orthogonalize() -> None:
+    model = _Toy()
+    with pytest.raises(ValueError, match=r"norm\.weight.*adamw_patterns"):
+        Muon([("proj.weight", model.proj.weight), ("norm.weight", model.norm.weight)])
+    with pytest.raises(ValueError, match=r"3-D parameter blob .*expert"):
+        Muon([("blob", model.blob)])
+    Muon([("blob", model.blob)], expert_patterns=["blob"])
+    model.blob._vescale_expert_stack = True
+    Muon([("blob", model.blob)])
+    with pytest.raises(ValueError, match="mode"):
+        Muon([model.proj.weight], mode="everywhere")
+    # build_optimizer: one optimizer with both kinds; routed 3-D undeclared tensors go to AdamW.
+    opt = build_optimizer(_Toy(), lr=1e-3)
+    assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+    assert opt.param_groups[0]["param_names"] == ["proj.weight", "experts.w1"]
