@@ -21,7 +21,7 @@ Scalar states (``step``) and ``param_groups`` hyperparameters are plain values. 
     schedulers/<i>/...               each LR scheduler's state_dict()
     extra/...                        the caller's loop state (same on every rank)
     rng/rank<r>/{torch,numpy,python} every rank's RNG states, each written by its own rank
-    meta/{format,version,world_size}
+    meta/{format,version,world_size,optimizer}
 
 [Note: atomic save]
 :func:`save` writes into ``<path>.tmp-<uuid>``. DCP's last step writes ``.metadata`` (atomically, after
@@ -55,6 +55,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint._traverse import set_element, traverse_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
 from lightning_vescale._param_group import ShardedParamInfo, TrainingState
 from lightning_vescale.dbuffer import BufferState
@@ -80,7 +81,7 @@ FORMAT_VERSION = 1
 _METADATA_FILE = ".metadata"  # what DCP's FileSystemWriter writes last
 _MAX_LISTED = 20
 
-Path = Union[str, os.PathLike]
+PathLike = Union[str, os.PathLike]
 Shape = tuple[int, ...]
 Layout = dict[tuple, Optional[Shape]]
 """Object path -> tensor shape, or None for a non-tensor value."""
@@ -118,17 +119,17 @@ def _from_rank0(obj: Any) -> Any:
 
 def _run_on_rank0(fn: Callable[[], None]) -> None:
     """Run ``fn`` on rank 0 and raise its error on every rank (no rank is left waiting in a collective)."""
-    error = None
+    error, cause = None, None
     if _rank() == 0:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            error = f"{type(e).__name__}: {e}"
             if not _dist_on():
                 raise
+            error, cause = f"{type(e).__name__}: {e}", e
     error = _from_rank0(error)
     if error is not None:
-        raise RuntimeError(f"rank 0 failed: {error}")
+        raise RuntimeError(f"rank 0 failed: {error}") from cause
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -384,17 +385,32 @@ def get_model_state_dict(model: nn.Module) -> dict[str, Any]:
     return out
 
 
-def _check_model_state(model: nn.Module, state: Mapping[str, Any], *, strict: bool) -> list[tuple[str, Any]]:
-    entries = [(n, v) for n, v in _model_entries(model, dedupe=True) if isinstance(v, torch.Tensor)]
-    expected = {n: _global_shape(v) for n, v in entries}
+def _apply_model_state(model: nn.Module, state: Mapping[str, Any], *, dedupe: bool, strict: bool, what: str) -> None:
+    """Check ``state`` against the model's entries (names, global shapes), then copy each rank's pieces.
+
+    Everything is checked before anything is copied. Tensors shared under several names are copied
+    once; non-tensor entries go to their module's ``set_extra_state``.
+    """
+    entries = _model_entries(model, dedupe=dedupe)
+    expected = {n: (_global_shape(v) if isinstance(v, torch.Tensor) else None) for n, v in entries}
     given = {n: _shape_of(v) for n, v in state.items()}
     if not strict:
         expected = {n: s for n, s in expected.items() if n in given}
         given = {n: s for n, s in given.items() if n in expected}
     report = _mismatch_report(expected, given, str, ours="model", theirs="state dict")
     if report:
-        raise ValueError(f"the state dict does not match the model:\n{report}")
-    return [(n, v) for n, v in entries if n in given]
+        raise ValueError(f"the {what} does not match the model:\n{report}\nPass the state of the same model "
+                         f"(strict=False skips missing and unexpected names, never a wrong shape).")
+    done: set[int] = set()
+    for name, value in entries:
+        if name not in given or id(value) in done:
+            continue
+        done.add(id(value))
+        if isinstance(value, torch.Tensor):
+            _copy_piece(value, state[name], _piece(value), f"{what} entry {name}")
+        else:
+            prefix = name[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(".")
+            model.get_submodule(prefix).set_extra_state(state[name])
 
 
 @torch.no_grad()
@@ -411,8 +427,7 @@ def set_model_state_dict(model: nn.Module, state: Mapping[str, Any], *, strict: 
             shapes are checked before anything is copied.
     """
     _check_idle(model)
-    for name, value in _check_model_state(model, state, strict=strict):
-        _copy_piece(value, state[name], _piece(value), f"model entry {name}")
+    _apply_model_state(model, state, dedupe=True, strict=strict, what="state dict")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -483,7 +498,17 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
     return {"state": state, "param_groups": param_groups}
 
 
-def _check_param_groups(optimizer: torch.optim.Optimizer, named: list, saved_groups: Sequence[Mapping]) -> None:
+_SCHEDULER_KEYS = {"initial_lr"}  # added to param_groups by LR schedulers, not by the optimizer
+
+
+def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def _check_param_groups(
+    optimizer: torch.optim.Optimizer, named: list, saved_groups: Sequence[Mapping], *, check_keys: bool = True
+) -> None:
+    """Same groups of the same parameter FQNs; with ``check_keys``, the same hyperparameter names too."""
     current = [[n for n, _ in g] for g in named]
     saved = [list(g.get("params", [])) for g in saved_groups]
     problems = []
@@ -492,8 +517,8 @@ def _check_param_groups(optimizer: torch.optim.Optimizer, named: list, saved_gro
     for i, (cur, sav, group, sgroup) in enumerate(zip(current, saved, optimizer.param_groups, saved_groups)):
         if cur != sav:
             problems.append(f"  param_groups[{i}] params differ: state {_listing(sav)}; optimizer {_listing(cur)}")
-        keys, skeys = set(group) - {"params"}, set(sgroup) - {"params"}
-        if keys != skeys:
+        keys, skeys = set(group) - {"params"} - _SCHEDULER_KEYS, set(sgroup) - {"params"} - _SCHEDULER_KEYS
+        if check_keys and keys != skeys:
             problems.append(
                 f"  param_groups[{i}] hyperparameters differ (another optimizer type?): only in the state "
                 f"{sorted(skeys - keys)}, only in the optimizer {sorted(keys - skeys)}"
@@ -513,7 +538,13 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     _check_idle(model)
     named = _optimizer_params(model, optimizer)
     _check_param_groups(optimizer, named, state["param_groups"])
-    params = {n: p for g in named for n, p in g}
+    _apply_optimizer_state(optimizer, {n: p for g in named for n, p in g}, state)
+
+
+def _apply_optimizer_state(
+    optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter], state: Mapping[str, Any]
+) -> None:
+    """Check the state's names and shapes, then set each rank's pieces, scalars and hyperparameters."""
     unknown = [n for n in state["state"] if n not in params]
     if unknown:
         raise ValueError(
@@ -533,7 +564,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
             if _shape_of(value) == _global_shape(p) and len(_global_shape(p)) > 0:
                 dst = mine.get(key)
                 if not isinstance(dst, torch.Tensor) or dst.shape != p.shape:
-                    dst = torch.zeros(p.shape, dtype=value.dtype, device=p.device)
+                    dtype = value.metadata().tensor_properties.dtype if isinstance(value, ShardedTensor) else value.dtype
+                    dst = torch.zeros(p.shape, dtype=dtype, device=p.device)
                     mine[key] = dst
                 _copy_piece(dst, value, _piece(p), f"optimizer state {key!r} of {name}")
             elif isinstance(value, torch.Tensor):
@@ -618,7 +650,7 @@ def _is_complete(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, _METADATA_FILE))
 
 
-def _resolve_checkpoint_dir(path: Path) -> str:
+def _resolve_checkpoint_dir(path: PathLike) -> str:
     """The directory to load ``path`` from: ``path``, or ``path.old`` left by a save that crashed mid-commit."""
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -712,7 +744,7 @@ def _dcp_load(state: dict, reader: dcp.FileSystemReader) -> None:
 
 
 def save(
-    path: Path,
+    path: PathLike,
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer] = None,
     *,
@@ -735,7 +767,8 @@ def save(
 
     .. note::
         An existing non-empty directory at ``path`` that is not a complete checkpoint is never replaced
-        (ValueError). A save that dies leaves ``<path>.tmp-*``, which nothing reads; remove it at leisure.
+        (ValueError). When the save fails with an error (on any rank, or a rank dies), rank 0 removes
+        ``<path>.tmp-*``; if rank 0 itself is killed, that directory stays behind (nothing reads it).
     """
     path = os.fspath(path)
     _check_save_target(path)
@@ -749,8 +782,15 @@ def save(
         state["extra"] = dict(extra)
     state["rng"] = {f"rank{_rank()}": _rng_state()}
     state["meta"] = {"format": "lightning_vescale", "version": FORMAT_VERSION, "world_size": _world_size()}
+    if optimizer is not None:
+        state["meta"]["optimizer"] = _optimizer_kind(optimizer)
     tmp = _tmp_dir(path)
-    _dcp_save(state, tmp)  # returns on every rank once .metadata is written
+    try:
+        _dcp_save(state, tmp)  # returns on every rank once .metadata is written
+    except BaseException:
+        if _rank() == 0:  # DCP raised on every rank (or a peer died): nothing will complete this directory
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _barrier()
     _run_on_rank0(lambda: _commit(tmp, path))
     logger.debug("lightning_vescale: saved checkpoint %s", path)
@@ -770,7 +810,7 @@ def _small_template(saved: Layout, metadata: Metadata, want: Callable[[tuple], b
 
 
 def load(
-    path: Path,
+    path: PathLike,
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer] = None,
     *,
@@ -844,8 +884,14 @@ def load(
     if optimizer is not None:
         named = _optimizer_params(model, optimizer)
         saved_groups = small_sd["optim"]["param_groups"]
+        saved_kind = small_sd.get("meta", {}).get("optimizer")
+        if saved_kind is not None and saved_kind != _optimizer_kind(optimizer):
+            raise ValueError(f"{where} holds the state of a {saved_kind} optimizer, not of a "
+                             f"{_optimizer_kind(optimizer)}; build the optimizer that was saved.")
         try:
-            _check_param_groups(optimizer, named, saved_groups)
+            # The optimizer class identifies the kind of state; hyperparameter names may change between
+            # torch versions (the saved ones are set, others keep their values).
+            _check_param_groups(optimizer, named, saved_groups, check_keys=saved_kind is None)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
         params = {n: p for g in named for n, p in g}
@@ -870,9 +916,12 @@ def load(
     if optimizer is not None:
         big_sd["optim"] = {"state": optim_sd["state"]}
     _dcp_load(big_sd, reader)
-    set_model_state_dict(model, model_sd)
+    _apply_model_state(model, model_sd, dedupe=True, strict=True, what="checkpoint")
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, {"state": optim_sd["state"], "param_groups": saved_groups})
+        for name, p in params.items():
+            if name not in optim_sd["state"]:
+                optimizer.state.pop(p, None)  # as after the save: no state where the checkpoint has none
+        _apply_optimizer_state(optimizer, params, {"state": optim_sd["state"], "param_groups": saved_groups})
     for i, sched in enumerate(scheds):
         sched.load_state_dict(small_sd["schedulers"][str(i)])
     saved_world = small_sd.get("meta", {}).get("world_size")
@@ -992,7 +1041,7 @@ def _unshared(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_full(path: Path, model: nn.Module, *, format: str = "safetensors") -> None:
+def save_full(path: PathLike, model: nn.Module, *, format: str = "safetensors") -> None:
     """Gather the full state dict onto rank 0 and write it as one ordinary file, atomically.
 
     Collective. The file loads without this library: ``safetensors.torch.load_file(path)`` or
@@ -1041,19 +1090,4 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
             with False, missing and unexpected names are skipped, but shapes must still match.
     """
     _check_idle(model)
-    entries = [(n, v) for n, v in _model_entries(model, dedupe=False) if isinstance(v, torch.Tensor)]
-    expected = {n: _global_shape(v) for n, v in entries}
-    given = {n: _shape_of(v) for n, v in state_dict.items()}
-    if not strict:
-        expected = {n: s for n, s in expected.items() if n in given}
-        given = {n: s for n, s in given.items() if n in expected}
-    report = _mismatch_report(expected, given, str, ours="model", theirs="state dict")
-    if report:
-        raise ValueError(f"the full state dict does not match the model:\n{report}\n"
-                         f"Pass the unsharded model's state_dict() (strict=False skips missing and unexpected names).")
-    done: set[int] = set()
-    for name, value in entries:
-        if name not in given or id(value) in done:
-            continue
-        done.add(id(value))
-        _copy_piece(value, state_dict[name], _piece(value), f"entry {name}")
+    _apply_model_state(model, state_dict, dedupe=False, strict=strict, what="full state dict")

@@ -254,6 +254,8 @@ _WORK_BUDGET = 40_000
 _LINEAR_STEPS = 64
 _MULTIPLES_PER_MODULUS = 8
 _BIG_CLASSES = 6
+# Phase 2 is skipped when phase 1 ends within 1 / _CLOSE_ENOUGH of the lower bound.
+_CLOSE_ENOUGH = 10_000
 # Groups of at most this many tensors also try every distinct order (5! = 120 at most).
 _EXHAUSTIVE_MAX_TENSORS = 5
 
@@ -624,20 +626,20 @@ def _search_shard_size(search: _Search, items: list[_Item], N: int, a: int) -> t
     valid = _ValidSizes(items, a)
     tried: set[int] = set()
 
-    # Phase 1: from the lower bound, jump to where the padding the last try needed would fit.
-    S, jumps = lb, 0
+    # Phase 1: from the lower bound, jump to where the padding the last try needed would fit; the
+    # step at least doubles from one failed jump to the next, so the search ends in a few tries even
+    # when the padding needed grows with S (phase 2 then looks below).
+    S, step = lb, 0
     while True:
         tried.add(S)
         found, end = search.evaluate(S, need_end=True)
         if found is not None:
             break
-        target = S + a if end == _INF else max(S + a, -(-int(end) // N))
-        jumps += 1
-        if jumps > 16:  # grow at least geometrically so the search always ends
-            target = max(target, S + S // 32)
-        S = valid.next(target)
+        needed = a if end == _INF else max(a, -(-int(end) // N) - S)
+        step = max(needed, 2 * step)
+        S = valid.next(S + step)
     best_S, best = S, found
-    if best_S == lb:
+    if (best_S - lb) * _CLOSE_ENOUGH <= lb:  # on the bound, or within 0.01% of it
         return best_S, best
 
     # Phase 2: a jump may step over feasible sizes. Within the work budget, try the sizes below it

@@ -131,6 +131,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._sharded_modules: list[Module] = []
+        check_accelerator(accelerator)
         if cluster_environment is None and ProcessGroupEnvironment.detect():
             cluster_environment = ProcessGroupEnvironment()
         super().__init__(

@@ -159,6 +159,7 @@ class VeScaleStrategy(ParallelStrategy):
         self._timeout = timeout
         self._device_mesh: Optional[DeviceMesh] = None
         self.num_nodes = 1
+        check_accelerator(accelerator)
         if cluster_environment is None and ProcessGroupEnvironment.detect():
             # Processes and process group exist already (spawned by the user or a test harness).
             cluster_environment = ProcessGroupEnvironment()

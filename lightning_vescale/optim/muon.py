@@ -142,6 +142,7 @@ class _Bucket:
     group: Optional[dist.ProcessGroup]
     rank: int
     world_size: int
+    device: torch.device
     matrices: list[_Matrix] = field(default_factory=list)
     # Filled by _layout():
     send_splits: list[int] = field(default_factory=list)  # gather: elements this rank sends to each owner
@@ -173,7 +174,7 @@ class _Bucket:
                 pos += hi - lo
             self.recv_splits.append(pos - start)
 
-    def bytes_sent(self) -> int:
+    def bytes_sent(self) -> tuple[int, int]:
         """Bytes this rank sends to other ranks in each of the two all-to-alls (gather, scatter)."""
         item = _WIRE_DTYPE.itemsize
         gather = (sum(self.send_splits) - self.send_splits[self.rank]) * item
@@ -376,7 +377,7 @@ class Muon(Optimizer):
                 key = id(buf.group) if buf.group is not None else None
                 bucket = buckets.get(key)
                 if bucket is None:
-                    bucket = buckets[key] = _Bucket(buf.group, buf.rank, buf.world_size)
+                    bucket = buckets[key] = _Bucket(buf.group, buf.rank, buf.world_size, buf.device)
                 bucket.matrices.append(m)  # every sharded matrix for now; _assign keeps the gathered ones
                 matrices.append(m)
         names = [m.name for m in matrices]
@@ -463,8 +464,8 @@ class Muon(Optimizer):
                 continue
             text = repr([(m.name, m.shape, m.ranges, m.owner) for m in bucket.matrices])
             digest = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
-            mine = torch.tensor([digest], dtype=torch.int64)
-            everyone = torch.empty(bucket.world_size, dtype=torch.int64)
+            mine = torch.tensor([digest], dtype=torch.int64, device=bucket.device)
+            everyone = torch.empty(bucket.world_size, dtype=torch.int64, device=bucket.device)
             collectives.all_gather_into_tensor(everyone, mine, bucket.group, kind="setup")
             if any(x != everyone[0] for x in everyone.tolist()):
                 raise RuntimeError(

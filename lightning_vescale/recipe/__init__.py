@@ -229,6 +229,22 @@ def _resolve_ckpt_path(config: TrainConfig, run_dir: Path) -> Optional[str]:
     return str(found)
 
 
+def _limit_cpu_threads(config: TrainConfig) -> None:
+    """One process per device on CPU: give each ``cpu_count // processes`` intra-op threads.
+
+    Lightning sets ``OMP_NUM_THREADS`` only after its launcher has started the other processes, which then
+    start with a thread pool per core whose spinning workers starve the other ranks on a small machine. Set
+    here, before the launch, the children inherit it. A user's ``OMP_NUM_THREADS`` is kept.
+    """
+    t = config.trainer
+    if t.accelerator != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    processes = t.devices if isinstance(t.devices, int) else len(t.devices) if isinstance(t.devices, list) else 1
+    threads = max(1, (os.cpu_count() or 1) // processes)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
 def _loggers(run_dir: Path) -> list[Logger]:
     loggers: list[Logger] = [CSVLogger(run_dir, name="csv", version="")]
     if _TENSORBOARD:
@@ -245,6 +261,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     the data path, the initial weights of a fine-tuning run and the checkpoint to resume from.
     """
     config = validate(cfg)
+    _limit_cpu_threads(config)
     run_dir = _run_dir(config)
     datamodule = build_datamodule(config.data)
     ckpt_path = _resolve_ckpt_path(config, run_dir)

@@ -19,6 +19,7 @@ gradients is asserted to a tolerance measured for that (see ``_end_to_end``).
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -196,6 +197,10 @@ def _train(rank, world, *, granularity, mode, steps=3, accum=1, reload_after=Non
     opt = build_optimizer(model, **HYPER, mode=mode)
     reference = Reference(ref)
     report = opt.plan_report()
+    if granularity == "muon" and world > 1:
+        # Whole matrices on one rank: the other ranks hold empty pieces of them.
+        empty = sum(1 for p in opt.param_groups[0]["params"] if p.numel() == 0)
+        assert all_sum(empty) > 0
     if expect_modes is not None:
         assert report["modes"] == expect_modes, report["modes"]
     for step in range(steps):
@@ -248,6 +253,9 @@ def _reload(model, opt, mode):
     for pid, p in zip(muon_group["params"], opt.param_groups[0]["params"]):
         buf = state["state"][pid]["momentum_buffer"]
         assert buf.shape == p.shape, "momentum exists for the local piece only"
+    # Invariant 3: over all ranks, momentum covers each matrix exactly once.
+    momentum = sum(state["state"][pid]["momentum_buffer"].numel() for pid in muon_group["params"])
+    assert all_sum(momentum) == sum(math.prod(p._vescale.global_shape) for p in opt.param_groups[0]["params"])
     for pid in adamw_group["params"]:
         assert set(state["state"][pid]) == {"step", "exp_avg", "exp_avg_sq"}
     # A state whose momentum shape does not match the parameter's piece is rejected, naming it.

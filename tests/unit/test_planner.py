@@ -152,7 +152,7 @@ def random_small_case(rng: random.Random) -> tuple[list[TensorSpec], int, int]:
 
 
 # -- invariants -------------------------------------------------------------------------------------
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=200, **SETTINGS)
 @given(specs=groups(), world_size=st.integers(1, 9), alignment=st.sampled_from([1, 1, 2, 3, 4, 8]))
 def test_random_plans_satisfy_invariants(specs, world_size, alignment):
     plan = plan_buffer(specs, world_size, alignment=alignment)
@@ -160,7 +160,7 @@ def test_random_plans_satisfy_invariants(specs, world_size, alignment):
     assert plan.shard_size >= shard_size_lower_bound(specs, world_size, alignment=alignment)
 
 
-@settings(max_examples=120, **SETTINGS)
+@settings(max_examples=80, **SETTINGS)
 @given(specs=groups(max_tensors=24, max_dim=40), world_size=st.integers(2, 64),
        alignment=st.sampled_from([1, 4, 16]))
 def test_larger_random_plans_satisfy_invariants(specs, world_size, alignment):

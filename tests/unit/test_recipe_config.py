@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import MissingMandatoryValue
 
-from lightning_vescale.models import Llama, MoE, llama_config, save_pretrained
+from lightning_vescale.models import Llama, MoE, llama_config, moe_config, save_pretrained
 from lightning_vescale.recipe import build_strategy, find_last_checkpoint, load_initial_weights, lr_multiplier
 from lightning_vescale.recipe.module import build_optimizer_from_config
 from lightning_vescale.recipe.schema import (
@@ -263,10 +263,10 @@ def test_initial_weights_from_a_hugging_face_dir_must_match_the_model(tmp_path):
     save_pretrained(Llama(bigger), bigger, tmp_path / "hf_big")
     with pytest.raises(ValueError, match=r"does not match model=llama_tiny:\n  dim: checkpoint 128, model=llama_tiny 64"):
         load_initial_weights(tmp_path / "hf_big", cfg.model)
+    moe_arch = moe_config("tiny")
+    moe_arch.shared_expert_gate = True  # Qwen2-MoE's gated shared expert, so transformers can express it
+    save_pretrained(MoE(moe_arch), moe_arch, tmp_path / "hf_moe")
     with pytest.raises(ValueError, match=r"holds a MoE model but model=llama_tiny is a Llama"):
-        from lightning_vescale.models import moe_config
-
-        save_pretrained(MoE(moe_config("tiny")), moe_config("tiny"), tmp_path / "hf_moe")
         load_initial_weights(tmp_path / "hf_moe", cfg.model)
     (tmp_path / "not_hf").mkdir()
     with pytest.raises(FileNotFoundError, match=r"directory without config.json"):

@@ -1,0 +1,162 @@
+"""An ordinary Accelerate loop with ``VeScaleAccelerator`` on 2 gloo ranks equals single-process training.
+
+One process group: ``prepare(model, optimizer, dataloader)`` shards a transformer with a tied
+embedding/head; ``accumulate()`` skips the ReduceScatter on non-final micro-batches; ``clip_grad_norm_``
+returns the true global norm (and clipping is active); per-micro-batch losses, norms and the full state
+dict (``get_state_dict``) equal a single-process reference on the whole batch; ``save_state`` /
+``load_state`` resume into a differently initialized model and replay the same losses;
+``prepare_vescale`` builds the optimizer from a factory on a meta-device model.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_vescale as lv
+from lightning_vescale.accelerate import VeScaleAccelerator, VeScaleConfig, prepare_vescale
+from lightning_vescale.fully_shard import sharded_groups
+from tests.dist_utils import run_distributed
+from tests.toy_models import MLP, TinyTransformer
+
+LOCAL_BATCH = 4
+ACCUM = 2
+CLIP = 0.05
+MICRO = 8  # micro-batches per rank in one pass over the data
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def rs_calls() -> int:
+    return lv.comm_stats.total_calls.get("reduce_scatter", 0)
+
+
+def tokens(world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(0, 53, (MICRO * world * LOCAL_BATCH, 9), generator=g)
+
+
+def run_loop(accelerator, model, opt, dl, *, stop_at=None, on_stop=None):
+    """The ordinary Accelerate loop; returns rank-averaged losses, clip norms and ReduceScatters per micro-batch."""
+    losses, norms, comm = [], [], []
+    for i, (batch,) in enumerate(dl):
+        with accelerator.accumulate(model):
+            before = rs_calls()
+            loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
+            accelerator.backward(loss)
+            comm.append(rs_calls() - before)
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), CLIP).item())
+            opt.step()
+            opt.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
+        if stop_at is not None and i + 1 == stop_at:
+            on_stop()
+    return losses, norms, comm
+
+
+def reference(ref, data, world):
+    """Single process, whole global batches: batch i of rank r is data[(i * world + r) * 4 : ...]."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for i in range(MICRO):
+        batch = data[i * world * LOCAL_BATCH : (i + 1) * world * LOCAL_BATCH]
+        loss = lm_loss(ref(batch[:, :-1]), batch[:, 1:])
+        losses.append(loss.item())
+        (loss / ACCUM).backward()
+        if (i + 1) % ACCUM == 0:
+            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item())
+            opt.step()
+            opt.zero_grad()
+    return losses, norms
+
+
+def _run(rank: int, world: int, tmp: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    accelerator = VeScaleAccelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    assert accelerator.distributed_type == DistributedType.MULTI_CPU and accelerator.num_processes == world
+    data = tokens(world)
+
+    # 1. The ordinary loop against a single-process reference.
+    torch.manual_seed(0)
+    ref = TinyTransformer()
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dl = DataLoader(TensorDataset(data), batch_size=LOCAL_BATCH)
+    model, opt, dl = accelerator.prepare(model, opt, dl)
+    assert model._is_accelerate_prepared and len(sharded_groups(model)) == 3
+    assert type(model).__name__ == "VeScaleTinyTransformer", "Accelerate must not wrap the sharded model"
+    ckpt = os.path.join(tmp, "accel_ckpt")
+    losses, norms, comm = run_loop(accelerator, model, opt, dl, stop_at=4, on_stop=lambda: accelerator.save_state(ckpt))
+    ref_losses, ref_norms = reference(ref, data, world)
+    assert losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
+    assert norms == pytest.approx(ref_norms, rel=1e-5), (norms, ref_norms)
+    assert min(ref_norms) > CLIP, "clipping must be active for the comparison to mean anything"
+    assert comm[0::2] == [0] * (MICRO // 2) and comm[1::2] == [3] * (MICRO // 2), comm
+    full = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        want = ref.state_dict()
+        assert list(full) == list(want)
+        assert max((full[k] - want[k]).abs().max().item() for k in want) < 1e-5
+    else:
+        assert full == {}
+    # The sharded checkpoint is a directory next to Accelerate's own files; no optimizer.bin from rank 0.
+    assert os.path.isdir(os.path.join(ckpt, "vescale_model_0")) and not os.path.exists(os.path.join(ckpt, "optimizer.bin"))
+
+    # 2. load_state into another init, skip the batches already seen: the same losses as the uninterrupted run.
+    accelerator.free_memory()
+    torch.manual_seed(1)
+    other = TinyTransformer()
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other_dl = DataLoader(TensorDataset(data), batch_size=LOCAL_BATCH)
+    other, other_opt, other_dl = accelerator.prepare(other, other_opt, other_dl)
+    accelerator.load_state(ckpt)
+    assert accelerator.step == 4
+    replay, replay_norms, _ = run_loop(accelerator, other, other_opt, accelerator.skip_first_batches(other_dl, 4))
+    assert replay == pytest.approx(losses[4:], abs=1e-6) and replay_norms == pytest.approx(norms[2:], abs=1e-6)
+
+    # 3. prepare_vescale: a meta-device model, the optimizer from a factory after sharding.
+    accelerator.free_memory()
+    torch.manual_seed(7)
+    full_mlp = MLP()
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        meta = MLP()
+    meta, meta_opt = prepare_vescale(accelerator, meta, functools.partial(torch.optim.SGD, lr=0.1))
+    assert not any(p.is_meta for p in meta.parameters())
+    for name, p in meta.named_parameters():
+        start, end = p._vescale.piece
+        assert torch.equal(p.detach().reshape(-1), dict(full_mlp.named_parameters())[name].detach().reshape(-1)[start:end])
+    meta(torch.randn(2, 7)).sum().backward()
+    meta_opt.step()
+
+    # 4. Errors that name the fix.
+    with pytest.raises(TypeError, match="needs a VeScaleAccelerator"):
+        prepare_vescale(object(), MLP())
+    AcceleratorState._reset_state(True)
+    with pytest.raises(RuntimeError, match="cpu=True"):
+        VeScaleAccelerator()  # on CPU without cpu=True Accelerate would train each rank alone
+    AcceleratorState._reset_state(True)
+
+
+def test_accelerate_loop_matches_single_process(tmp_path) -> None:
+    run_distributed(_run, 2, str(tmp_path), timeout=300)
+
+
+def test_config_validates() -> None:
+    with pytest.raises(ValueError, match="replicate_size"):
+        VeScaleConfig(replicate_size=0)
+    with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
+        VeScaleConfig(mp_policy="bf16")
