@@ -24,3 +24,9 @@ __all__ = [
     "init_sharded_weights",
     "plan_buffer",
 ]
+
+# Lightning finds strategies only through its registries: importing the package registers
+# strategy="vescale" / "vescale_hsdp" with the Trainer and with Fabric.
+from lightning_vescale.lightning import VeScaleFabricStrategy, VeScaleStrategy  # noqa: E402
+
+__all__ += ["VeScaleFabricStrategy", "VeScaleStrategy"]

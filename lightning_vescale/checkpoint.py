@@ -19,16 +19,17 @@ Scalar states (``step``) and ``param_groups`` hyperparameters are plain values. 
     optim/state/<fqn>/<key>          ShardedTensor, or a scalar tensor / value
     optim/param_groups/<i>/<key>     hyperparameters; "params" lists FQNs
     schedulers/<i>/...               each LR scheduler's state_dict()
-    extra/...                        the caller's loop state (same on every rank)
+    extra                            the caller's loop state (same on every rank), pickled whole
     rng/rank<r>/{torch,numpy,python} every rank's RNG states, each written by its own rank
     meta/{format,version,world_size,optimizer}
 
 [Note: atomic save]
 :func:`save` writes into ``<path>.tmp-<uuid>``. DCP's last step writes ``.metadata`` (atomically, after
 every rank's data), so a directory with ``.metadata`` is complete. Then rank 0 renames the old
-checkpoint to ``<path>.old``, the new one to ``<path>`` and deletes ``.old``. A crash before the
-renames leaves the old checkpoint at ``<path>`` (and an unfinished ``.tmp-*`` directory that load
-never reads); a crash between the two renames leaves ``<path>.old``, which :func:`load` falls back to.
+checkpoint to ``<path>.old``, the new one to ``<path>`` and deletes ``.old``. A failure before the
+renames leaves the old checkpoint at ``<path>`` (rank 0 removes the unfinished ``.tmp-*`` directory if it
+survives; nothing ever loads one); a crash between the two renames leaves ``<path>.old``, which
+:func:`load` falls back to, and the next save replaces.
 
 A full export (:func:`export_full_state_dict`, :func:`save_full`) is an ordinary state dict of unsharded
 tensors, loadable with ``safetensors.torch.load_file`` / ``torch.load`` and ``load_state_dict`` without
@@ -46,6 +47,7 @@ import uuid
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -564,7 +566,8 @@ def _apply_optimizer_state(
             if _shape_of(value) == _global_shape(p) and len(_global_shape(p)) > 0:
                 dst = mine.get(key)
                 if not isinstance(dst, torch.Tensor) or dst.shape != p.shape:
-                    dtype = value.metadata().tensor_properties.dtype if isinstance(value, ShardedTensor) else value.dtype
+                    st = isinstance(value, ShardedTensor)
+                    dtype = value.metadata().tensor_properties.dtype if st else value.dtype
                     dst = torch.zeros(p.shape, dtype=dtype, device=p.device)
                     mine[key] = dst
                 _copy_piece(dst, value, _piece(p), f"optimizer state {key!r} of {name}")
@@ -615,13 +618,9 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[nn.
 
 
 def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -630,10 +629,7 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
+    np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -779,7 +775,9 @@ def save(
     if scheds:
         state["schedulers"] = {str(i): s.state_dict() for i, s in enumerate(scheds)}
     if extra:
-        state["extra"] = dict(extra)
+        # One opaque entry: DCP treats a tuple as a leaf and pickles it whole, so the dict comes back exactly
+        # (non-str keys, empty containers) instead of being flattened into one entry per value.
+        state["extra"] = (dict(extra),)
     state["rng"] = {f"rank{_rank()}": _rng_state()}
     state["meta"] = {"format": "lightning_vescale", "version": FORMAT_VERSION, "world_size": _world_size()}
     if optimizer is not None:
@@ -930,7 +928,7 @@ def load(
     else:
         logger.warning("checkpoint %s was saved on %s rank(s) and is loaded on %d: RNG states are not restored",
                        directory, saved_world, _world_size())
-    return dict(small_sd.get("extra", {}))
+    return dict(small_sd["extra"][0]) if "extra" in small_sd else {}
 
 
 # --------------------------------------------------------------------------------------------------------

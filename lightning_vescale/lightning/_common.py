@@ -374,12 +374,15 @@ def build_mesh(device: torch.device, world_size: int, replicate_size: Optional[i
 
 @torch.no_grad()
 def broadcast_module_states(module: nn.Module, device: torch.device, src: int = 0) -> None:
-    """Give every rank rank ``src``'s weights and buffers (as DDP does), so sharding cuts one model."""
+    """Give every rank rank ``src``'s weights and buffers (as DDP does), so sharding cuts one model.
+
+    Meta tensors and parameters that are already sharded (local pieces differ by rank) are skipped.
+    """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     seen: set[int] = set()
     for t in [*module.parameters(), *module.buffers()]:
-        if t.is_meta or id(t) in seen:
+        if t.is_meta or id(t) in seen or getattr(t, "_vescale", None) is not None:
             continue
         seen.add(id(t))
         data = t.detach()
@@ -444,7 +447,7 @@ def prepare_sharded(
     sync_module_states: bool,
 ) -> None:
     """Sync (real weights), shard, materialize (meta weights), cast outputs: the whole setup of a model."""
-    if sync_module_states and not is_sharded(module):
+    if sync_module_states:
         broadcast_module_states(module, device)
     shard_module(
         module, mesh=mesh, roots=roots, auto_wrap_policy=auto_wrap_policy,

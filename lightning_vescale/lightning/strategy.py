@@ -43,7 +43,7 @@ from typing_extensions import override
 
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.clip_grad import clip_grad_norm_
-from lightning_vescale.fully_shard import GranularityArg
+from lightning_vescale.fully_shard import GranularityArg, sharded_groups
 from lightning_vescale.lightning._common import (
     AutoWrapPolicy,
     ProcessGroupEnvironment,
@@ -332,6 +332,7 @@ class VeScaleStrategy(ParallelStrategy):
             materialize(module)  # sharded on the meta device by the user
         if user_sharded:
             warn_if_policy_ignored(module, precision.precision)
+        log.debug("%s: %d sharded groups, precision %s", type(self).__name__, len(sharded_groups(module)), precision.precision)
         self.model = module
         self.model_to_device()
         self.barrier()

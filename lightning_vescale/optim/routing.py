@@ -260,7 +260,7 @@ def build_optimizer(
         groups.append({"params": routes["muon"], "use_muon": True, "lr": lr if muon_lr is None else muon_lr,
                        "weight_decay": weight_decay})
     if routes["adamw"]:
-        groups.append({"params": routes["adamw"], "use_muon": False, "lr": lr, "betas": adamw_betas,
+        groups.append({"params": routes["adamw"], "use_muon": False, "lr": lr, "betas": tuple(adamw_betas),
                        "adamw_eps": adamw_eps,
                        "weight_decay": weight_decay if adamw_weight_decay is None else adamw_weight_decay})
     if not groups:

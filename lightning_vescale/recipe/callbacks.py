@@ -162,14 +162,12 @@ class StepCheckpoint(ModelCheckpoint):
     final step when the run does not end on a multiple of N."""
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        final_step_unsaved = self._last_global_step_saved != trainer.global_step and trainer.global_step > 0
+        if final_step_unsaved and not (trainer.fast_dev_run or trainer.sanity_checking):
+            monitor_candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, monitor_candidates)
+            self._save_last_checkpoint(trainer, monitor_candidates)
         super().on_train_end(trainer, pl_module)
-        if self._last_global_step_saved == trainer.global_step or trainer.global_step == 0:
-            return
-        if trainer.fast_dev_run or trainer.sanity_checking:
-            return
-        monitor_candidates = self._monitor_candidates(trainer)
-        self._save_topk_checkpoint(trainer, monitor_candidates)
-        self._save_last_checkpoint(trainer, monitor_candidates)
 
 
 class RunSummary(Callback):

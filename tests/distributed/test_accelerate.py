@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
@@ -146,8 +145,12 @@ def _run(rank: int, world: int, tmp: str) -> None:
     with pytest.raises(TypeError, match="needs a VeScaleAccelerator"):
         prepare_vescale(object(), MLP())
     AcceleratorState._reset_state(True)
+    # Several ranks on a machine without CUDA: cpu defaults to True (a plain Accelerator() would run each
+    # rank alone); cpu=False is refused with the fix in the message.
+    assert VeScaleAccelerator().distributed_type == DistributedType.MULTI_CPU
+    AcceleratorState._reset_state(True)
     with pytest.raises(RuntimeError, match="cpu=True"):
-        VeScaleAccelerator()  # on CPU without cpu=True Accelerate would train each rank alone
+        VeScaleAccelerator(cpu=False)
     AcceleratorState._reset_state(True)
 
 

@@ -5,9 +5,11 @@ Process groups are expensive here, so a few ``run_distributed`` calls check many
 * 4 ranks (fixture): a model trained side by side with a single-process reference is saved (``ck4``),
   exported in full (safetensors and torch) and re-imported; a save + reload into a fresh model and
   optimizer continues bitwise like the run that never stopped (RNG streams included); an HSDP (2x2)
-  model is saved with each element written once.
-* 2 ranks: ``ck4`` (and the HSDP checkpoint) reload with the same parameters and optimizer states as the
-  full tensors, and keep training like the reference; ``ck2`` is saved; mismatched models and optimizers
+  model is saved with each element written once, and ``ck4`` loads into it; an MLP with whole-tensor granularity (empty pieces)
+  is saved.
+* 2 ranks: ``ck4``, the HSDP and the MLP checkpoints reload with the same parameters and optimizer
+  states as the full tensors (the MLP on element granularity), and ``ck4`` keeps training like the
+  reference; ``ck2`` is saved; mismatched models and optimizers
   are refused before anything changes. Then rank 1 dies while a new ``ck2`` is being written, so this
   run is expected to fail (after it has left a marker that its checks passed).
 * 3 ranks: the old ``ck2`` still loads and equals what was saved (2 -> 3); ``ck3`` is saved.
@@ -35,15 +37,23 @@ from torch.distributed.device_mesh import init_device_mesh
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
 from tests.dist_utils import run_distributed
-from tests.toy_models import TinyTransformer
+from tests.toy_models import MLP, TinyTransformer
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
 
 
-def shard(model: nn.Module, mesh=None) -> nn.Module:
-    for block in model.layers:
-        lv.fully_shard(block, mesh=mesh)
-    return lv.fully_shard(model, mesh=mesh)
+def shard(model: nn.Module, mesh=None, granularity=None) -> nn.Module:
+    blocks = model.layers if hasattr(model, "layers") else model.blocks
+    for block in blocks:
+        lv.fully_shard(block, mesh=mesh, granularity=granularity)
+    return lv.fully_shard(model, mesh=mesh, granularity=granularity)
+
+
+def make_mlp(seed: int, granularity=None):
+    """Whole-tensor granularity on many ranks leaves some ranks with empty pieces."""
+    torch.manual_seed(seed)
+    model = shard(MLP(), granularity=granularity)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
 def make(seed: int, mesh=None, **model_kwargs):
@@ -215,10 +225,30 @@ def _save4(rank: int, world: int, tmp: str) -> None:
     ckpt.save(os.path.join(tmp, "hsdp"), hsdp, h_opt, schedulers=h_sched)
     h_full = ckpt.export_full_state_dict(hsdp)
     h_optim = ckpt.export_full_optimizer_state_dict(hsdp, h_opt)
+    # ... and a 1-D checkpoint loads into HSDP: every replica gets the same, complete pieces.
+    h_load, hl_opt, hl_sched = make(seed=6, mesh=mesh)
+    ckpt.load(os.path.join(tmp, "ck4"), h_load, hl_opt, schedulers=hl_sched)
+    ref4 = torch.load(os.path.join(tmp, "ref4.pt"))  # written by rank 0 before the collectives above
+    assert_equal_tree(ckpt.export_full_state_dict(h_load, rank0_only=False), ref4["params"])
+    assert_equal_tree(ckpt.export_full_optimizer_state_dict(h_load, hl_opt, rank0_only=False), ref4["optim"])
     if rank == 0:
         each_element_once(os.path.join(tmp, "hsdp"))
         each_element_once(os.path.join(tmp, "ck4"))
         torch.save({"params": h_full, "optim": h_optim}, os.path.join(tmp, "ref_hsdp.pt"))
+
+    # (4) Whole matrices on one rank (empty pieces elsewhere), reloaded later on another layout.
+    mlp, mlp_opt = make_mlp(seed=4, granularity="tensor")
+    empty = torch.tensor([float(sum(p.numel() == 0 for p in mlp.parameters()))])
+    dist.all_reduce(empty)
+    assert empty.item() > 0
+    x, y = torch.randn(GLOBAL_BATCH, 7), torch.randn(GLOBAL_BATCH, 5)
+    F.mse_loss(mlp(x[rank::world]), y[rank::world]).backward()
+    mlp_opt.step()
+    ckpt.save(os.path.join(tmp, "mlp"), mlp, mlp_opt)
+    m_full = ckpt.export_full_state_dict(mlp)
+    m_optim = ckpt.export_full_optimizer_state_dict(mlp, mlp_opt)
+    if rank == 0:
+        torch.save({"params": m_full, "optim": m_optim}, os.path.join(tmp, "ref_mlp.pt"))
     assert not glob.glob(os.path.join(tmp, "*.tmp-*")) and not glob.glob(os.path.join(tmp, "*.old"))
 
 
@@ -280,6 +310,11 @@ def _load2(rank: int, world: int, tmp: str) -> None:
     h_model, h_opt, h_sched = make(seed=12)
     ckpt.load(os.path.join(tmp, "hsdp"), h_model, h_opt, schedulers=h_sched)
     _check_against_reference(h_model, h_opt, h_sched, tmp, "ref_hsdp.pt")
+
+    # Whole-tensor pieces with empty ones -> element granularity on another world size.
+    mlp, mlp_opt = make_mlp(seed=15)
+    ckpt.load(os.path.join(tmp, "mlp"), mlp, mlp_opt)
+    _check_against_reference(mlp, mlp_opt, None, tmp, "ref_mlp.pt")
 
     # Another model: every difference is named, and nothing changes.
     other, o_opt, o_sched = make(seed=13, vocab=60, n_layers=1)

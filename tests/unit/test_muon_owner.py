@@ -125,3 +125,46 @@ def test_muon_rejects_what_it_cannot_orthogonalize() -> None:
     opt = build_optimizer(_Toy(), lr=1e-3)
     assert [g["use_muon"] for g in opt.param_groups] == [True, False]
     assert opt.param_groups[0]["param_names"] == ["proj.weight", "experts.w1"]
+
+
+def test_auto_mode_cost_model_moves_whole_matrices_only_when_it_pays() -> None:
+    """``mode="auto"``: matrices the planner put whole on rank 0 move to rank 1 only if NS time dominates."""
+    from lightning_vescale.optim.muon import MuonCostModel, _Bucket, _Matrix
+
+    def bucket_all_on_rank0():
+        group = {"mode": "auto"}
+        shapes = [(64, 64)] * 4
+        ms = [_Matrix(f"m{i}", i, s, newton_schulz_cost(s), [(0, s[0] * s[1]), (0, 0)], (0, s[0] * s[1]), group,
+                      holder=0) for i, s in enumerate(shapes)]
+        return _Bucket(None, 0, 2, torch.device("cpu"), matrices=list(ms)), ms
+
+    opt = Muon([torch.zeros(2, 2)])
+    opt.cost_model = MuonCostModel(flops_per_second=1e9, bytes_per_second=1e12)  # NS slow, links fast
+    bucket, ms = bucket_all_on_rank0()
+    loads = opt._assign(bucket)
+    assert sorted(m.mode for m in ms) == ["gather", "gather", "local", "local"]
+    assert loads[0] == loads[1]
+    bucket.layout()
+    assert bucket.bytes_sent() == (2 * 64 * 64 * 2, 0)  # rank 0 ships two matrices in bf16, gets them back
+    opt.cost_model = MuonCostModel(flops_per_second=1e15, bytes_per_second=1e6)  # NS fast, links slow
+    bucket, ms = bucket_all_on_rank0()
+    opt._assign(bucket)
+    assert all(m.mode == "local" and m.owner == 0 for m in ms) and bucket.matrices == []
+
+
+def test_muon_on_plain_tensors_is_torch_muon() -> None:
+    """Unsharded (replicated) tensors: every rank orthogonalizes them itself, bitwise torch.optim.Muon."""
+    torch.manual_seed(0)
+    shapes = [(7, 5), (5, 9), (1, 4)]
+    mine = [nn.Parameter(torch.randn(s)) for s in shapes]
+    ref = [nn.Parameter(p.detach().clone()) for p in mine]
+    opt = Muon(mine, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", nesterov=False)
+    ref_opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", nesterov=False)
+    for _ in range(3):
+        for a, b in zip(mine, ref):
+            a.grad = torch.randn(a.shape)
+            b.grad = a.grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(mine, ref))
+    assert opt.plan_report()["modes"] == {"replicated": 3}
