@@ -384,8 +384,10 @@ bf16 first, so this changes no bit), one all-to-all each way: about 1/N of what 
 matrix on every rank sends, and each rank orthogonalizes ~1/N of the matrices instead of all of them.
 Both are bitwise equal to `torch.optim.Muon` on the unsharded matrices. The local path's balance is the
 planner's (whole matrices placed to minimize shard size, one group at a time); the gather path's is LPT's.
-Times are CPU/gloo on a shared 2-core machine with N processes: only the order of magnitude and the
-ordering mean anything; on GPUs the Newton-Schulz matmuls and the collectives are both far faster.
+Times are CPU/gloo with N processes on a 2-core machine that other jobs were using at the same time
+(load average 6-9): differences under ~2x are noise (local and auto take the identical path here), only
+the order of magnitude means anything; on GPUs the Newton-Schulz matmuls and the collectives are both far
+faster.
 `torch.optim.Muon` on FSDP2's DTensor parameters runs, but each Newton-Schulz matmul redistributes
 (many collectives per matrix and step), every rank computes every matrix, and tall matrices get their
 Gram matrix as a bf16 `Partial` sum reduced across ranks: not bitwise; 2-4% relative update error with

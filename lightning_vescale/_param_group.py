@@ -174,6 +174,9 @@ class ParamGroup:
                 with torch.no_grad():
                     local.view(-1).copy_(orig.detach().reshape(-1)[start:end])
             mp.sharded = nn.Parameter(local, requires_grad=orig.requires_grad)
+            for attr, value in vars(orig).items():  # user declarations such as _vescale_expert_stack
+                if attr.startswith("_vescale_"):
+                    setattr(mp.sharded, attr, value)
             mp.sharded._vescale = ShardedParamInfo(mp.fqn, orig.shape, self, buf, mp.index)
             mp.unsharded = nn.Parameter(buf.unsharded_view(mp.index), requires_grad=orig.requires_grad)
             if mp.unsharded.requires_grad:

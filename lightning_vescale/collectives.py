@@ -16,7 +16,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "comm_stats", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"]
+__all__ = [
+    "CommStats", "comm_stats", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
+]
 
 
 @dataclass
@@ -106,3 +108,23 @@ def all_reduce(
         return None
     comm_stats.record(kind, 2 * (n - 1) * _nbytes(tensor) // n)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[list] = None,
+    input_split_sizes: Optional[list] = None, group: Optional[dist.ProcessGroup] = None, *, async_op: bool = False,
+    kind: str = "all_to_all",
+):
+    """``dist.all_to_all_single`` that records the bytes this rank sends to other ranks under ``kind``."""
+    n = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    item = input.element_size()
+    if input_split_sizes is None:
+        sent = input.numel() * (n - 1) // n
+    else:
+        sent = sum(input_split_sizes) - input_split_sizes[rank]
+    comm_stats.record(kind, sent * item)
+    return dist.all_to_all_single(
+        output, input, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group,
+        async_op=async_op,
+    )

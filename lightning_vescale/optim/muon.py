@@ -294,28 +294,36 @@ class Muon(Optimizer):
         self.cost_model = cost_model or MuonCostModel()
         self._plan: Optional[_Plan] = None
         self._plan_key: Optional[tuple] = None
-        super().__init__(params, defaults)
-        for group in self._muon_groups():
-            if group["mode"] not in _MODES:
-                raise ValueError(f"Muon mode must be one of {_MODES}, got {group['mode']!r}")
-            for p, name in zip(group["params"], self._names(group)):
-                for start, shape in self._matrix_shapes(name, p):  # raises on 1-D / undeclared 3-D tensors
-                    if group["mode"] == "local" and _is_sharded(p):
-                        ranges = _matrix_ranges(p, start, shape[0] * shape[1])
-                        holders = [r for r, (lo, hi) in enumerate(ranges) if hi > lo]
-                        if len(holders) > 1:
-                            raise ValueError(
-                                f"Muon mode='local' needs every matrix whole on one rank, but {name} (matrix at "
-                                f"element {start}, shape {shape}) is split over ranks {holders}. Shard with "
-                                f"granularity 'tensor' (or 'row' for an expert stack), e.g. "
-                                f"fully_shard(..., granularity=muon_granularity(model)); or use mode='auto' / "
-                                f"'gather'."
-                            )
+        super().__init__(params, defaults)  # validates each group in add_param_group
 
     # -- which groups and names -------------------------------------------------------------------------
+    def _is_muon_group(self, group: dict) -> bool:
+        """Whether Muon steps this group (all groups here; a subclass may step others differently)."""
+        return True
+
     def _muon_groups(self) -> list[dict]:
-        """The param groups Muon steps (all of them here; a subclass may step others differently)."""
-        return list(self.param_groups)
+        return [g for g in self.param_groups if self._is_muon_group(g)]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``Optimizer.add_param_group``, then reject what Muon cannot orthogonalize, naming it."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if not self._is_muon_group(group):
+            return
+        if group["mode"] not in _MODES:
+            raise ValueError(f"Muon mode must be one of {_MODES}, got {group['mode']!r}")
+        for p, name in zip(group["params"], self._names(group)):
+            for start, shape in self._matrix_shapes(name, p):  # raises on 1-D / undeclared 3-D tensors
+                if group["mode"] == "local" and _is_sharded(p):
+                    ranges = _matrix_ranges(p, start, shape[0] * shape[1])
+                    holders = [r for r, (lo, hi) in enumerate(ranges) if hi > lo]
+                    if len(holders) > 1:
+                        raise ValueError(
+                            f"Muon mode='local' needs every matrix whole on one rank, but {name} (matrix at element "
+                            f"{start}, shape {shape}) is split over ranks {holders}. Shard with granularity 'tensor' "
+                            f"(or 'row' for an expert stack), e.g. fully_shard(..., granularity="
+                            f"muon_granularity(model)); or use mode='auto' / 'gather'."
+                        )
 
     def _names(self, group: dict) -> list[str]:
         if "param_names" in group:
@@ -577,11 +585,9 @@ class Muon(Optimizer):
         param.add_(ortho, alpha=-adjusted_lr)
 
     def _all_to_all(self, bucket: _Bucket, recv: Tensor, send: Tensor, recv_splits, send_splits, kind: str):
-        item = _WIRE_DTYPE.itemsize
-        collectives.comm_stats.record(kind, (sum(send_splits) - send_splits[bucket.rank]) * item)
-        return dist.all_to_all_single(
+        return collectives.all_to_all_single(
             recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=bucket.group,
-            async_op=True,
+            async_op=True, kind=kind,
         )
 
     def _issue_gather(self, bucket: _Bucket, updates: list[Tensor]):

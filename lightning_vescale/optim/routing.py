@@ -164,12 +164,10 @@ class MuonWithAuxAdamW(Muon):
         cost_model: Optional[MuonCostModel] = None,
     ) -> None:
         groups = [dict(g) for g in param_groups]
-        for i, g in enumerate(groups):
-            if "use_muon" not in g:
-                raise ValueError(f"param group {i} has no 'use_muon' key; give True (Muon) or False (AdamW)")
-            if not g["use_muon"] and "adamw_eps" in g:
+        for g in groups:
+            if not g.get("use_muon", True) and "adamw_eps" in g:
                 g["eps"] = g.pop("adamw_eps")
-            elif not g["use_muon"]:
+            elif not g.get("use_muon", True):
                 g.setdefault("eps", adamw_eps)
         # AdamW's group options, with torch.optim.AdamW's defaults (foreach / fused chosen by torch).
         adamw_defaults = {
@@ -182,8 +180,10 @@ class MuonWithAuxAdamW(Muon):
             expert_patterns=expert_patterns, cost_model=cost_model, _extra_defaults=adamw_defaults,
         )
 
-    def _muon_groups(self) -> list[dict]:
-        return [g for g in self.param_groups if g["use_muon"]]
+    def _is_muon_group(self, group: dict) -> bool:
+        if "use_muon" not in group:
+            raise ValueError("every MuonWithAuxAdamW param group needs 'use_muon': True (Muon) or False (AdamW)")
+        return bool(group["use_muon"])
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -293,7 +293,8 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
         "resumed_from": ckpt_path,
         "init_from": getattr(config, "init_from", None),
     }
-    callbacks: list[Any] = [stats, RunSummary(stats, run_dir, extra=extra)]
+    summary = RunSummary(stats, run_dir, extra=extra)
+    callbacks: list[Any] = [stats, summary]
     if t.enable_progress_bar:
         callbacks.append(RecipeProgressBar())
     if t.checkpoint_every_n_steps > 0:
@@ -322,5 +323,4 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
             f"from {extra['init_from']}", run_dir,
         )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    summary = callbacks[1].summary
-    return summary
+    return summary.summary

@@ -19,7 +19,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -180,7 +180,9 @@ class RunSummary(Callback):
         warmup_steps: steps left out of the tokens/s mean (start-up and first-step costs).
     """
 
-    def __init__(self, stats: StepStats, output_dir: str | Path, *, extra: Optional[dict] = None, warmup_steps: int = 3):
+    def __init__(
+        self, stats: StepStats, output_dir: Union[str, Path], *, extra: Optional[dict] = None, warmup_steps: int = 3
+    ) -> None:
         self.stats = stats
         self.output_dir = Path(output_dir)
         self.extra = dict(extra or {})
@@ -253,13 +255,16 @@ class RunSummary(Callback):
 
         lines = [
             "run summary",
-            f"  steps          {summary['steps']} ({summary['steps_this_run']} in this run, world size {summary['world_size']})",
+            f"  steps          {summary['steps']} ({summary['steps_this_run']} in this run, "
+            f"world size {summary['world_size']})",
             f"  loss           first {fmt(summary['first_loss'])}  final {fmt(summary['final_loss'])}  "
             f"min {fmt(summary['min_loss'])}  (mean of last 10: {fmt(summary['final_loss_mean_last_10'])})",
             f"  val loss       {fmt(summary['val_loss'])}",
-            f"  throughput     {fmt(summary['tokens_per_s'], ',.0f')} tokens/s, {fmt(summary['step_time_s'], '.3f')} s/step",
+            f"  throughput     {fmt(summary['tokens_per_s'], ',.0f')} tokens/s, "
+            f"{fmt(summary['step_time_s'], '.3f')} s/step",
             f"  communication  {bytes_line}",
-            f"  peak memory    {format_bytes(summary['peak_memory_bytes'])} ({summary['peak_memory_kind']}, max over ranks)",
+            f"  peak memory    {format_bytes(summary['peak_memory_bytes'])} "
+            f"({summary['peak_memory_kind']}, max over ranks)",
             f"  wall time      {summary['wall_time_s']:.1f} s",
             f"  written        {self.output_dir / 'summary.json'}" + (f", {plot}" if plot else ""),
         ]

@@ -77,9 +77,8 @@ def build_optimizer_from_config(
         factory = hydra.utils.get_object(target)
     except Exception as err:  # hydra wraps ImportError / AttributeError in its own exception types
         raise ImportError(
-            f"optimizer._target_={target!r} cannot be imported ({err.__class__.__name__}: {err}). "
-            f"{'lightning_vescale.optim is not available in this install; ' if 'lightning_vescale.optim' in target else ''}"
-            "pick another optimizer, e.g. optimizer=adamw"
+            f"optimizer._target_={target!r} cannot be imported ({err.__class__.__name__}: {err}); "
+            "fix the path or pick another optimizer, e.g. optimizer=adamw"
         ) from err
     kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
     if "betas" in kwargs:

@@ -25,12 +25,14 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from lightning_vescale.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, llama_config
+from lightning_vescale.data import TOKENIZERS, load_text
+from lightning_vescale.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, RopeScaling, llama_config
 from lightning_vescale.models.moe import MOE_CONFIGS, MoE, MoEConfig, moe_config
 
 __all__ = [
@@ -134,8 +136,6 @@ class ModelConfig:
         unknown = sorted(set(overrides) - names)
         _check(not unknown, f"model: {self.family} models have no field(s) {unknown}; valid: {sorted(names)}")
         if isinstance(overrides.get("rope_scaling"), dict):
-            from lightning_vescale.models.llama import RopeScaling
-
             overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
         if "dense_layers" in overrides:
             overrides["dense_layers"] = tuple(overrides["dense_layers"])
@@ -266,7 +266,9 @@ class MuonConfig(OptimizerConfig):
             self.adjust_lr_fn in (None, "original", "match_rms_adamw"),
             f"optimizer.adjust_lr_fn must be null, 'original' or 'match_rms_adamw', got {self.adjust_lr_fn!r}",
         )
-        _check(self.mode in ("auto", "local", "gather"), f"optimizer.mode must be auto, local or gather, got {self.mode!r}")
+        _check(
+            self.mode in ("auto", "local", "gather"), f"optimizer.mode must be auto, local or gather, got {self.mode!r}"
+        )
 
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -403,13 +405,8 @@ class DataConfig:
     """DataLoader worker processes."""
 
     def __post_init__(self) -> None:
-        from lightning_vescale.data import TOKENIZERS, load_text
-
-        if self.path is not None:
-            from pathlib import Path
-
-            if not Path(self.path).is_file():
-                load_text(self.path)  # FileNotFoundError naming the path
+        if self.path is not None and not Path(self.path).is_file():
+            load_text(self.path)  # raises FileNotFoundError naming the path
         _check(
             self.tokenizer in TOKENIZERS,
             f"data.tokenizer must be one of {', '.join(TOKENIZERS)}, got {self.tokenizer!r}",
@@ -464,7 +461,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check(
-            isinstance(self.devices, (int, list)) and not isinstance(self.devices, bool) or self.devices == "auto",
+            (isinstance(self.devices, (int, list)) and not isinstance(self.devices, bool)) or self.devices == "auto",
             f"trainer.devices must be an int, 'auto' or a list of ids, got {self.devices!r}",
         )
         if isinstance(self.devices, int):
@@ -555,8 +552,6 @@ class FinetuneConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from pathlib import Path
-
         path = Path(self.init_from)
         _check(
             path.exists(),
@@ -604,7 +599,8 @@ def validate(cfg: Union[DictConfig, TrainConfig]) -> TrainConfig:
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, TrainConfig):
         raise TypeError(
-            f"expected a config composed from train.yaml or finetune.yaml (schema TrainConfig), got {type(obj).__name__}"
+            f"expected a config composed from train.yaml or finetune.yaml (schema TrainConfig), "
+            f"got {type(obj).__name__}"
         )
     return obj
 
