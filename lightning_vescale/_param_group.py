@@ -81,6 +81,14 @@ class _ManagedParam:
     original: Optional[weakref.ref] = None  # the parameter before sharding, to detect ties across groups
 
 
+def _owner_cost(param: torch.Tensor, granularity_numel: int) -> float:
+    """Newton-Schulz cost of a matrix kept whole on one rank (the planner balances it across ranks)."""
+    if param.dim() != 2 or granularity_numel != param.numel():
+        return 0.0
+    s, l = sorted(param.shape)
+    return float(5 * s * s * (2 * l + s))
+
+
 def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
     # Bypass nn.Module.__setattr__ checks: swapping parameter objects is the point here.
     module._parameters[name] = param
@@ -139,7 +147,7 @@ class ParamGroup:
                 g_numel = granularity_numel(tuple(param.shape), g)
             except ValueError as e:
                 raise ValueError(f"parameter {fqn}: {e}") from None
-            specs.setdefault(key, []).append(TensorSpec(fqn, tuple(param.shape), g_numel))
+            specs.setdefault(key, []).append(TensorSpec(fqn, tuple(param.shape), g_numel, _owner_cost(param, g_numel)))
             self.managed.append(_ManagedParam(fqn, uses, key))
             originals[fqn] = param
         for key, key_specs in specs.items():

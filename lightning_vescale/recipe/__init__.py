@@ -105,9 +105,14 @@ def find_last_checkpoint(output_root: Union[str, Path], name: str, run_dir: Opti
 def load_initial_weights(init_from: Union[str, Path], model: ModelConfig) -> dict[str, torch.Tensor]:
     """The full state dict a fine-tuning run starts from, checked against the chosen ``model``.
 
-    ``init_from`` is a Hugging Face checkpoint directory (``config.json`` + safetensors; loaded with
-    :func:`lightning_vescale.models.from_pretrained`) or a state-dict file (``.safetensors``, or a
-    ``torch.save`` of a ``state_dict``; a Lightning checkpoint's ``state_dict`` is accepted too).
+    ``init_from`` is one of:
+
+    * a Hugging Face checkpoint directory (``config.json`` + safetensors; loaded with
+      :func:`lightning_vescale.models.from_pretrained`);
+    * a state-dict file (``.safetensors``, or a ``torch.save`` of a ``state_dict``; a Lightning
+      checkpoint file's ``state_dict`` is accepted too);
+    * a sharded checkpoint directory a recipe run saved (``checkpoints/step-*.ckpt`` of the vescale or
+      fsdp2 strategy): only the model's tensors are read, in this one process, whatever world size saved it.
 
     Raises:
         FileNotFoundError: the path does not exist, or a directory lacks ``config.json``.
@@ -119,12 +124,14 @@ def load_initial_weights(init_from: Union[str, Path], model: ModelConfig) -> dic
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in model.build_model().state_dict().items()}
     chosen = f"model={model.family}_{model.preset}" + (f" with {model.overrides()}" if model.overrides() else "")
-    if path.is_dir():
+    if path.is_dir() and (path / ".metadata").is_file():
+        state = _read_sharded_checkpoint(path)
+    elif path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"init_from={str(path)!r} is a directory without config.json (found: "
                 f"{sorted(p.name for p in path.iterdir())[:10]}). Fine-tuning starts from a Hugging Face checkpoint "
-                f"directory or a full state-dict file; to continue a training run, use ckpt_path=... instead."
+                f"directory, a full state-dict file or a recipe's sharded checkpoint directory (with .metadata)."
             )
         hf_model, hf_arch = from_pretrained(path)
         _check_same_architecture(hf_arch, arch, path, chosen)
@@ -174,6 +181,33 @@ def _read_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
             f"torch.save(model.state_dict(), path) or lightning_vescale.checkpoint.save_full"
         )
     return state
+
+
+def _read_sharded_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a DCP checkpoint directory, read whole in this process (no process group)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    stored = reader.read_metadata().state_dict_metadata
+    # VeScaleStrategy stores "model.<module fqn>", ModelParallelStrategy "state_dict.<module fqn>"; the
+    # LightningModule holds the network as ``self.model``.
+    for prefix in ("model.model.", "state_dict.model."):
+        keys = [k for k, v in stored.items() if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)]
+        if keys:
+            break
+    else:
+        raise ValueError(
+            f"init_from={str(path)!r} is a sharded checkpoint without the recipe model's tensors (no keys "
+            f"'model.model.*' or 'state_dict.model.*'); found e.g. {sorted(stored)[:5]}"
+        )
+    state = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in keys}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it runs without a process group: intended here
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {k[len(prefix):]: v for k, v in state.items()}
 
 
 def _check_state_matches(state: dict, expected: dict, path: Path, chosen: str) -> None:

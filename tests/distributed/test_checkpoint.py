@@ -379,10 +379,12 @@ def _in_process(fn, tmp: str) -> None:
 
 
 def test_reshard_and_atomic_save(saved: str) -> None:
-    with pytest.raises(AssertionError, match="rank 0 of 2 failed") as err:
+    with pytest.raises(AssertionError, match="rank 0 of 2 failed|exited with codes") as err:
         run_distributed(_load2, 2, saved, timeout=300)
-    # It failed in the save that rank 1 left, after every check had passed on both ranks.
-    assert "in save\n" in str(err.value) and "_dcp_save" in str(err.value), err.value
+    # It failed in the save that rank 1 left (rank 0 raises there, or gloo aborts it without a traceback),
+    # after every check had passed on both ranks, and the save returned nowhere.
+    if "rank 0 of 2 failed" in str(err.value):
+        assert "in save\n" in str(err.value) and "_dcp_save" in str(err.value), err.value
     assert all(os.path.exists(os.path.join(saved, f"checks_passed_rank{r}")) for r in range(2))
     assert not glob.glob(os.path.join(saved, "save_returned_rank*"))
     assert os.path.isfile(os.path.join(saved, "ck2", ".metadata"))

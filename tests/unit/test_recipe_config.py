@@ -290,3 +290,16 @@ def test_initial_weights_from_a_state_dict_file_must_match_the_model(tmp_path):
     expected = r"missing \(1\): norm.weight\n  unexpected \(1\): extra.weight\n  wrong shape \(1\): output.weight"
     with pytest.raises(ValueError, match=expected):
         load_initial_weights(tmp_path / "bad.pt", cfg.model)
+
+
+def test_initial_weights_from_a_sharded_checkpoint_directory(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    cfg = load()
+    model = Llama(llama_config("tiny"))
+    # The layout VeScaleStrategy writes: "model." (checkpoint section) + "model." (the LightningModule's attribute).
+    dcp.save({f"model.model.{k}": v for k, v in model.state_dict().items()} | {"extra.step": torch.tensor(3)},
+             storage_writer=dcp.FileSystemWriter(str(tmp_path / "step-000003.ckpt")), no_dist=True)
+    state = load_initial_weights(tmp_path / "step-000003.ckpt", cfg.model)
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
