@@ -80,15 +80,20 @@ def build_strategy(config: TrainConfig) -> Strategy:
     """Instantiate ``config.strategy`` (``_target_`` plus its arguments)."""
     node = OmegaConf.to_container(OmegaConf.structured(config.strategy), resolve=True)
     if isinstance(config.strategy, ModelParallelStrategyConfig) and node["data_parallel_size"] is None:
-        devices = config.trainer.devices
-        if not isinstance(devices, (int, list)):
-            raise ValueError(
-                f"strategy=fsdp2 with trainer.devices={devices!r}: set strategy.data_parallel_size to the number of "
-                f"processes, or trainer.devices to an int"
-            )
-        num_devices = devices if isinstance(devices, int) else len(devices)
-        node["data_parallel_size"] = num_devices * config.trainer.num_nodes
+        node["data_parallel_size"] = _processes_per_node(config) * config.trainer.num_nodes
     return hydra.utils.instantiate(node, _convert_="all")
+
+
+def _processes_per_node(config: TrainConfig) -> int:
+    devices, accelerator = config.trainer.devices, config.trainer.accelerator
+    if isinstance(devices, int):
+        return devices
+    if isinstance(devices, list):
+        return len(devices)
+    # "auto": every GPU when there are GPUs to use, else one process (Lightning's choice).
+    if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
 
 
 def find_last_checkpoint(output_root: Union[str, Path], name: str, run_dir: Optional[Path] = None) -> Optional[Path]:
@@ -270,11 +275,9 @@ def _limit_cpu_threads(config: TrainConfig) -> None:
     start with a thread pool per core whose spinning workers starve the other ranks on a small machine. Set
     here, before the launch, the children inherit it. A user's ``OMP_NUM_THREADS`` is kept.
     """
-    t = config.trainer
-    if t.accelerator != "cpu" or "OMP_NUM_THREADS" in os.environ:
+    if config.trainer.accelerator != "cpu" or "OMP_NUM_THREADS" in os.environ:
         return
-    processes = t.devices if isinstance(t.devices, int) else len(t.devices) if isinstance(t.devices, list) else 1
-    threads = max(1, (os.cpu_count() or 1) // processes)
+    threads = max(1, (os.cpu_count() or 1) // _processes_per_node(config))
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
 

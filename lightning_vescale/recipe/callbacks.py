@@ -68,8 +68,9 @@ class StepStats(Callback):
 
     Attributes (per completed optimizer step, in order): ``steps``, ``losses`` (this rank's mean training
     loss over the step's micro-batches), ``step_times`` (seconds), ``comm_bytes`` (this rank's bytes),
-    ``val_losses`` (``(step, val_loss)`` after each validation). Validation's time and bytes, and the
-    one-off ``setup`` collectives, are kept out of the steps' numbers.
+    ``val_losses`` (``(step, val_loss)`` after each validation). A step's time runs from its first
+    micro-batch's start to its last one's end (data loading, validation and checkpoint saving between steps
+    are not counted); validation's bytes and the one-off ``setup`` collectives are kept out of the steps'.
     """
 
     def __init__(self, tokens_per_batch: int) -> None:
@@ -83,7 +84,6 @@ class StepStats(Callback):
         self.setup_bytes = 0
         self.counts_bytes = False
         self._step_start: Optional[float] = None
-        self._paused_at: Optional[float] = None
         self._micro_losses: list[torch.Tensor] = []
         self._last_step = -1
 
@@ -129,14 +129,8 @@ class StepStats(Callback):
             for kind, num in by_kind.items():
                 pl_module.log(f"comm/{kind}_bytes", float(num), rank_zero_only=True)
 
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._paused_at = time.perf_counter()
-
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         comm_stats.step()  # validation's AllGathers are not a training step's traffic
-        if self._step_start is not None and self._paused_at is not None:
-            self._step_start += time.perf_counter() - self._paused_at  # nor is its time
-        self._paused_at = None
         if trainer.sanity_checking:
             return
         val = trainer.callback_metrics.get("val_loss")
@@ -145,7 +139,8 @@ class StepStats(Callback):
 
 
 class RecipeProgressBar(TQDMProgressBar):
-    """TQDM bar showing ``loss``, ``val_loss``, ``lr``, ``tok/s`` and ``comm/step`` in readable units."""
+    """Lightning's TQDM bar: ``loss``, ``tok/s`` (all ranks), ``comm/step`` (bytes this rank sent) and
+    ``val_loss``, in readable units, without the logger's version number."""
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)

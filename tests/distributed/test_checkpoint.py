@@ -316,6 +316,14 @@ def _load2(rank: int, world: int, tmp: str) -> None:
     ckpt.load(os.path.join(tmp, "mlp"), mlp, mlp_opt)
     _check_against_reference(mlp, mlp_opt, None, tmp, "ref_mlp.pt")
 
+    # Between forward and backward the root's parameters are gathered: checkpointing refuses.
+    busy, _, _ = make(seed=16)
+    out = busy(global_batch(0)[0][:2])
+    with pytest.raises(RuntimeError, match="between steps"):
+        ckpt.get_model_state_dict(busy)
+    out.float().sum().backward()
+    ckpt.get_model_state_dict(busy)
+
     # Another model: every difference is named, and nothing changes.
     other, o_opt, o_sched = make(seed=13, vocab=60, n_layers=1)
     before = pieces(other)

@@ -63,7 +63,7 @@ def test_every_group_has_the_promised_options():
     assert {"vescale", "vescale_hsdp", "fsdp2", "ddp"} <= set(options("strategy"))
     assert {"fp32", "bf16_mixed", "bf16_true"} <= set(options("precision"))
     assert {"embedded", "text_file"} <= set(options("data"))
-    assert "default" in options("trainer")
+    assert {"default", "gpu"} <= set(options("trainer"))
 
 
 @pytest.mark.parametrize("model", options("model"))
@@ -102,6 +102,12 @@ def test_every_strategy_composes_validates_and_instantiates(strategy):
         assert built._replicate_size == "auto"
     if strategy == "fsdp2":
         assert built._data_parallel_size == 2 and built._tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize("trainer", options("trainer"))
+def test_every_trainer_composes_and_validates(trainer):
+    cfg = load(f"trainer={trainer}", "precision=bf16_mixed")
+    assert cfg.trainer.max_steps >= 1 and cfg.trainer.precision == "bf16-mixed"
 
 
 @pytest.mark.parametrize(
@@ -292,6 +298,7 @@ def test_initial_weights_from_a_state_dict_file_must_match_the_model(tmp_path):
         load_initial_weights(tmp_path / "bad.pt", cfg.model)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_initial_weights_from_a_sharded_checkpoint_directory(tmp_path):
     import torch.distributed.checkpoint as dcp
 
