@@ -304,6 +304,11 @@ def shard_module(
     """
     names = {id(p): n for n, p in module.named_parameters()}
     _check_no_ties_across(roots, names)
+    if granularity == "muon":
+        # Whole matrices on one rank, so Muon orthogonalizes them where they live (no optimizer traffic).
+        from lightning_vescale.optim.routing import muon_granularity
+
+        granularity = muon_granularity(module)
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, granularity=granularity)
     if not is_sharded(module):
         for block in select_blocks(module, auto_wrap_policy):

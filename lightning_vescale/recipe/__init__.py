@@ -40,6 +40,7 @@ from lightning_vescale.recipe.schema import (
     FinetuneConfig,
     ModelConfig,
     ModelParallelStrategyConfig,
+    MuonConfig,
     TrainConfig,
     register_configs,
     validate,
@@ -79,6 +80,8 @@ def build_datamodule(data: DataConfig) -> TextDataModule:
 def build_strategy(config: TrainConfig) -> Strategy:
     """Instantiate ``config.strategy`` (``_target_`` plus its arguments)."""
     node = OmegaConf.to_container(OmegaConf.structured(config.strategy), resolve=True)
+    if isinstance(config.optimizer, MuonConfig) and "granularity" in node and node["granularity"] is None:
+        node["granularity"] = "muon"  # keep Muon's matrices whole on their owner rank
     if isinstance(config.strategy, ModelParallelStrategyConfig) and node["data_parallel_size"] is None:
         node["data_parallel_size"] = _processes_per_node(config) * config.trainer.num_nodes
     return hydra.utils.instantiate(node, _convert_="all")

@@ -337,8 +337,8 @@ class VeScaleStrategyConfig(StrategyConfig):
         )
         g = self.granularity
         _check(
-            g is None or g in ("element", "row", "tensor") or (isinstance(g, int) and g >= 1) or isinstance(g, dict),
-            f"strategy.granularity must be null, 'element', 'row', 'tensor', a positive number of rows or a mapping "
+            g is None or g in ("element", "row", "tensor", "muon") or (isinstance(g, int) and g >= 1) or isinstance(g, dict),
+            f"strategy.granularity must be null, 'element', 'row', 'tensor', 'muon', a positive number of rows or a mapping "
             f"of name globs to those, got {g!r}",
         )
 
