@@ -1,0 +1,89 @@
+"""Convert a sharded checkpoint directory into one ordinary weights file, offline, in one process.
+
+    python -m lightning_vescale.convert CHECKPOINT_DIR model.safetensors
+    python -m lightning_vescale.convert CHECKPOINT_DIR model.pt --format torch --strip-prefix model.
+
+Works on any directory written by :func:`lightning_vescale.checkpoint.save` (and so by the Lightning
+and Fabric strategies and the recipes), whatever world size wrote it: DCP reads every saved box into
+full tensors. No process group, GPU or model code is needed. The result loads with plain
+``safetensors.torch.load_file`` / ``torch.load`` into an unsharded model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from pathlib import Path
+from typing import Union
+
+import torch
+
+__all__ = ["load_full_model_state", "convert"]
+
+
+def load_full_model_state(checkpoint_dir: Union[str, os.PathLike], *, strip_prefix: str = "") -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) tensors from a sharded checkpoint directory, by parameter name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    path = Path(checkpoint_dir)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a complete sharded checkpoint (no .metadata file): pass the directory that "
+            f"lightning_vescale.checkpoint.save / the strategy wrote, e.g. .../checkpoints/step-000300.ckpt"
+        )
+    state: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # DCP's own ShardedTensor deprecation notices
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)),
+                         planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    model = state.get("model")
+    if not model:
+        raise ValueError(f"{path} holds no model state (keys: {sorted(state)})")
+    out = {}
+    for name, tensor in model.items():
+        if strip_prefix and name.startswith(strip_prefix):
+            name = name[len(strip_prefix):]
+        out[name] = tensor
+    return out
+
+
+def convert(checkpoint_dir: Union[str, os.PathLike], output: Union[str, os.PathLike], *, format: str = "safetensors",
+            strip_prefix: str = "") -> Path:
+    """Write the model of ``checkpoint_dir`` as one ``safetensors`` or ``torch.save`` file at ``output``."""
+    if format not in ("safetensors", "torch"):
+        raise ValueError(f"format must be 'safetensors' or 'torch', got {format!r}")
+    tensors = load_full_model_state(checkpoint_dir, strip_prefix=strip_prefix)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    if format == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(tmp))
+    else:
+        torch.save(tensors, tmp)
+    os.replace(tmp, output)  # never leave a half-written file under the final name
+    return output
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint_dir")
+    parser.add_argument("output")
+    parser.add_argument("--format", choices=["safetensors", "torch"], default=None,
+                        help="default: from the output's suffix (.safetensors, else torch)")
+    parser.add_argument("--strip-prefix", default="",
+                        help="remove this prefix from names, e.g. 'model.' for a LightningModule's attribute")
+    args = parser.parse_args()
+    fmt = args.format or ("safetensors" if args.output.endswith(".safetensors") else "torch")
+    out = convert(args.checkpoint_dir, args.output, format=fmt, strip_prefix=args.strip_prefix)
+    tensors = load_full_model_state(args.checkpoint_dir, strip_prefix=args.strip_prefix)
+    total = sum(t.numel() for t in tensors.values())
+    print(f"wrote {len(tensors)} tensors ({total / 1e6:.2f}M elements) to {out}")
+
+
+if __name__ == "__main__":
+    main()
