@@ -3,8 +3,8 @@
     python benchmarks/train_bench.py                  # 2 and 4 gloo ranks, writes benchmarks/results/train.*
     python benchmarks/train_bench.py --world-sizes 2 --steps 4 --model bench_small
 
-Each world size is one set of processes that runs every engine in turn on the same model, data and seed:
-median step time (after warm-up), peak live tensor memory per rank (a separate, slower pass with a
+Each world size is one set of processes that runs every engine on the same model, data and seed, the
+engines' steps interleaved so that background load affects all alike: median step time (after warm-up), peak live tensor memory per rank (a separate, slower pass with a
 dispatch-mode ledger, since CPU has no allocator statistics), bytes sent per rank per step, padding.
 Bytes use the ring formula for every engine: AllGather/ReduceScatter (N-1)·shard bytes, AllReduce
 2(N-1)/N·bytes. FSDP2's are counted by wrapping the torch.distributed calls it makes; DDP's all-reduce
@@ -126,22 +126,8 @@ def step_bytes(engine: str, model, world: int) -> int:
     return 2 * (world - 1) * grad_bytes // world
 
 
-def run_engine(engine: str, config: LlamaConfig, world: int, rank: int, args) -> dict:
-    gen = torch.Generator().manual_seed(1234 + rank)
-    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps + 2)]
-    model, optimizer, padding = build(engine, config, world)
-    times, losses, sent = [], [], []
-    for i, tokens in enumerate(batches):
-        dist.barrier()
-        start = time.perf_counter()
-        losses.append(step(model, optimizer, tokens).item())
-        elapsed = time.perf_counter() - start
-        sent.append(step_bytes(engine, model, world))
-        if i >= 2:  # warm-up: lazy init, first allocations
-            times.append(elapsed)
-    del model, optimizer
-    # Memory pass: a fresh sharded model (its construction, identical for all engines, is left out)
-    # trained for two steps under the ledger.
+def measure_memory(engine: str, config: LlamaConfig, world: int, batches: list) -> int:
+    """Peak live tensor bytes of two training steps of a freshly sharded model (construction excluded)."""
     model, optimizer, _ = build(engine, config, world)
     ledger = PeakMemory()
     ledger.track(*_persistent_tensors(model))
@@ -149,12 +135,38 @@ def run_engine(engine: str, config: LlamaConfig, world: int, rank: int, args) ->
         for tokens in batches[:2]:
             step(model, optimizer, tokens)
         step_bytes(engine, model, world)
+    return ledger.peak
+
+
+def run_engines(engines: list, config: LlamaConfig, world: int, rank: int, args) -> dict:
+    """Time the engines interleaved step by step, so background load drifts affect all of them alike."""
+    gen = torch.Generator().manual_seed(1234 + rank)
+    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps + 2)]
+    built = {engine: build(engine, config, world) for engine in engines}
+    times = {e: [] for e in engines}
+    sent = {e: [] for e in engines}
+    losses = {e: [] for e in engines}
+    for i, tokens in enumerate(batches):
+        for engine in engines:
+            model, optimizer, _ = built[engine]
+            dist.barrier()
+            start = time.perf_counter()
+            losses[engine].append(step(model, optimizer, tokens).item())
+            elapsed = time.perf_counter() - start
+            sent[engine].append(step_bytes(engine, model, world))
+            if i >= 2:  # warm-up: lazy init, first allocations
+                times[engine].append(elapsed)
+    paddings = {e: built[e][2] for e in engines}
+    del built, model, optimizer
     return {
-        "median_step_s": statistics.median(times),
-        "peak_bytes": ledger.peak,
-        "bytes_per_step": statistics.median(sent[2:]),
-        "padding": padding,
-        "final_loss": losses[-1],
+        engine: {
+            "median_step_s": statistics.median(times[engine]),
+            "peak_bytes": measure_memory(engine, config, world, batches),
+            "bytes_per_step": statistics.median(sent[engine][2:]),
+            "padding": paddings[engine],
+            "final_loss": losses[engine][-1],
+        }
+        for engine in engines
     }
 
 
@@ -164,9 +176,7 @@ def worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     _wrap_torch_collectives()
     config = MODELS[args.model]
-    results = {}
-    for engine in args.engines:
-        results[engine] = run_engine(engine, config, world, rank, args)
+    results = run_engines(args.engines, config, world, rank, args)
     # Report the worst rank (max over ranks) for time and memory, as a user would feel it.
     keys = ["median_step_s", "peak_bytes", "bytes_per_step"]
     gathered = [None] * world
