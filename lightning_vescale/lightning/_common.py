@@ -283,6 +283,17 @@ def _cast_output_hook(dtype: torch.dtype) -> Callable:
     return hook
 
 
+def register_vescale_names(cls: type, strategy_registry: Any) -> None:
+    """Register ``cls`` as "vescale" and as the "vescale_hsdp" preset (Trainer and Fabric registries alike)."""
+    if "vescale" not in strategy_registry:
+        strategy_registry.register("vescale", cls, description="ZeRO-3 sharding on RaggedShard placements (lightning_vescale)")
+    if "vescale_hsdp" not in strategy_registry:
+        strategy_registry.register(
+            "vescale_hsdp", cls, description="lightning_vescale HSDP: shard within a node, replicate across nodes",
+            replicate_size="auto",
+        )
+
+
 def is_sharded(module: nn.Module) -> bool:
     return any(get_state(m) is not None for m in module.modules())
 

@@ -55,6 +55,7 @@ from lightning_vescale.lightning._common import (
     no_gradient_sync,
     precision_of_plugin,
     prepare_sharded,
+    register_vescale_names,
     top_level_roots,
     warn_if_policy_ignored,
 )
@@ -176,15 +177,7 @@ class VeScaleStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        if "vescale" not in strategy_registry:
-            strategy_registry.register(
-                "vescale", cls, description="ZeRO-3 sharding on RaggedShard placements (lightning_vescale)"
-            )
-        if "vescale_hsdp" not in strategy_registry:
-            strategy_registry.register(
-                "vescale_hsdp", cls, description="lightning_vescale HSDP: shard within a node, replicate across nodes",
-                replicate_size="auto",
-            )
+        register_vescale_names(cls, strategy_registry)
 
     # -- plugins ------------------------------------------------------------------------------------------
     @property
