@@ -65,6 +65,14 @@ class ShardedParamInfo:
         return self.buffer.group
 
     @property
+    def norm_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks whose gradient pieces together hold this parameter's distinct gradient values once each:
+        :func:`~lightning_vescale.clip_grad_norm_` sums the local ``|g|^p`` over it. The shard group unless
+        ``fully_shard(..., norm_group=...)`` said otherwise (expert parallelism: every rank of dp x ep)."""
+        group = self.group.norm_group
+        return self.shard_group if group is None else group
+
+    @property
     def placement(self) -> RaggedShard:
         """The parameter's RaggedShard placement over its shard group (coarsest unit the cuts allow)."""
         return RaggedShard.from_flat_ranges(tuple(self.global_shape), self.buffer.plan.pieces(self.index))
@@ -111,10 +119,14 @@ class ParamGroup:
         mp_policy: MixedPrecisionPolicy,
         granularity_fn: GranularityFn,
         reshard_after_forward: bool,
+        gradient_divide_factor: Optional[float] = None,
+        norm_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.module = module
         self.shard_group = shard_group
         self.replicate_group = replicate_group
+        self.gradient_divide_factor = gradient_divide_factor
+        self.norm_group = norm_group
         self.device = device
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
@@ -167,7 +179,7 @@ class ParamGroup:
                 plan, group=self.shard_group, device=self.device, dtype=dtype,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype if requires_grad else None,
                 requires_grad=requires_grad and dtype.is_floating_point,
-                replicate_group=self.replicate_group,
+                replicate_group=self.replicate_group, gradient_divide_factor=self.gradient_divide_factor,
             )
         for mp in self.managed:
             buf = self.buffers[mp.key]

@@ -24,6 +24,8 @@ def clip_grad_norm_(
 
     Every element of a sharded gradient lives on exactly one rank of its shard group, so the local
     ``sum |g|^p`` (or max) is all-reduced over that group; ordinary replicated parameters count once.
+    A group sharded with ``fully_shard(..., norm_group=g)`` is reduced over ``g`` instead: expert-parallel
+    experts sharded over dp hold distinct values on every dp x ep rank (``param._vescale.norm_group``).
     Returns the total norm (the same on every rank).
     """
     if isinstance(parameters, torch.Tensor):
@@ -40,7 +42,7 @@ def clip_grad_norm_(
         if info is None:
             replicated.append(p.grad)
         else:
-            by_group.setdefault(info.shard_group, []).append(p.grad)
+            by_group.setdefault(info.norm_group, []).append(p.grad)
 
     def local_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         grads = [g for g in grads if g.numel() > 0]

@@ -92,6 +92,10 @@ class DBuffer:
         reduce_dtype: dtype of the gradient ReduceScatter.
         requires_grad: whether the buffer's tensors get gradients.
         replicate_group: for HSDP, the group over which reduced gradient pieces are averaged.
+        gradient_divide_factor: what the reduced gradient (the sum over the shard group, and over the
+            replicate group for HSDP) is divided by. ``None`` (default): the number of ranks summed over,
+            i.e. the mean. Expert parallelism needs another factor (see
+            :func:`lightning_vescale.parallel.fully_shard_expert_parallel`).
     """
 
     def __init__(
@@ -105,8 +109,12 @@ class DBuffer:
         reduce_dtype: Optional[torch.dtype] = None,
         requires_grad: bool = True,
         replicate_group: Optional[dist.ProcessGroup] = None,
+        gradient_divide_factor: Optional[float] = None,
     ) -> None:
+        if gradient_divide_factor is not None and not gradient_divide_factor > 0:
+            raise ValueError(f"gradient_divide_factor must be > 0, got {gradient_divide_factor}")
         self.plan = plan
+        self.gradient_divide_factor = gradient_divide_factor
         self.group = group
         self.replicate_group = replicate_group
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -261,11 +269,19 @@ class DBuffer:
             self._reduce_handle.wait()
         out = self._reduce_output
         with torch.no_grad():
-            if out.dtype == torch.float32 or out.dtype == torch.float64:
-                out.div_(self.world_size)
-            if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
-                collectives.all_reduce(out, self.replicate_group, kind="all_reduce_replicate")
-                out.div_(dist.get_world_size(self.replicate_group))
+            replicate = self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1
+            full_precision = out.dtype == torch.float32 or out.dtype == torch.float64
+            if self.gradient_divide_factor is not None:
+                # One division by the whole factor (low-precision sums were pre-divided by N in reduce_grad).
+                out.div_(self.gradient_divide_factor / (1 if full_precision else self.world_size))
+                if replicate:
+                    collectives.all_reduce(out, self.replicate_group, kind="all_reduce_replicate")
+            else:
+                if full_precision:
+                    out.div_(self.world_size)
+                if replicate:
+                    collectives.all_reduce(out, self.replicate_group, kind="all_reduce_replicate")
+                    out.div_(dist.get_world_size(self.replicate_group))
             if out is not self.local_grad:
                 if self._reduce_accumulate:
                     self.local_grad.add_(out)

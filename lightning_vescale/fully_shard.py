@@ -394,6 +394,8 @@ def fully_shard(
     reshard_after_forward: bool = True,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
     granularity: GranularityArg = None,
+    gradient_divide_factor: Optional[float] = None,
+    norm_group: Optional[Union[dist.ProcessGroup, DeviceMesh]] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` in one group, laid out by the planner into DBuffers.
 
@@ -416,6 +418,14 @@ def fully_shard(
             an int number of rows (e.g. 128 for 128x128 quantization blocks), ``"tensor"`` (whole matrix on
             one rank, as Muon wants); or a mapping of name glob patterns to those, or a callable
             ``(name, param) -> granularity``. A parameter attribute ``_vescale_granularity`` is the default.
+        gradient_divide_factor: the group's reduced gradient is the sum over the mesh's ranks divided by this.
+            ``None`` (default) divides by the number of ranks summed over (the mean over data-parallel
+            ranks). Expert weights sharded over the dp mesh of a (dp, ep) mesh already sum the tokens of
+            their ep group through the all-to-all, so they need ``dp * ep`` (see
+            :func:`lightning_vescale.parallel.fully_shard_expert_parallel`).
+        norm_group: the ranks over which :func:`~lightning_vescale.clip_grad_norm_` sums this group's local
+            ``|g|^p``: a process group or 1-D mesh in which every distinct gradient value lives on exactly one
+            rank. ``None`` (default): the shard group. Expert weights sharded over dp need all dp x ep ranks.
 
     Returns:
         ``module``, sharded in place.
@@ -434,6 +444,15 @@ def fully_shard(
             f"(submodules first, then the root)"
         )
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    if gradient_divide_factor is not None and not gradient_divide_factor > 0:
+        raise ValueError(f"gradient_divide_factor must be > 0, got {gradient_divide_factor}")
+    if isinstance(norm_group, DeviceMesh):
+        if norm_group.ndim != 1:
+            raise ValueError(
+                f"norm_group must be a process group or a 1-D mesh, got a {norm_group.ndim}-D mesh; pass its "
+                f"flattened mesh (or a 1-D mesh of the same ranks)"
+            )
+        norm_group = norm_group.get_group()
     mesh, shard_group, replicate_group = _resolve_mesh(mesh)
     device = _mesh_device(mesh)
     params = _collect_params(module)
@@ -449,7 +468,8 @@ def fully_shard(
         group = ParamGroup(
             module, params, shard_group=shard_group, replicate_group=replicate_group, device=device,
             mp_policy=mp_policy, granularity_fn=_granularity_fn(granularity),
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,
+            norm_group=norm_group,
         )
     # Buffers are replicated: move the ones this module owns directly to the mesh's device.
     for sub in module.modules():

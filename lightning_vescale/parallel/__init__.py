@@ -4,6 +4,7 @@ from lightning_vescale.parallel.expert_parallel import (
     ExpertParallelGroupedExperts,
     all_to_all_single_autograd,
     apply_expert_parallel,
+    fully_shard_expert_parallel,
     register_expert_bias_update,
 )
 
@@ -11,5 +12,6 @@ __all__ = [
     "ExpertParallelGroupedExperts",
     "all_to_all_single_autograd",
     "apply_expert_parallel",
+    "fully_shard_expert_parallel",
     "register_expert_bias_update",
 ]

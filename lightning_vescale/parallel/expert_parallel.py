@@ -28,6 +28,24 @@ all-to-all is the all-to-all with the splits swapped), so gradients reach the in
 routing weights and the local expert weights. A local expert's gradient sums the contributions of
 every rank's tokens, as the full model's gradient on the union of the ranks' tokens would.
 
+[Note: expert parallelism with sharding over dp]
+On a 2-D mesh ``("dp", "ep")`` the experts of ep rank e are replicated over the dp ranks that share e,
+so :func:`fully_shard_expert_parallel` shards them over ``mesh["dp"]`` only, in a group of their own,
+and everything else over all ``dp * ep`` ranks. Two things differ from plain data parallelism:
+
+* averaging: every rank's loss is the mean over its own batch, and the reference is the mean over the
+  concatenated global batch, i.e. ``1/(dp*ep)`` times the sum of the per-rank losses. A non-expert
+  gradient is summed over all ``dp*ep`` ranks and divided by ``dp*ep`` (the default). A local expert's
+  gradient on one rank *already* sums the contributions of the ``ep`` ranks of its ep group (the
+  all-to-all brings their tokens); the ReduceScatter over dp adds the other dp rows, so the sum covers
+  all ``dp*ep`` ranks once, and the default division by the dp group size (``dp``) would leave it
+  ``ep`` times too large. The expert group is therefore sharded with
+  ``fully_shard(..., gradient_divide_factor=dp * ep)``.
+* the gradient norm: after that ReduceScatter each expert element lives on exactly one of the
+  ``dp*ep`` ranks (ep picks the expert slice, dp the piece), so ``clip_grad_norm_`` must sum the
+  experts' local ``|g|^p`` over all of them, not over the dp shard group:
+  ``fully_shard(..., norm_group=<all dp*ep ranks>)``.
+
 .. note::
     Apply it to a materialized full model whose experts are identical on the EP ranks (same seed or
     loaded checkpoint), before ``fully_shard``. If applied to a meta-device model, ``init_weights``
@@ -38,7 +56,7 @@ every rank's tokens, as the full model's gradient on the union of the ranks' tok
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -53,6 +71,7 @@ __all__ = [
     "ExpertParallelGroupedExperts",
     "all_to_all_single_autograd",
     "apply_expert_parallel",
+    "fully_shard_expert_parallel",
     "register_expert_bias_update",
 ]
 
@@ -197,6 +216,68 @@ def apply_expert_parallel(model: nn.Module, ep_group: Union[ProcessGroup, Device
         module.num_global_experts = num_experts
         module.num_experts = num_local
     return model
+
+
+def fully_shard_expert_parallel(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    dp_dim: str = "dp",
+    ep_dim: str = "ep",
+    dense_mesh: Optional[DeviceMesh] = None,
+    blocks: Optional[Iterable[nn.Module]] = None,
+    **fully_shard_kwargs: Any,
+) -> nn.Module:
+    """Expert parallelism over ``mesh[ep_dim]`` composed with ZeRO-3 sharding over ``mesh[dp_dim]``, in place.
+
+    1. :func:`apply_expert_parallel` over ``mesh[ep_dim]`` (skipped if the model already is expert
+       parallel over a group of that size);
+    2. every expert module: ``fully_shard(experts, mesh=mesh[dp_dim], gradient_divide_factor=dp * ep,
+       norm_group=dense_mesh)`` (see the module's note on why these two arguments);
+    3. every block (``blocks``, default ``model.layers``), then ``model``: ``fully_shard(.., mesh=dense_mesh)``.
+
+    Args:
+        model: a model containing ``GroupedExperts``, identical on every rank.
+        mesh: a 2-D mesh with dimensions ``dp_dim`` and ``ep_dim`` (e.g. ``init_device_mesh("cpu", (2, 2),
+            mesh_dim_names=("dp", "ep"))``).
+        dense_mesh: a 1-D mesh of all of ``mesh``'s ranks for the non-expert parameters (and the experts'
+            gradient norm). Default: ``mesh`` flattened.
+        blocks: the modules to shard as their own groups; default ``model.layers``.
+        fully_shard_kwargs: passed to every ``fully_shard`` call (``mp_policy``, ``reshard_after_forward``,
+            ``granularity``).
+
+    Returns:
+        ``model``.
+    """
+    from lightning_vescale.fully_shard import fully_shard
+
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim != 2 or dp_dim not in names or ep_dim not in names:
+        raise ValueError(
+            f"fully_shard_expert_parallel needs a 2-D mesh with dimensions {dp_dim!r} and {ep_dim!r}, got "
+            f"{mesh.ndim}-D dimensions {names}"
+        )
+    for key in ("mesh", "gradient_divide_factor", "norm_group"):
+        if key in fully_shard_kwargs:
+            raise ValueError(f"fully_shard_expert_parallel chooses {key} itself; don't pass it")
+    dp_mesh, ep_mesh = mesh[dp_dim], mesh[ep_dim]
+    dp, ep = dp_mesh.size(), ep_mesh.size()
+    if dense_mesh is None:
+        dense_mesh = mesh._flatten()
+    if dense_mesh.ndim != 1 or dense_mesh.size() != dp * ep:
+        raise ValueError(f"dense_mesh must be a 1-D mesh of the {dp * ep} ranks of mesh, got {dense_mesh}")
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    if not any(isinstance(m, ExpertParallelGroupedExperts) for m in experts):
+        apply_expert_parallel(model, ep_mesh)
+    for module in experts:
+        if not isinstance(module, ExpertParallelGroupedExperts) or module.ep_size != ep:
+            raise ValueError(f"every GroupedExperts must be expert parallel over {ep} ranks ({ep_dim!r})")
+        fully_shard(
+            module, mesh=dp_mesh, gradient_divide_factor=dp * ep, norm_group=dense_mesh, **fully_shard_kwargs
+        )
+    for block in model.layers if blocks is None else blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=dense_mesh, **fully_shard_kwargs)
+    return fully_shard(model, mesh=dense_mesh, **fully_shard_kwargs)
 
 
 def register_expert_bias_update(

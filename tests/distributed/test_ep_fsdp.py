@@ -1,0 +1,182 @@
+"""Expert parallelism over "ep" composed with sharding over "dp" equals single-process training.
+
+4 gloo ranks as a (dp, ep) = (2, 2) mesh: the experts of each ep rank are sharded over ``mesh["dp"]``
+in their own group, everything else over all 4 ranks. Each rank trains on its own quarter of the
+global batch; the reference is one process on the whole batch (fp32, 1e-5 relative: the collectives
+sum in another order than one backward). Negative controls: the plain dp division of the expert
+gradients (off by a factor ep) and the plain dp norm group (experts of the other ep rank missing
+from the clipping norm) are both detected.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import lightning_vescale as lv
+from lightning_vescale.models import MoE, moe_config
+from lightning_vescale.parallel import apply_expert_parallel, fully_shard_expert_parallel
+from lightning_vescale.parallel.expert_parallel import ExpertParallelGroupedExperts
+from tests.dist_utils import run_distributed
+
+LOCAL_BATCH, SEQ = 2, 8
+TOL = 1e-5
+
+
+def _make_reference() -> MoE:
+    torch.manual_seed(0)
+    config = dataclasses.replace(moe_config("tiny"), vocab_size=64, dim=32, moe_hidden=32, shared_expert_hidden=32)
+    ref = MoE(config)
+    with torch.no_grad():
+        for layer in ref.moe_layers():
+            layer.router.weight.normal_(0, 1.0)  # decisive routing: no near-ties that 1e-7 could flip
+    return ref
+
+
+def _batch(step: int, world: int, vocab: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, vocab, (world * LOCAL_BATCH, SEQ + 1), generator=generator)
+
+
+def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _ref_slice(model, ref, name: str, full: torch.Tensor) -> torch.Tensor:
+    """The reference values matching a sharded parameter's local piece (expert slice for experts)."""
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    if isinstance(module, ExpertParallelGroupedExperts):
+        full = full[module.expert_start : module.expert_start + module.num_experts]
+    start, end = model.get_parameter(name)._vescale.piece
+    return full.reshape(-1)[start:end]
+
+
+def _max_rel_diff(model, ref, *, grads: bool, experts_only: bool = False) -> float:
+    """Largest |local piece - reference piece| / max |reference tensor|, agreed by all ranks."""
+    worst = torch.zeros(())
+    for name, p in model.named_parameters():
+        if experts_only and ".experts." not in name:
+            continue
+        full = ref.get_parameter(name)
+        full = full.grad if grads else full.detach()
+        mine = p.grad if grads else p.detach()
+        want = _ref_slice(model, ref, name, full)
+        if want.numel():
+            diff = (mine.reshape(-1) - want).abs().max() / full.abs().max().clamp_min(1e-12)
+            worst = torch.maximum(worst, diff)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def _expert_norms(model, ref) -> tuple[float, float]:
+    """The experts' gradient norm as the engine computes it (nothing clipped) and the reference's."""
+    got = lv.clip_grad_norm_([p for n, p in model.named_parameters() if ".experts." in n], float("inf"))
+    want = torch.nn.utils.get_total_norm([p.grad for n, p in ref.named_parameters() if ".experts." in n])
+    return got.item(), want.item()
+
+
+def _global_loss(loss: torch.Tensor) -> float:
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def _manual_composition(ref, mesh, flat, *, divide: bool, norm: bool):
+    """The same composition by hand, optionally without the divide factor or the norm group."""
+    model = apply_expert_parallel(copy.deepcopy(ref), mesh["ep"])
+    for layer in model.moe_layers():
+        lv.fully_shard(
+            layer.experts, mesh=mesh["dp"], gradient_divide_factor=4 if divide else None,
+            norm_group=flat if norm else None,
+        )
+    for block in model.layers:
+        lv.fully_shard(block, mesh=flat)
+    return lv.fully_shard(model, mesh=flat)
+
+
+def _worker(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    flat = init_device_mesh("cpu", (world,))
+    ref = _make_reference()
+    vocab = ref.config.vocab_size
+    model = fully_shard_expert_parallel(copy.deepcopy(ref), mesh)
+
+    # The layout: experts hold E/ep experts, sharded over dp (2 ranks), norm over all 4; the rest over 4.
+    num_local = ref.config.num_experts // 2
+    for name, p in model.named_parameters():
+        info = p._vescale
+        if ".experts." in name:
+            assert info.global_shape[0] == num_local, name
+            assert dist.get_world_size(info.shard_group) == 2 and dist.get_world_size(info.norm_group) == 4
+        else:
+            assert dist.get_world_size(info.shard_group) == 4 and info.norm_group is info.shard_group
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    for step in range(3):
+        tokens = _batch(step, world, vocab)
+        loss = _loss(model, tokens[mine])
+        loss.backward()
+        ref_loss = _loss(ref, tokens)
+        ref_loss.backward()
+        got = _global_loss(loss)
+        assert abs(got - ref_loss.item()) <= TOL * max(1.0, abs(ref_loss.item())), (step, got, ref_loss.item())
+        assert _max_rel_diff(model, ref, grads=True) < TOL, step
+        # The experts' part of the norm alone (it is small next to the embeddings'), then clipping at half
+        # the true norm, so that it is active.
+        got_norm, want_norm = _expert_norms(model, ref)
+        assert abs(got_norm - want_norm) <= TOL * want_norm, (step, got_norm, want_norm)
+        true_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
+        norm = lv.clip_grad_norm_(model.parameters(), 0.5 * true_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5 * true_norm)
+        assert abs(norm.item() - ref_norm.item()) <= TOL * ref_norm.item(), (step, norm, ref_norm)
+        assert _max_rel_diff(model, ref, grads=True) < TOL, step
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert _max_rel_diff(model, ref, grads=False) < TOL, step
+    moved = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), _make_reference().parameters()))
+    assert moved > 1e-2, "training must change the parameters for the parity check to mean anything"
+
+    # The same by hand, from the trained reference, one step on a fresh batch.
+    tokens = _batch(10, world, vocab)
+    ref_loss = _loss(ref, tokens)
+    ref_loss.backward()
+    true_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
+    good = _manual_composition(ref, mesh, flat, divide=True, norm=True)
+    _loss(good, tokens[mine]).backward()
+    assert _max_rel_diff(good, ref, grads=True) < TOL
+    assert abs(lv.clip_grad_norm_(good.parameters(), 1e9).item() - true_norm) <= TOL * true_norm
+    got_norm, want_norm = _expert_norms(good, ref)
+    assert abs(got_norm - want_norm) <= TOL * want_norm, (got_norm, want_norm)
+
+    # Negative control 1: the default division by the dp group size leaves expert gradients ep (2) times
+    # too large; the other gradients are right.
+    no_divide = _manual_composition(ref, mesh, flat, divide=False, norm=True)
+    _loss(no_divide, tokens[mine]).backward()
+    assert _max_rel_diff(no_divide, ref, grads=True, experts_only=True) > 0.1
+    for name, p in no_divide.named_parameters():
+        full = ref.get_parameter(name).grad
+        want = _ref_slice(no_divide, ref, name, full)
+        scale = 2.0 if ".experts." in name else 1.0
+        torch.testing.assert_close(p.grad.reshape(-1), scale * want, rtol=TOL, atol=TOL * full.abs().max().item())
+
+    # Negative control 2: summing the experts' squares over the dp shard group only misses the other ep
+    # rank's experts, so the experts' norm is too small on every rank.
+    no_norm = _manual_composition(ref, mesh, flat, divide=True, norm=False)
+    _loss(no_norm, tokens[mine]).backward()
+    assert _max_rel_diff(no_norm, ref, grads=True) < TOL
+    wrong, want_norm = _expert_norms(no_norm, ref)
+    assert wrong < want_norm * 0.99, (wrong, want_norm)
+
+
+def test_expert_parallel_with_dp_sharding_matches_single_process():
+    run_distributed(_worker, 4, timeout=120)
