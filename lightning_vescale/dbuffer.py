@@ -111,8 +111,6 @@ class DBuffer:
         replicate_group: Optional[dist.ProcessGroup] = None,
         gradient_divide_factor: Optional[float] = None,
     ) -> None:
-        if gradient_divide_factor is not None and not gradient_divide_factor > 0:
-            raise ValueError(f"gradient_divide_factor must be > 0, got {gradient_divide_factor}")
         self.plan = plan
         self.gradient_divide_factor = gradient_divide_factor
         self.group = group
@@ -269,19 +267,14 @@ class DBuffer:
             self._reduce_handle.wait()
         out = self._reduce_output
         with torch.no_grad():
-            replicate = self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1
-            full_precision = out.dtype == torch.float32 or out.dtype == torch.float64
-            if self.gradient_divide_factor is not None:
-                # One division by the whole factor (low-precision sums were pre-divided by N in reduce_grad).
-                out.div_(self.gradient_divide_factor / (1 if full_precision else self.world_size))
-                if replicate:
-                    collectives.all_reduce(out, self.replicate_group, kind="all_reduce_replicate")
-            else:
-                if full_precision:
-                    out.div_(self.world_size)
-                if replicate:
-                    collectives.all_reduce(out, self.replicate_group, kind="all_reduce_replicate")
-                    out.div_(dist.get_world_size(self.replicate_group))
+            replicas = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
+            if replicas > 1:
+                collectives.all_reduce(out, self.replicate_group, kind="all_reduce_replicate")
+            divisor = self.gradient_divide_factor or self.world_size * replicas  # default: the mean over ranks
+            if not (out.dtype == torch.float32 or out.dtype == torch.float64):
+                divisor /= self.world_size  # low-precision sums were pre-divided by N in reduce_grad
+            if divisor != 1:
+                out.div_(divisor)
             if out is not self.local_grad:
                 if self._reduce_accumulate:
                     self.local_grad.add_(out)
