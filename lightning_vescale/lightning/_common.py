@@ -384,6 +384,23 @@ def build_mesh(device: torch.device, world_size: int, replicate_size: Optional[i
     )
 
 
+def check_expert_parallel_size(expert_parallel_size: int, world_size: int) -> None:
+    """``expert_parallel_size`` must divide the world size (the ``("dp", "ep")`` mesh is ``world // ep`` by ``ep``)."""
+    if world_size % expert_parallel_size != 0:
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size} does not divide the world size {world_size} "
+            f"(devices * num_nodes): the ('dp', 'ep') mesh needs world_size % expert_parallel_size == 0"
+        )
+
+
+def build_expert_parallel_mesh(device: torch.device, world_size: int, expert_parallel_size: int) -> DeviceMesh:
+    """A 2-D ``("dp", "ep")`` mesh: experts split over ``"ep"``, their pieces sharded over ``"dp"``."""
+    check_expert_parallel_size(expert_parallel_size, world_size)
+    return init_device_mesh(
+        device.type, (world_size // expert_parallel_size, expert_parallel_size), mesh_dim_names=("dp", "ep")
+    )
+
+
 # --------------------------------------------------------------------------------------------------------
 # Setup around fully_shard
 
@@ -469,6 +486,78 @@ def prepare_sharded(
         module, mesh=mesh, roots=roots, auto_wrap_policy=auto_wrap_policy,
         reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, granularity=granularity,
     )
+    materialize(module)
+    add_output_casts(roots, mp_policy)
+
+
+def has_experts(module: nn.Module) -> bool:
+    from lightning_vescale.models.moe import GroupedExperts
+
+    return any(isinstance(m, GroupedExperts) for m in module.modules())
+
+
+def prepare_expert_parallel(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    device: torch.device,
+    roots: Sequence[nn.Module],
+    auto_wrap_policy: AutoWrapPolicy,
+    reshard_after_forward: bool,
+    mp_policy: Optional[MixedPrecisionPolicy],
+    granularity: GranularityArg,
+    sync_module_states: bool,
+) -> None:
+    """:func:`prepare_sharded` with expert parallelism on a ``("dp", "ep")`` mesh.
+
+    Each root holding ``GroupedExperts`` goes through
+    :func:`~lightning_vescale.parallel.fully_shard_expert_parallel` (experts split over ``"ep"`` and sharded
+    over ``"dp"``; its blocks and itself over all ranks); the other roots are sharded over all ranks.
+    """
+    from lightning_vescale.models.moe import GroupedExperts
+    from lightning_vescale.parallel.expert_parallel import fully_shard_expert_parallel
+
+    if is_sharded(module):
+        raise ValueError(
+            "expert_parallel_size > 1 shards the model itself; a model sharded in configure_model() is not "
+            "supported with it. Leave the sharding to the strategy, or call fully_shard_expert_parallel yourself "
+            "and keep expert_parallel_size=1."
+        )
+    if not has_experts(module):
+        raise ValueError(
+            f"expert_parallel_size > 1 but {type(module).__name__} has no expert modules (GroupedExperts, e.g. "
+            f"lightning_vescale.models.MoE): set expert_parallel_size=1 for a model without experts"
+        )
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError(
+            "expert_parallel_size > 1 needs the model's real weights before sharding (experts identical on every "
+            "rank, then split): don't build it on the meta device (trainer.init_module(empty_init=True))"
+        )
+    names = {id(p): n for n, p in module.named_parameters()}
+    _check_no_ties_across(roots, names)
+    if granularity == "muon":
+        from lightning_vescale.optim.routing import muon_granularity
+
+        granularity = muon_granularity(module)
+    if sync_module_states:
+        broadcast_module_states(module, device)
+    kwargs = dict(reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, granularity=granularity)
+    dense_mesh = mesh._flatten()
+    for root in roots:
+        if has_experts(root):
+            inside_experts = {id(m) for e in root.modules() if isinstance(e, GroupedExperts) for m in e.modules()}
+            blocks = [
+                b for b in select_blocks(root, auto_wrap_policy)
+                if id(b) not in inside_experts and b is not root
+            ]
+            fully_shard_expert_parallel(root, mesh, dense_mesh=dense_mesh, blocks=blocks, **kwargs)
+        else:
+            for block in select_blocks(root, auto_wrap_policy):
+                fully_shard(block, mesh=dense_mesh, **kwargs)
+            fully_shard(root, mesh=dense_mesh, **kwargs)
+    unsharded = [n for n, p in module.named_parameters() if getattr(p, "_vescale", None) is None]
+    if unsharded:
+        raise ValueError(f"parameters {unsharded[:3]} are not sharded: put them in a submodule of the LightningModule")
     materialize(module)
     add_output_casts(roots, mp_policy)
 

@@ -239,6 +239,14 @@ def _structure_checks(rank: int, world: int) -> None:
         lv.fully_shard(nn.Linear(6, 5), granularity=4)
     with pytest.raises(ValueError, match="3-D mesh"):
         lv.fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (1, 1, world)))
+    if world > 1:
+        # A mesh without this rank (built collectively, as DeviceMesh requires) is refused by name.
+        from torch.distributed.device_mesh import DeviceMesh
+
+        rank0_only = DeviceMesh("cpu", torch.tensor([0]))
+        if rank != 0:
+            with pytest.raises(ValueError, match="not part of the mesh"):
+                lv.fully_shard(nn.Linear(3, 3), mesh=rank0_only)
     tied = TinyTransformer()
     lv.fully_shard(tied.head)  # owns the tied weight, but the embedding outside uses it too
     with pytest.raises(ValueError, match="Tied parameters"):
