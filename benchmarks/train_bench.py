@@ -208,7 +208,7 @@ def to_markdown(all_results: dict, args) -> str:
     cfg = MODELS[args.model]
     params = sum(p.numel() for p in Llama(cfg).parameters())
     lines = [
-        f"# Training benchmark: lightning-vescale vs FSDP2 vs DDP",
+        "# Training benchmark: lightning-vescale vs FSDP2 vs DDP",
         "",
         f"Model `{args.model}` ({params / 1e6:.1f}M parameters, Llama-shaped), batch {args.batch}x{args.seq} tokens "
         f"per rank, AdamW, fp32, gloo on CPU ({os.cpu_count()} cores shared by all ranks), {args.steps} timed steps.",

@@ -48,12 +48,15 @@ from lightning_vescale.lightning._common import (
     AutoWrapPolicy,
     ProcessGroupEnvironment,
     _VeScalePrecisionMixin,
+    build_expert_parallel_mesh,
     build_mesh,
     check_accelerator,
+    check_expert_parallel_size,
     is_sharded,
     materialize,
     no_gradient_sync,
     precision_of_plugin,
+    prepare_expert_parallel,
     prepare_sharded,
     register_vescale_names,
     top_level_roots,
@@ -112,6 +115,13 @@ class VeScaleStrategy(ParallelStrategy):
         replicate_size: ``None`` shards over every rank (1-D mesh ``("shard",)``). An int ``R`` or ``"auto"``
             (the number of nodes) builds a 2-D ``("replicate", "shard")`` mesh for HSDP: parameters are sharded
             within groups of ``world_size // R`` ranks and gradients averaged across the ``R`` replicas.
+        expert_parallel_size: ``1`` (default): no expert parallelism. An int ``ep > 1`` builds a 2-D
+            ``("dp", "ep")`` mesh of ``world_size // ep`` by ``ep`` ranks and shards the model with
+            :func:`~lightning_vescale.parallel.fully_shard_expert_parallel`: the routed experts of every
+            ``GroupedExperts`` are split over ``"ep"`` and their pieces sharded over ``"dp"``, everything else is
+            sharded over all ranks. It must divide the world size, the model must contain ``GroupedExperts``, and
+            it cannot be combined with ``replicate_size`` (HSDP) yet. The model is built with real weights (not on
+            the meta device) so every rank splits the same experts.
         sync_module_states: broadcast rank 0's weights before sharding (as DDP does), so every rank cuts the
             same model even if the ranks were seeded differently. Meta-device weights are initialized with rank
             0's RNG state instead.
@@ -136,6 +146,7 @@ class VeScaleStrategy(ParallelStrategy):
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         granularity: GranularityArg = None,
         replicate_size: Union[None, int, Literal["auto"]] = None,
+        expert_parallel_size: int = 1,
         sync_module_states: bool = True,
         meta_init: bool = True,
         process_group_backend: Optional[str] = None,
@@ -150,6 +161,14 @@ class VeScaleStrategy(ParallelStrategy):
             raise TypeError(f"mp_policy must be a lightning_vescale.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
         if not (replicate_size is None or replicate_size == "auto" or (isinstance(replicate_size, int) and replicate_size >= 1)):
             raise ValueError(f"replicate_size must be None, 'auto' or a positive int, got {replicate_size!r}")
+        if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size must be a positive int, got {expert_parallel_size!r}")
+        if expert_parallel_size > 1 and replicate_size is not None:
+            raise ValueError(
+                f"expert_parallel_size={expert_parallel_size} with replicate_size={replicate_size!r} (HSDP) is not "
+                f"supported yet: use one of them"
+            )
+        self._expert_parallel_size = expert_parallel_size
         self._mp_policy = mp_policy
         self._auto_wrap_policy = auto_wrap_policy
         self._reshard_after_forward = reshard_after_forward
@@ -254,9 +273,16 @@ class VeScaleStrategy(ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False
 
+    @property
+    def expert_parallel_size(self) -> int:
+        return self._expert_parallel_size
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        if self._expert_parallel_size > 1 and self.num_processes > 0:
+            # Before any process is launched: the Trainer's constructor stops with the message.
+            check_expert_parallel_size(self._expert_parallel_size, self.num_nodes * self.num_processes)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -278,9 +304,14 @@ class VeScaleStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        if self._expert_parallel_size > 1:
+            check_expert_parallel_size(self._expert_parallel_size, self.world_size)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
-        self._device_mesh = build_mesh(self.root_device, self.world_size, replicate)
+        if self._expert_parallel_size > 1:
+            self._device_mesh = build_expert_parallel_mesh(self.root_device, self.world_size, self._expert_parallel_size)
+        else:
+            replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
+            self._device_mesh = build_mesh(self.root_device, self.world_size, replicate)
         assert self.lightning_module is not None
         # configure_model() can shard by hand with self.device_mesh.
         self.lightning_module._device_mesh = self._device_mesh
@@ -296,7 +327,8 @@ class VeScaleStrategy(ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        with torch.device("meta") if self._meta_init else nullcontext():
+        # Expert parallelism splits real experts (identical on every rank), so it builds the model for real.
+        with torch.device("meta") if self._meta_init and self._expert_parallel_size == 1 else nullcontext():
             yield
 
     @override
@@ -309,7 +341,20 @@ class VeScaleStrategy(ParallelStrategy):
         precision = self.precision_plugin
         assert isinstance(precision, VeScalePrecision)
         user_sharded = is_sharded(module)
-        if not all(getattr(p, "_vescale", None) is not None for p in module.parameters()):
+        if self._expert_parallel_size > 1:
+            module = precision.convert_module(module)
+            prepare_expert_parallel(
+                module,
+                mesh=self.device_mesh,
+                device=self.root_device,
+                roots=top_level_roots(module),
+                auto_wrap_policy=self._auto_wrap_policy,
+                reshard_after_forward=self._reshard_after_forward,
+                mp_policy=self._mp_policy or precision.mp_policy,
+                granularity=self._granularity,
+                sync_module_states=self._sync_module_states,
+            )
+        elif not all(getattr(p, "_vescale", None) is not None for p in module.parameters()):
             module = precision.convert_module(module)
             prepare_sharded(
                 module,

@@ -46,10 +46,9 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import logging
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist

@@ -321,6 +321,10 @@ class VeScaleStrategyConfig(StrategyConfig):
     globs to those."""
     replicate_size: Any = None
     """``null``: shard over every rank. An int or ``"auto"`` (the number of nodes): HSDP replicas."""
+    expert_parallel_size: int = 1
+    """``1``: no expert parallelism. ``ep > 1``: split the MoE experts over ``ep`` ranks and shard them over
+    ``world_size // ep`` (a ``("dp", "ep")`` mesh); must divide ``devices * num_nodes``, needs an MoE model
+    and ``replicate_size: null``."""
     sync_module_states: bool = True
     """Start every rank from rank 0's weights (meta-device init replays rank 0's RNG)."""
     meta_init: bool = True
@@ -334,6 +338,16 @@ class VeScaleStrategyConfig(StrategyConfig):
         _check(
             r is None or r == "auto" or (isinstance(r, int) and not isinstance(r, bool) and r >= 1),
             f"strategy.replicate_size must be null, 'auto' or a positive int, got {r!r}",
+        )
+        ep = self.expert_parallel_size
+        _check(
+            isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1,
+            f"strategy.expert_parallel_size must be a positive int, got {ep!r}",
+        )
+        _check(
+            ep == 1 or r is None,
+            f"strategy.expert_parallel_size={ep} with strategy.replicate_size={r!r} (HSDP) is not supported yet: "
+            f"set one of them",
         )
         g = self.granularity
         _check(
@@ -539,6 +553,26 @@ class TrainConfig:
             f"set either resume=true or ckpt_path=..., not both (got ckpt_path={self.ckpt_path!r})",
         )
         _check(self.expert_bias_rate >= 0, f"expert_bias_rate must be >= 0, got {self.expert_bias_rate}")
+        ep = getattr(self.strategy, "expert_parallel_size", 1)
+        if ep > 1:
+            _check(
+                hasattr(arch, "num_experts"),
+                f"strategy.expert_parallel_size={ep} needs an MoE model (expert modules to split), but {where} has no "
+                f"experts; pick e.g. model=moe_tiny or set strategy.expert_parallel_size=1",
+            )
+            _check(
+                arch.num_experts % ep == 0,
+                f"strategy.expert_parallel_size={ep} does not divide the {arch.num_experts} experts of {where}",
+            )
+            devices = self.trainer.devices
+            per_node = len(devices) if isinstance(devices, list) else devices if isinstance(devices, int) else None
+            if per_node is not None:
+                world = per_node * self.trainer.num_nodes
+                _check(
+                    world % ep == 0,
+                    f"strategy.expert_parallel_size={ep} does not divide the world size {world} "
+                    f"(trainer.devices={devices} * trainer.num_nodes={self.trainer.num_nodes})",
+                )
         _check(bool(self.name) and "/" not in self.name, f"name must be a non-empty directory name, got {self.name!r}")
 
 
