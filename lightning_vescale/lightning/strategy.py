@@ -35,7 +35,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -353,6 +353,11 @@ class VeScaleStrategy(ParallelStrategy):
                 mp_policy=self._mp_policy or precision.mp_policy,
                 granularity=self._granularity,
                 sync_module_states=self._sync_module_states,
+            )
+            mesh = self.device_mesh
+            rank_zero_info(
+                f"{type(self).__name__}: expert parallel over ('dp', 'ep') = ({mesh['dp'].size()}, {mesh['ep'].size()})"
+                f": experts split over ep={self._expert_parallel_size} ranks"
             )
         elif not all(getattr(p, "_vescale", None) is not None for p in module.parameters()):
             module = precision.convert_module(module)

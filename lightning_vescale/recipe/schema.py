@@ -560,10 +560,6 @@ class TrainConfig:
                 f"strategy.expert_parallel_size={ep} needs an MoE model (expert modules to split), but {where} has no "
                 f"experts; pick e.g. model=moe_tiny or set strategy.expert_parallel_size=1",
             )
-            _check(
-                arch.num_experts % ep == 0,
-                f"strategy.expert_parallel_size={ep} does not divide the {arch.num_experts} experts of {where}",
-            )
             devices = self.trainer.devices
             per_node = len(devices) if isinstance(devices, list) else devices if isinstance(devices, int) else None
             if per_node is not None:
@@ -573,6 +569,10 @@ class TrainConfig:
                     f"strategy.expert_parallel_size={ep} does not divide the world size {world} "
                     f"(trainer.devices={devices} * trainer.num_nodes={self.trainer.num_nodes})",
                 )
+            _check(
+                arch.num_experts % ep == 0,
+                f"strategy.expert_parallel_size={ep} does not divide the {arch.num_experts} experts of {where}",
+            )
         _check(bool(self.name) and "/" not in self.name, f"name must be a non-empty directory name, got {self.name!r}")
 
 
