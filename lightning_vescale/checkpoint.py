@@ -143,6 +143,14 @@ def _info(t: Any) -> Optional[ShardedParamInfo]:
 
 
 def _check_idle(model: nn.Module) -> None:
+    for module in model.modules():
+        if getattr(module, "ep_group", None) is not None:
+            # Each EP rank holds other experts under the same names: a checkpoint would keep one rank's only.
+            raise NotImplementedError(
+                f"checkpoints of expert-parallel models are not supported yet ({type(module).__name__} holds "
+                f"1/ep of the experts): train with expert_parallel_size=1 to checkpoint, or disable checkpoints "
+                f"(recipe: trainer.checkpoint_every_n_steps=0). Nothing was written."
+            )
     for group in sharded_groups(model):
         busy = group.training_state is not TrainingState.IDLE
         if busy or any(b.state is not BufferState.SHARDED for b in group.buffers.values()):
