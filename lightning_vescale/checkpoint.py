@@ -31,6 +31,17 @@ renames leaves the old checkpoint at ``<path>`` (rank 0 removes the unfinished `
 survives; nothing ever loads one); a crash between the two renames leaves ``<path>.old``, which
 :func:`load` falls back to, and the next save replaces.
 
+[Note: expert-parallel checkpoints]
+An expert-parallel module (one with an ``ep_group``) keeps on ep rank e only experts
+``[e * E/ep, (e+1) * E/ep)`` of each expert parameter, under the full parameter's name (and, with
+``fully_shard_expert_parallel``, shards that local stack over dp). In a checkpoint such a parameter is
+the *full* tensor of all E experts: a rank's local stack (or its dp piece of it) is the flat range of
+its local stack shifted by ``e * E/ep`` rows of dim 0, which is again a flat range of the full tensor,
+so the boxes are computed as above. Every rank's ep rank and piece are gathered once per state dict
+(one ``all_gather_object``), so each rank lists every rank's boxes. A checkpoint of an EP model thus
+loads into an EP model of any ep size dividing E, or into a model without expert parallelism, and
+:func:`export_full_state_dict` gathers the experts of every ep rank.
+
 A full export (:func:`export_full_state_dict`, :func:`save_full`) is an ordinary state dict of unsharded
 tensors, loadable with ``safetensors.torch.load_file`` / ``torch.load`` and ``load_state_dict`` without
 this library; :func:`load_full_state_dict` starts sharded training from one.
@@ -45,6 +56,7 @@ import random
 import shutil
 import uuid
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -142,15 +154,71 @@ def _info(t: Any) -> Optional[ShardedParamInfo]:
     return getattr(t, "_vescale", None)
 
 
-def _check_idle(model: nn.Module) -> None:
+@dataclass(frozen=True)
+class _ExpertSlab:
+    """Where an expert-parallel parameter's local expert stack sits in the full expert tensor.
+
+    See [Note: expert-parallel checkpoints]. ``ranks`` (only when built with ``everyone``) lists, for
+    every global rank, ``(global rank, ep rank, start, end)``: its flat range of its own local stack.
+    """
+
+    ep_rank: int
+    num_local: int
+    num_global: int
+    ep_group: Any
+    ranks: Optional[tuple[tuple[int, int, int, int], ...]] = None
+
+    def full_shape(self, local_shape: Shape) -> Shape:
+        return (self.num_global, *local_shape[1:])
+
+    def offset(self, ep_rank: int, local_shape: Shape) -> int:
+        """Flat offset of ep rank ``ep_rank``'s block in the full tensor."""
+        return ep_rank * self.num_local * math.prod(local_shape[1:])
+
+
+Slabs = dict[int, _ExpertSlab]
+"""id(parameter) -> its expert slab, for the expert parameters of expert-parallel modules."""
+
+
+def _expert_slabs(model: nn.Module, *, everyone: bool = False) -> Slabs:
+    """The expert slabs of ``model``'s expert-parallel modules (those with an ``ep_group``).
+
+    With ``everyone``, every rank's ep rank and piece are gathered too (one ``all_gather_object``, only if
+    the model is expert parallel): collective, called in the same place on every rank.
+    """
+    from lightning_vescale.parallel.expert_parallel import _EXPERT_PARAMS
+
+    found = []
     for module in model.modules():
-        if getattr(module, "ep_group", None) is not None:
-            # Each EP rank holds other experts under the same names: a checkpoint would keep one rank's only.
-            raise NotImplementedError(
-                f"checkpoints of expert-parallel models are not supported yet ({type(module).__name__} holds "
-                f"1/ep of the experts): train with expert_parallel_size=1 to checkpoint, or disable checkpoints "
-                f"(recipe: trainer.checkpoint_every_n_steps=0). Nothing was written."
-            )
+        group = getattr(module, "ep_group", None)
+        if group is None:
+            continue
+        for name in _EXPERT_PARAMS:
+            p = getattr(module, name, None)
+            if isinstance(p, torch.Tensor):
+                found.append((module, p))
+    if not found:
+        return {}
+    mine = []
+    for module, p in found:
+        info = _info(p)
+        local_shape = tuple(info.global_shape) if info is not None else tuple(p.shape)
+        if local_shape[0] != module.num_experts:
+            raise RuntimeError(f"expert parameter of shape {local_shape} does not hold {module.num_experts} experts")
+        start, end = info.piece if info is not None else (0, p.numel())
+        mine.append((dist.get_rank(module.ep_group), start, end))
+    table: list[list] = [mine]
+    if everyone and _dist_on():
+        table = [None] * _world_size()  # type: ignore[list-item]
+        dist.all_gather_object(table, mine)
+    out: Slabs = {}
+    for i, (module, p) in enumerate(found):
+        ranks = tuple((g, *row[i]) for g, row in enumerate(table)) if everyone else None
+        out[id(p)] = _ExpertSlab(mine[i][0], module.num_experts, module.num_global_experts, module.ep_group, ranks)
+    return out
+
+
+def _check_idle(model: nn.Module) -> None:
     for group in sharded_groups(model):
         busy = group.training_state is not TrainingState.IDLE
         if busy or any(b.state is not BufferState.SHARDED for b in group.buffers.values()):
@@ -178,18 +246,52 @@ def _model_entries(model: nn.Module, *, dedupe: bool) -> list[tuple[str, Any]]:
     return out
 
 
-def _global_shape(t: torch.Tensor) -> Shape:
+def _global_shape(t: torch.Tensor, slabs: Optional[Slabs] = None) -> Shape:
     info = _info(t)
-    return tuple(info.global_shape) if info is not None else tuple(t.shape)
+    shape = tuple(info.global_shape) if info is not None else tuple(t.shape)
+    slab = (slabs or {}).get(id(t))
+    return slab.full_shape(shape) if slab is not None else shape
 
 
-def _piece(t: torch.Tensor) -> tuple[Shape, int, int]:
-    """(global shape, start, end) of the flat range of the global tensor that ``t`` holds here."""
+def _piece(t: torch.Tensor, slabs: Optional[Slabs] = None) -> tuple[Shape, int, int]:
+    """(global shape, start, end) of the flat range of the global tensor that ``t`` holds here.
+
+    For an expert parameter (in ``slabs``), the global tensor holds all experts: the range of the local
+    stack is shifted by the block of this rank's experts.
+    """
     info = _info(t)
+    shape = tuple(info.global_shape) if info is not None else tuple(t.shape)
+    start, end = info.piece if info is not None else (0, t.numel())
+    slab = (slabs or {}).get(id(t))
+    if slab is None:
+        return shape, start, end
+    off = slab.offset(slab.ep_rank, shape)
+    return slab.full_shape(shape), start + off, end + off
+
+
+def _pieces_of(t: torch.Tensor, slabs: Slabs) -> Optional[tuple[Shape, list[tuple[int, int, int]], int]]:
+    """(global shape, every rank's (global rank, start, end), index of this rank's entry) of ``t``, or None
+    for an unsharded tensor that is not an expert parameter (a plain replicated tensor)."""
+    info, slab = _info(t), slabs.get(id(t))
+    if slab is not None:
+        if slab.ranks is None:
+            raise RuntimeError("internal: expert slabs built without every rank's pieces")
+        local_shape = tuple(info.global_shape) if info is not None else tuple(t.shape)
+        pieces = [(g, s + slab.offset(e, local_shape), x + slab.offset(e, local_shape)) for g, e, s, x in slab.ranks]
+        return slab.full_shape(local_shape), pieces, _rank()
     if info is None:
-        return tuple(t.shape), 0, t.numel()
-    start, end = info.piece
-    return tuple(info.global_shape), start, end
+        return None
+    global_ranks = dist.get_process_group_ranks(info.shard_group) if _dist_on() else [0]
+    pieces = [(global_ranks[r], s, e) for r, (s, e) in enumerate(info.buffer.plan.pieces(info.index))]
+    return tuple(info.global_shape), pieces, info.buffer.rank
+
+
+def _as_state(local: torch.Tensor, t: torch.Tensor, slabs: Slabs) -> Union[ShardedTensor, torch.Tensor]:
+    """``local`` (placed like ``t``: the parameter itself or a per-element state of it) for DCP."""
+    placed = _pieces_of(t, slabs)
+    if placed is None:
+        return local.detach()
+    return _sharded_tensor(local.detach(), *placed, what=_info(t).fqn if _info(t) is not None else "an expert stack")
 
 
 def _shape_of(value: Any) -> Optional[Shape]:
@@ -209,33 +311,32 @@ def _ravel(offsets: Sequence[int], shape: Shape) -> int:
     return index
 
 
-def _sharded_tensor(local: torch.Tensor, info: ShardedParamInfo) -> Union[ShardedTensor, torch.Tensor]:
-    """``local`` (this rank's piece of a tensor placed like ``info``'s parameter) as a ShardedTensor.
+def _sharded_tensor(
+    local: torch.Tensor, shape: Shape, pieces: Sequence[tuple[int, int, int]], mine: int, *, what: str
+) -> Union[ShardedTensor, torch.Tensor]:
+    """``local`` (this rank's piece ``pieces[mine]`` of a tensor of global ``shape``) as a ShardedTensor.
 
-    One shard per N-D box of each rank's flat range; the local shards are views of ``local``, so DCP
-    writes from and loads into ``local`` in place. A tensor with no elements has no boxes: it is returned
-    as an empty tensor of the global shape.
+    ``pieces`` lists every rank's ``(global rank, start, end)`` flat range. One shard per N-D box of each
+    rank's flat range; the local shards are views of ``local``, so DCP writes from and loads into
+    ``local`` in place. A tensor with no elements has no boxes: it is returned as an empty tensor of the
+    global shape.
     """
-    shape = tuple(info.global_shape)
     if math.prod(shape) == 0:
         return torch.empty(shape, dtype=local.dtype, device=local.device)
     if not local.is_contiguous():
         raise ValueError(
-            f"the piece of {info.fqn} (shape {tuple(local.shape)}, strides {tuple(local.stride())}) is not "
+            f"the piece of {what} (shape {tuple(local.shape)}, strides {tuple(local.stride())}) is not "
             f"contiguous; checkpointing writes views of its flat storage. Keep optimizer states contiguous."
         )
-    plan, group = info.buffer.plan, info.shard_group
-    global_ranks = dist.get_process_group_ranks(group) if _dist_on() else [0]
-    my_rank = info.buffer.rank
     flat = local.detach().view(-1)
     device = str(local.device)
     shards_md, local_shards = [], []
-    for r, (start, end) in enumerate(plan.pieces(info.index)):
+    for r, (global_rank, start, end) in enumerate(pieces):
         pos = 0
         for offsets, sizes in flat_range_to_boxes(shape, start, end):
-            md = ShardMetadata(list(offsets), list(sizes), f"rank:{global_ranks[r]}/{device}")
+            md = ShardMetadata(list(offsets), list(sizes), f"rank:{global_rank}/{device}")
             shards_md.append(md)
-            if r == my_rank:
+            if r == mine:
                 n = math.prod(sizes)
                 local_shards.append(Shard(flat[pos : pos + n].view(sizes), md))
                 pos += n
@@ -385,11 +486,11 @@ def get_model_state_dict(model: nn.Module) -> dict[str, Any]:
         model: a model sharded with ``fully_shard`` (or an unsharded one), between training steps.
     """
     _check_idle(model)
+    slabs = _expert_slabs(model, everyone=True)
     out: dict[str, Any] = {}
     for name, value in _model_entries(model, dedupe=True):
         if isinstance(value, torch.Tensor):
-            info = _info(value)
-            out[name] = _sharded_tensor(value.detach(), info) if info is not None else value.detach()
+            out[name] = _as_state(value, value, slabs)
         else:
             out[name] = value  # get_extra_state()
     return out
@@ -402,7 +503,8 @@ def _apply_model_state(model: nn.Module, state: Mapping[str, Any], *, dedupe: bo
     once; non-tensor entries go to their module's ``set_extra_state``.
     """
     entries = _model_entries(model, dedupe=dedupe)
-    expected = {n: (_global_shape(v) if isinstance(v, torch.Tensor) else None) for n, v in entries}
+    slabs = _expert_slabs(model)
+    expected = {n: (_global_shape(v, slabs) if isinstance(v, torch.Tensor) else None) for n, v in entries}
     given = {n: _shape_of(v) for n, v in state.items()}
     if not strict:
         expected = {n: s for n, s in expected.items() if n in given}
@@ -417,7 +519,7 @@ def _apply_model_state(model: nn.Module, state: Mapping[str, Any], *, dedupe: bo
             continue
         done.add(id(value))
         if isinstance(value, torch.Tensor):
-            _copy_piece(value, state[name], _piece(value), f"{what} entry {name}")
+            _copy_piece(value, state[name], _piece(value, slabs), f"{what} entry {name}")
         else:
             prefix = name[: -len(_EXTRA_STATE_KEY_SUFFIX)].rstrip(".")
             model.get_submodule(prefix).set_extra_state(state[name])
@@ -489,6 +591,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
         optimizer: any ``torch.optim`` optimizer whose states are per-element or scalar (AdamW, SGD, ...).
     """
     _check_idle(model)
+    slabs = _expert_slabs(model, everyone=True)
     state: dict[str, dict[str, Any]] = {}
     param_groups = []
     for group, named in zip(optimizer.param_groups, _optimizer_params(model, optimizer)):
@@ -499,8 +602,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
             state[name] = {}
             for key, value in entries.items():
                 if _is_per_element(value, p, name, str(key)):
-                    info = _info(p)
-                    value = _sharded_tensor(value.detach(), info) if info is not None else value.detach()
+                    value = _as_state(value, p, slabs)
                 elif isinstance(value, torch.Tensor):
                     value = value.detach()
                 state[name][str(key)] = value
@@ -548,11 +650,11 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     _check_idle(model)
     named = _optimizer_params(model, optimizer)
     _check_param_groups(optimizer, named, state["param_groups"])
-    _apply_optimizer_state(optimizer, {n: p for g in named for n, p in g}, state)
+    _apply_optimizer_state(optimizer, {n: p for g in named for n, p in g}, state, _expert_slabs(model))
 
 
 def _apply_optimizer_state(
-    optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter], state: Mapping[str, Any]
+    optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter], state: Mapping[str, Any], slabs: Slabs
 ) -> None:
     """Check the state's names and shapes, then set each rank's pieces, scalars and hyperparameters."""
     unknown = [n for n in state["state"] if n not in params]
@@ -562,23 +664,23 @@ def _apply_optimizer_state(
         )
     for name, entries in state["state"].items():
         for key, value in entries.items():
-            if _shape_of(value) not in (None, _global_shape(params[name]), ()):
+            if _shape_of(value) not in (None, _global_shape(params[name], slabs), ()):
                 raise ValueError(
                     f"optimizer state {key!r} of {name} has shape {_shape_of(value)}; expected the parameter's "
-                    f"global shape {_global_shape(params[name])} or a scalar."
+                    f"global shape {_global_shape(params[name], slabs)} or a scalar."
                 )
     for name, entries in state["state"].items():
         p = params[name]
         mine = optimizer.state[p]
         for key, value in entries.items():
-            if _shape_of(value) == _global_shape(p) and len(_global_shape(p)) > 0:
+            if _shape_of(value) == _global_shape(p, slabs) and len(_global_shape(p, slabs)) > 0:
                 dst = mine.get(key)
                 if not isinstance(dst, torch.Tensor) or dst.shape != p.shape:
                     st = isinstance(value, ShardedTensor)
                     dtype = value.metadata().tensor_properties.dtype if st else value.dtype
                     dst = torch.zeros(p.shape, dtype=dtype, device=p.device)
                     mine[key] = dst
-                _copy_piece(dst, value, _piece(p), f"optimizer state {key!r} of {name}")
+                _copy_piece(dst, value, _piece(p, slabs), f"optimizer state {key!r} of {name}")
             elif isinstance(value, torch.Tensor):
                 dst = mine.get(key)
                 if isinstance(dst, torch.Tensor) and dst.shape == value.shape:
@@ -927,7 +1029,8 @@ def load(
         for name, p in params.items():
             if name not in optim_sd["state"]:
                 optimizer.state.pop(p, None)  # as after the save: no state where the checkpoint has none
-        _apply_optimizer_state(optimizer, params, {"state": optim_sd["state"], "param_groups": saved_groups})
+        _apply_optimizer_state(optimizer, params, {"state": optim_sd["state"], "param_groups": saved_groups},
+                               _expert_slabs(model))
     for i, sched in enumerate(scheds):
         sched.load_state_dict(small_sd["schedulers"][str(i)])
     saved_world = small_sd.get("meta", {}).get("world_size")
@@ -966,6 +1069,20 @@ def _gather(local: torch.Tensor, info: ShardedParamInfo, rank0_only: bool) -> Op
     return full.view(shape)
 
 
+def _full(local: torch.Tensor, t: torch.Tensor, slabs: Slabs, rank0_only: bool) -> Optional[torch.Tensor]:
+    """The full tensor of ``local`` (placed like ``t``): gathered over the shard group, and for an expert
+    parameter over its ep group too (every expert block, in ep-rank order). Collective."""
+    info, slab = _info(t), slabs.get(id(t))
+    if slab is None:
+        return _gather(local, info, rank0_only) if info is not None else local.detach().clone()
+    stack = _gather(local, info, False) if info is not None else local.detach().contiguous()
+    blocks = [torch.empty_like(stack) for _ in range(dist.get_world_size(slab.ep_group))]
+    dist.all_gather(blocks, stack, group=slab.ep_group)
+    if rank0_only and _rank() != 0:
+        return None
+    return torch.cat(blocks, dim=0)
+
+
 def export_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, Any]:
     """The model's ordinary state dict of unsharded tensors, as ``model.state_dict()`` of the unsharded model.
 
@@ -978,6 +1095,7 @@ def export_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict
         rank0_only: gather onto global rank 0 only (other ranks get ``{}``); False gives every rank all.
     """
     _check_idle(model)
+    slabs = _expert_slabs(model)
     exporting = not rank0_only or _rank() == 0
     out: dict[str, Any] = {}
     done: dict[int, Any] = {}
@@ -985,8 +1103,7 @@ def export_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict
         if isinstance(value, torch.Tensor) and id(value) in done:
             full = done[id(value)]
         elif isinstance(value, torch.Tensor):
-            info = _info(value)
-            full = _gather(value, info, rank0_only) if info is not None else value.detach().clone()
+            full = _full(value, value, slabs, rank0_only)
             done[id(value)] = full
         else:
             full = value
@@ -1009,6 +1126,7 @@ def export_full_optimizer_state_dict(
         rank0_only: gather onto global rank 0 only (other ranks get ``{}``); False gives every rank all.
     """
     _check_idle(model)
+    slabs = _expert_slabs(model)
     exporting = not rank0_only or _rank() == 0
     state: dict[str, dict[str, Any]] = {}
     param_groups = []
@@ -1018,8 +1136,8 @@ def export_full_optimizer_state_dict(
             full_entries = {}
             for key in sorted(entries, key=str):  # the same order on every rank: one collective each
                 value = entries[key]
-                if _is_per_element(value, p, name, str(key)) and _info(p) is not None:
-                    value = _gather(value, _info(p), rank0_only)
+                if _is_per_element(value, p, name, str(key)) and (_info(p) is not None or id(p) in slabs):
+                    value = _full(value, p, slabs, rank0_only)
                 elif isinstance(value, torch.Tensor):
                     value = value.detach().clone()
                 full_entries[str(key)] = value

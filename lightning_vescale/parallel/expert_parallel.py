@@ -50,8 +50,9 @@ and everything else over all ``dp * ep`` ranks. Two things differ from plain dat
     Apply it to a materialized full model whose experts are identical on the EP ranks (same seed or
     loaded checkpoint), before ``fully_shard``. If applied to a meta-device model, ``init_weights``
     afterwards draws each rank's local experts from its own RNG stream, which will not equal a
-    single-process initialization. Checkpoints of an expert-parallel model hold each rank's slice
-    under the full parameter's name; ``save_pretrained`` refuses them.
+    single-process initialization. Sharded checkpoints (:mod:`lightning_vescale.checkpoint`) of an
+    expert-parallel model hold the full expert tensors (all E experts; see its note on expert-parallel
+    checkpoints); ``save_pretrained`` still refuses expert-parallel models.
 """
 
 from __future__ import annotations

@@ -573,11 +573,6 @@ class TrainConfig:
                 arch.num_experts % ep == 0,
                 f"strategy.expert_parallel_size={ep} does not divide the {arch.num_experts} experts of {where}",
             )
-            _check(
-                self.trainer.checkpoint_every_n_steps == 0,
-                f"strategy.expert_parallel_size={ep}: checkpoints of expert-parallel runs are not supported yet; add "
-                f"trainer.checkpoint_every_n_steps=0 (or train with strategy.expert_parallel_size=1 to checkpoint)",
-            )
         _check(bool(self.name) and "/" not in self.name, f"name must be a non-empty directory name, got {self.name!r}")
 
 
