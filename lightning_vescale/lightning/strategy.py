@@ -341,9 +341,11 @@ class VeScaleStrategy(ParallelStrategy):
         precision = self.precision_plugin
         assert isinstance(precision, VeScalePrecision)
         user_sharded = is_sharded(module)
-        if self._expert_parallel_size > 1:
+        expert_parallel = self._expert_parallel_size > 1
+        if expert_parallel or not all(getattr(p, "_vescale", None) is not None for p in module.parameters()):
             module = precision.convert_module(module)
-            prepare_expert_parallel(
+            prepare = prepare_expert_parallel if expert_parallel else prepare_sharded
+            prepare(
                 module,
                 mesh=self.device_mesh,
                 device=self.root_device,
@@ -354,24 +356,12 @@ class VeScaleStrategy(ParallelStrategy):
                 granularity=self._granularity,
                 sync_module_states=self._sync_module_states,
             )
-            mesh = self.device_mesh
-            rank_zero_info(
-                f"{type(self).__name__}: expert parallel over ('dp', 'ep') = ({mesh['dp'].size()}, {mesh['ep'].size()})"
-                f": experts split over ep={self._expert_parallel_size} ranks"
-            )
-        elif not all(getattr(p, "_vescale", None) is not None for p in module.parameters()):
-            module = precision.convert_module(module)
-            prepare_sharded(
-                module,
-                mesh=self.device_mesh,
-                device=self.root_device,
-                roots=top_level_roots(module),
-                auto_wrap_policy=self._auto_wrap_policy,
-                reshard_after_forward=self._reshard_after_forward,
-                mp_policy=self._mp_policy or precision.mp_policy,
-                granularity=self._granularity,
-                sync_module_states=self._sync_module_states,
-            )
+            if expert_parallel:
+                mesh = self.device_mesh
+                rank_zero_info(
+                    f"{type(self).__name__}: expert parallel over ('dp', 'ep') = ({mesh['dp'].size()}, "
+                    f"{mesh['ep'].size()}): experts split over ep={self._expert_parallel_size} ranks"
+                )
         else:
             materialize(module)  # sharded on the meta device by the user
         if user_sharded:
