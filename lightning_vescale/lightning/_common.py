@@ -294,6 +294,15 @@ def register_vescale_names(cls: type, strategy_registry: Any) -> None:
         )
 
 
+def resolve_granularity(module: nn.Module, granularity: GranularityArg) -> GranularityArg:
+    """``"muon"``: whole matrices for what Muon steps, so it orthogonalizes them where they live."""
+    if granularity == "muon":
+        from lightning_vescale.optim.routing import muon_granularity
+
+        return muon_granularity(module)
+    return granularity
+
+
 def is_sharded(module: nn.Module) -> bool:
     return any(get_state(m) is not None for m in module.modules())
 
@@ -315,11 +324,7 @@ def shard_module(
     """
     names = {id(p): n for n, p in module.named_parameters()}
     _check_no_ties_across(roots, names)
-    if granularity == "muon":
-        # Whole matrices on one rank, so Muon orthogonalizes them where they live (no optimizer traffic).
-        from lightning_vescale.optim.routing import muon_granularity
-
-        granularity = muon_granularity(module)
+    granularity = resolve_granularity(module, granularity)
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, granularity=granularity)
     if not is_sharded(module):
         for block in select_blocks(module, auto_wrap_policy):
@@ -535,10 +540,7 @@ def prepare_expert_parallel(
         )
     names = {id(p): n for n, p in module.named_parameters()}
     _check_no_ties_across(roots, names)
-    if granularity == "muon":
-        from lightning_vescale.optim.routing import muon_granularity
-
-        granularity = muon_granularity(module)
+    granularity = resolve_granularity(module, granularity)
     if sync_module_states:
         broadcast_module_states(module, device)
     kwargs = dict(reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, granularity=granularity)
