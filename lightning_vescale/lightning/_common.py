@@ -483,11 +483,18 @@ def prepare_sharded(
     mp_policy: Optional[MixedPrecisionPolicy],
     granularity: GranularityArg,
     sync_module_states: bool,
+    expert_parallel: bool = False,
 ) -> None:
-    """Sync (real weights), shard, materialize (meta weights), cast outputs: the whole setup of a model."""
+    """Sync (real weights), shard, materialize (meta weights), cast outputs: the whole setup of a model.
+
+    With ``expert_parallel`` the mesh is ``("dp", "ep")`` and the sharding step is :func:`shard_expert_parallel`.
+    """
+    if expert_parallel:
+        check_expert_parallel_ready(module)
     if sync_module_states:
         broadcast_module_states(module, device)
-    shard_module(
+    shard = shard_expert_parallel if expert_parallel else shard_module
+    shard(
         module, mesh=mesh, roots=roots, auto_wrap_policy=auto_wrap_policy,
         reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, granularity=granularity,
     )
@@ -501,27 +508,8 @@ def has_experts(module: nn.Module) -> bool:
     return any(isinstance(m, GroupedExperts) for m in module.modules())
 
 
-def prepare_expert_parallel(
-    module: nn.Module,
-    *,
-    mesh: DeviceMesh,
-    device: torch.device,
-    roots: Sequence[nn.Module],
-    auto_wrap_policy: AutoWrapPolicy,
-    reshard_after_forward: bool,
-    mp_policy: Optional[MixedPrecisionPolicy],
-    granularity: GranularityArg,
-    sync_module_states: bool,
-) -> None:
-    """:func:`prepare_sharded` with expert parallelism on a ``("dp", "ep")`` mesh.
-
-    Each root holding ``GroupedExperts`` goes through
-    :func:`~lightning_vescale.parallel.fully_shard_expert_parallel` (experts split over ``"ep"`` and sharded
-    over ``"dp"``; its blocks and itself over all ranks); the other roots are sharded over all ranks.
-    """
-    from lightning_vescale.models.moe import GroupedExperts
-    from lightning_vescale.parallel.expert_parallel import fully_shard_expert_parallel
-
+def check_expert_parallel_ready(module: nn.Module) -> None:
+    """Expert parallelism splits real experts of an unsharded MoE: say what is wrong before anything changes."""
     if is_sharded(module):
         raise ValueError(
             "expert_parallel_size > 1 shards the model itself; a model sharded in configure_model() is not "
@@ -538,11 +526,30 @@ def prepare_expert_parallel(
             "expert_parallel_size > 1 needs the model's real weights before sharding (experts identical on every "
             "rank, then split): don't build it on the meta device (trainer.init_module(empty_init=True))"
         )
+
+
+def shard_expert_parallel(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    roots: Sequence[nn.Module],
+    auto_wrap_policy: AutoWrapPolicy,
+    reshard_after_forward: bool,
+    mp_policy: Optional[MixedPrecisionPolicy],
+    granularity: GranularityArg,
+) -> None:
+    """:func:`shard_module` with expert parallelism on a ``("dp", "ep")`` mesh.
+
+    Each root holding ``GroupedExperts`` goes through
+    :func:`~lightning_vescale.parallel.fully_shard_expert_parallel` (experts split over ``"ep"`` and sharded
+    over ``"dp"``; its blocks and itself over all ranks); the other roots are sharded over all ranks.
+    """
+    from lightning_vescale.models.moe import GroupedExperts
+    from lightning_vescale.parallel.expert_parallel import fully_shard_expert_parallel
+
     names = {id(p): n for n, p in module.named_parameters()}
     _check_no_ties_across(roots, names)
     granularity = resolve_granularity(module, granularity)
-    if sync_module_states:
-        broadcast_module_states(module, device)
     kwargs = dict(reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, granularity=granularity)
     dense_mesh = mesh._flatten()
     for root in roots:
@@ -560,8 +567,6 @@ def prepare_expert_parallel(
     unsharded = [n for n, p in module.named_parameters() if getattr(p, "_vescale", None) is None]
     if unsharded:
         raise ValueError(f"parameters {unsharded[:3]} are not sharded: put them in a submodule of the LightningModule")
-    materialize(module)
-    add_output_casts(roots, mp_policy)
 
 
 def remap_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[int, nn.Parameter]) -> None:

@@ -56,7 +56,6 @@ from lightning_vescale.lightning._common import (
     materialize,
     no_gradient_sync,
     precision_of_plugin,
-    prepare_expert_parallel,
     prepare_sharded,
     register_vescale_names,
     top_level_roots,
@@ -344,8 +343,7 @@ class VeScaleStrategy(ParallelStrategy):
         expert_parallel = self._expert_parallel_size > 1
         if expert_parallel or not all(getattr(p, "_vescale", None) is not None for p in module.parameters()):
             module = precision.convert_module(module)
-            prepare = prepare_expert_parallel if expert_parallel else prepare_sharded
-            prepare(
+            prepare_sharded(
                 module,
                 mesh=self.device_mesh,
                 device=self.root_device,
@@ -355,6 +353,7 @@ class VeScaleStrategy(ParallelStrategy):
                 mp_policy=self._mp_policy or precision.mp_policy,
                 granularity=self._granularity,
                 sync_module_states=self._sync_module_states,
+                expert_parallel=expert_parallel,
             )
             if expert_parallel:
                 mesh = self.device_mesh

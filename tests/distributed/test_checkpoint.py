@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
+from tests.asserts import assert_equal_tree
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP, TinyTransformer
 
@@ -98,22 +99,6 @@ def pieces(model: nn.Module) -> dict[str, torch.Tensor]:
 def assert_same_pieces(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
-
-
-def assert_equal_tree(got, want, path="") -> None:
-    """Bitwise equality of nested dicts / lists of tensors and values."""
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and list(got) == list(want), (path, list(got), list(want))
-        for k in want:
-            assert_equal_tree(got[k], want[k], f"{path}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_equal_tree(g, w, f"{path}/{i}")
-    elif isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want), path
-    else:
-        assert got == want, (path, got, want)
 
 
 def max_diff(got: dict, want: dict) -> float:

@@ -42,6 +42,7 @@ import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.optim import build_optimizer, muon_granularity
 from lightning_vescale.placement import RaggedShard, gather_full
+from tests.asserts import assert_equal_tree
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP
 
@@ -105,23 +106,6 @@ def set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
 
 def muon_names(opt) -> list[str]:
     return [n for g in opt.param_groups if g["use_muon"] for n in g["param_names"]]
-
-
-def assert_equal_tree(got, want, path="") -> None:
-    """Bitwise equality of nested dicts / lists of tensors and values."""
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and list(got) == list(want), (path, list(got), list(want))
-        for k in want:
-            assert_equal_tree(got[k], want[k], f"{path}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert isinstance(got, (list, tuple)) and len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_equal_tree(g, w, f"{path}/{i}")
-    elif isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype, path
-        assert torch.equal(got, want), (path, (got.float() - want.float()).abs().max().item())
-    else:
-        assert got == want, (path, got, want)
 
 
 def max_diff(got: dict, want: dict) -> float:
