@@ -3,8 +3,10 @@
 A group owns one :class:`DBuffer` per (dtype, requires_grad): usually a single buffer, so one
 AllGather and one ReduceScatter per group. Each original parameter becomes
 
-* a *sharded* ``nn.Parameter`` registered on the module(s) that used it — a view into the DBuffer's
-  local piece; this is what ``model.parameters()`` yields and what the optimizer steps;
+* a *sharded* ``nn.Parameter`` registered on the module(s) that used it — a
+  :class:`~lightning_vescale.tensor.RaggedTensor` of the global shape wrapping a view into the DBuffer's
+  local piece; this is what ``model.parameters()`` yields and what the optimizer steps. Its ``.grad`` is
+  a RaggedTensor of the same layout on the DBuffer's local gradient piece;
 * an *unsharded* ``nn.Parameter`` — a view into the DBuffer's unsharded buffer, swapped onto the
   module(s) while the group is gathered, whose ``.grad`` is a view into the unsharded gradient buffer.
 """
@@ -21,14 +23,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from lightning_vescale import collectives
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.dbuffer import BufferState, DBuffer
-from lightning_vescale.placement import RaggedShard
-from lightning_vescale.planner import BufferPlan, TensorSpec, granularity_numel, plan_buffer
+from lightning_vescale.planner import (
+    BufferPlan,
+    TensorSpec,
+    granularity_numel,
+    plan_buffer,
+)
+from lightning_vescale.tensor import RaggedLayout, RaggedTensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ParamGroup", "ShardedParamInfo", "TrainingState"]
+__all__ = ["ParamGroup", "TrainingState"]
 
 
 class TrainingState(Enum):
@@ -44,47 +52,14 @@ class TrainingState(Enum):
 
 
 @dataclass
-class ShardedParamInfo:
-    """What a sharded parameter knows about itself (``param._vescale``)."""
-
-    fqn: str
-    """Name relative to the module ``fully_shard`` was applied to (the group's module)."""
-    global_shape: torch.Size
-    group: "ParamGroup" = field(repr=False)
-    buffer: DBuffer = field(repr=False)
-    index: int = 0
-    """Index of the tensor in ``buffer.plan``."""
-
-    @property
-    def piece(self) -> tuple[int, int]:
-        """The flat element range of the global tensor this rank holds."""
-        return self.buffer.plan.piece(self.index, self.buffer.rank)
-
-    @property
-    def shard_group(self) -> Optional[dist.ProcessGroup]:
-        return self.buffer.group
-
-    @property
-    def norm_group(self) -> Optional[dist.ProcessGroup]:
-        """The ranks whose gradient pieces together hold this parameter's distinct gradient values once each:
-        :func:`~lightning_vescale.clip_grad_norm_` sums the local ``|g|^p`` over it. The shard group unless
-        ``fully_shard(..., norm_group=...)`` said otherwise (expert parallelism: every rank of dp x ep)."""
-        group = self.group.norm_group
-        return self.shard_group if group is None else group
-
-    @property
-    def placement(self) -> RaggedShard:
-        """The parameter's RaggedShard placement over its shard group (coarsest unit the cuts allow)."""
-        return RaggedShard.from_flat_ranges(tuple(self.global_shape), self.buffer.plan.pieces(self.index))
-
-
-@dataclass
 class _ManagedParam:
     fqn: str
     uses: list  # [(module, attr_name)] — more than one for tied parameters
     key: tuple  # (dtype, requires_grad)
     index: int = -1
+    layout: Optional[RaggedLayout] = None
     sharded: Optional[nn.Parameter] = None
+    grad: Optional[RaggedTensor] = None  # the sharded gradient: a RaggedTensor on the DBuffer's local_grad
     unsharded: Optional[nn.Parameter] = None
     original: Optional[weakref.ref] = None  # the parameter before sharding, to detect ties across groups
 
@@ -182,8 +157,10 @@ class ParamGroup:
                 replicate_group=self.replicate_group, gradient_divide_factor=self.gradient_divide_factor,
             )
         for mp in self.managed:
+            mp.index = self.buffers[mp.key].plan.index_of(mp.fqn)
+        layouts = self._layouts(originals)
+        for mp in self.managed:
             buf = self.buffers[mp.key]
-            mp.index = buf.plan.index_of(mp.fqn)
             orig = originals[mp.fqn]
             mp.original = weakref.ref(orig)
             local = buf.local_view(mp.index)
@@ -193,16 +170,65 @@ class ParamGroup:
                 start, end = buf.plan.piece(mp.index, buf.rank)
                 with torch.no_grad():
                     local.view(-1).copy_(orig.detach().reshape(-1)[start:end])
-            mp.sharded = nn.Parameter(local, requires_grad=orig.requires_grad)
+            mp.layout = layouts[mp.fqn]
+            mp.sharded = nn.Parameter(RaggedTensor(local, mp.layout), requires_grad=orig.requires_grad)
             for attr, value in vars(orig).items():  # user declarations such as _vescale_expert_stack
                 if attr.startswith("_vescale_"):
                     setattr(mp.sharded, attr, value)
-            mp.sharded._vescale = ShardedParamInfo(mp.fqn, orig.shape, self, buf, mp.index)
             mp.unsharded = nn.Parameter(buf.unsharded_view(mp.index), requires_grad=orig.requires_grad)
             if mp.unsharded.requires_grad:
                 mp.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
                 self._grad_expected += 1
             self._use_sharded(mp)
+
+    def _layouts(self, originals: dict[str, nn.Parameter]) -> dict[str, RaggedLayout]:
+        """Each parameter's :class:`RaggedLayout`: its pieces over the shard group.
+
+        A parameter that is a block of a larger tensor (a :class:`~lightning_vescale.tensor.GlobalExtent` in
+        ``_vescale_global_extent``, as expert parallelism sets on each rank's expert stack) is laid out as that
+        larger tensor over ``norm_group``, whose ranks then hold every element once: its pieces are gathered there (one
+        small all-gather of int64 ranges).
+        """
+        layouts: dict[str, RaggedLayout] = {}
+        blocks = []
+        for mp in self.managed:
+            buf = self.buffers[mp.key]
+            extent = getattr(originals[mp.fqn], "_vescale_global_extent", None)
+            if extent is None:
+                shape = tuple(originals[mp.fqn].shape)
+                layouts[mp.fqn] = RaggedLayout(shape, tuple(buf.plan.pieces(mp.index)), buf.group, buf.rank)
+            else:
+                blocks.append((mp, extent))
+        if not blocks:
+            return layouts
+        if self.norm_group is None:
+            names = [mp.fqn for mp, _ in blocks]
+            raise ValueError(
+                f"parameters {names} declare a global extent (blocks of a larger tensor, as expert parallelism "
+                f"makes them) but fully_shard got no norm_group: pass the group of every rank that holds a block"
+            )
+        mine = []
+        for mp, extent in blocks:
+            start, end = self.buffers[mp.key].plan.piece(mp.index, self.rank)
+            mine += [extent.offset + start, extent.offset + end] if end > start else [0, 0]
+        n = dist.get_world_size(self.norm_group)
+        device = self.device
+        everyone = torch.empty(n * len(mine), dtype=torch.int64, device=device)
+        collectives.all_gather_into_tensor(everyone, torch.tensor(mine, dtype=torch.int64, device=device),
+                                           self.norm_group, kind="setup")
+        table = everyone.view(n, len(blocks), 2).tolist()
+        me = dist.get_rank(self.norm_group)
+        for i, (mp, extent) in enumerate(blocks):
+            ranges = tuple((a, b) if b > a else (0, 0) for a, b in (table[q][i] for q in range(n)))
+            shape = tuple(extent.shape)
+            try:
+                layouts[mp.fqn] = RaggedLayout(shape, ranges, self.norm_group, me)
+            except ValueError as e:
+                raise ValueError(
+                    f"the blocks of {mp.fqn} over norm_group do not tile its global shape {tuple(shape)} ({e}); every "
+                    f"block must be held by exactly one rank of norm_group"
+                ) from None
+        return layouts
 
     @property
     def plans(self) -> list[BufferPlan]:
@@ -294,8 +320,9 @@ class ParamGroup:
                 g = mp.sharded.grad
                 if g is None:
                     view.zero_()
-                elif g.data_ptr() != view.data_ptr() or g.shape != view.shape:
-                    view.copy_(g)
+                elif g is not mp.grad:  # the user set .grad: take its piece
+                    view.view(-1).copy_(g.to_local().reshape(-1) if isinstance(g, RaggedTensor) else g.reshape(-1)[
+                        slice(*mp.layout.local_range)])
         return True
 
     def finalize_grads(self) -> None:
@@ -305,7 +332,9 @@ class ParamGroup:
                 buf.wait_reduce()
                 for mp in self.managed:
                     if self.buffers[mp.key] is buf and mp.sharded.requires_grad:
-                        mp.sharded.grad = buf.local_grad_view(mp.index)
+                        if mp.grad is None:
+                            mp.grad = RaggedTensor(buf.local_grad_view(mp.index), mp.layout)
+                        mp.sharded.grad = mp.grad
         if self.training_state is TrainingState.PRE_BACKWARD:
             # Backward ended before every gradient arrived (unused parameters): treat it as complete.
             self.post_backward()

@@ -45,6 +45,7 @@ from lightning_vescale.lightning._common import (
     prepare_sharded,
     remap_optimizer,
 )
+from lightning_vescale.tensor import is_ragged
 
 __all__ = ["VeScaleAccelerator", "VeScaleConfig", "prepare_vescale"]
 
@@ -135,7 +136,7 @@ class VeScaleAccelerator(Accelerator):
         prepared. ``prepare`` calls this; call it yourself to build the optimizer after sharding."""
         if not self._vescale_active or getattr(model, "_is_accelerate_prepared", False):
             return model
-        if all(getattr(p, "_vescale", None) is not None for p in model.parameters()):
+        if all(is_ragged(p) for p in model.parameters()):
             materialize(model)
         else:
             cfg = self.vescale_config
@@ -181,7 +182,7 @@ class VeScaleAccelerator(Accelerator):
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """Clip by the global norm of the (sharded) gradients, the same on every rank."""
         parameters = list(parameters)
-        if not any(getattr(p, "_vescale", None) is not None for p in parameters):
+        if not any(is_ragged(p) for p in parameters):
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         self.unscale_gradients()
         return clip_grad_norm_(parameters, max_norm, norm_type=norm_type)

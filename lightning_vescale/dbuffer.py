@@ -23,7 +23,6 @@ before its ReduceScatter). All storage is owned here, so a memory tier change is
 
 from __future__ import annotations
 
-import math
 from enum import Enum, auto
 from typing import Optional
 
@@ -32,6 +31,7 @@ import torch.distributed as dist
 
 from lightning_vescale import collectives
 from lightning_vescale.planner import BufferPlan
+from lightning_vescale.tensor import local_piece_shape
 
 __all__ = ["BufferState", "DBuffer"]
 
@@ -70,14 +70,6 @@ def alias(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tens
     t = torch.empty(0, dtype=flat.dtype, device=flat.device)
     stride = torch.empty(shape, device="meta").stride()
     return t.set_(flat.untyped_storage(), flat.storage_offset() + offset, shape, stride)
-
-
-def local_piece_shape(shape: tuple[int, ...], start: int, end: int) -> tuple[int, ...]:
-    """Shape of a rank's piece ``[start, end)`` of a tensor: whole rows keep their row shape."""
-    row = math.prod(shape[1:]) if len(shape) > 1 else 1
-    if len(shape) >= 1 and row > 0 and start % row == 0 and end % row == 0:
-        return ((end - start) // row, *shape[1:])
-    return (end - start,)
 
 
 class DBuffer:

@@ -402,8 +402,10 @@ def fully_shard(
     Apply it bottom-up, like FSDP2: each transformer block first, then the root. Each call takes the
     parameters of ``module`` that no sharded submodule already owns and makes them one group: one
     AllGather before the group's forward (prefetched one group ahead), one ReduceScatter after its
-    backward. The module's parameters become the local pieces (views into the group's DBuffer), so an
-    ordinary ``torch.optim`` optimizer built on ``model.parameters()`` steps only what this rank owns.
+    backward. The module's parameters become :class:`~lightning_vescale.tensor.RaggedTensor` s: they report
+    the full shape, hold this rank's piece (a view into the group's DBuffer, ``p.to_local()``), and run
+    elementwise ops on it, so an ordinary ``torch.optim`` optimizer built on ``model.parameters()`` steps only
+    what this rank owns while code that reads ``p.shape`` / ``p.dim()`` sees the unsharded model.
 
     Args:
         module: the module to shard, in place. Its class gains :class:`VeScaleModule`'s methods
@@ -423,9 +425,12 @@ def fully_shard(
             ranks). Expert weights sharded over the dp mesh of a (dp, ep) mesh already sum the tokens of
             their ep group through the all-to-all, so they need ``dp * ep`` (see
             :func:`lightning_vescale.parallel.fully_shard_expert_parallel`).
-        norm_group: the ranks over which :func:`~lightning_vescale.clip_grad_norm_` sums this group's local
-            ``|g|^p``: a process group or 1-D mesh in which every distinct gradient value lives on exactly one
-            rank. ``None`` (default): the shard group. Expert weights sharded over dp need all dp x ep ranks.
+        norm_group: for parameters that are blocks of a larger tensor (``param._vescale_global_extent = (global
+            shape, flat offset)``, as :func:`~lightning_vescale.parallel.apply_expert_parallel` sets on each rank's
+            expert stack): a process group or 1-D mesh of every rank holding a piece of such a tensor, each element
+            on exactly one of them. The sharded parameter is then laid out as the larger tensor over it (its
+            shape, reductions such as :func:`~lightning_vescale.clip_grad_norm_`, ``full_tensor()`` and
+            checkpoints see the whole tensor). ``None`` (default): every parameter is its own tensor.
 
     Returns:
         ``module``, sharded in place.

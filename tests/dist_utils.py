@@ -58,7 +58,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         while not errors.empty():
             failures.append(errors.get())
         if failures:
-            rank, tb = sorted(failures)[0]
+            # A rank that failed first makes its peers fail in their next collective: report the cause.
+            secondary = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+            rank, tb = sorted(failures, key=lambda f: (any(s in f[1] for s in secondary), f[0]))[0]
             raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
         if alive:
             raise AssertionError(f"{len(alive)} rank(s) timed out after {timeout}s")

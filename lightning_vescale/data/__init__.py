@@ -1,6 +1,10 @@
 """The embedded default corpus, tokenizers and the LightningDataModule the recipes train on."""
 
-from lightning_vescale.data.corpus import EMBEDDED_CORPUS_PATH, generate_corpus, load_text
+from lightning_vescale.data.corpus import (
+    EMBEDDED_CORPUS_PATH,
+    generate_corpus,
+    load_text,
+)
 from lightning_vescale.data.datamodule import TextDataModule, TokenWindows, split_tokens
 from lightning_vescale.data.tokenizer import (
     TOKENIZERS,

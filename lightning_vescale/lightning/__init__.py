@@ -8,7 +8,10 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry as _TRAINER_REGISTRY
 
 from lightning_vescale.lightning._common import ProcessGroupEnvironment
-from lightning_vescale.lightning.fabric import VeScaleFabricPrecision, VeScaleFabricStrategy
+from lightning_vescale.lightning.fabric import (
+    VeScaleFabricPrecision,
+    VeScaleFabricStrategy,
+)
 from lightning_vescale.lightning.strategy import VeScalePrecision, VeScaleStrategy
 
 VeScaleStrategy.register_strategies(_TRAINER_REGISTRY)

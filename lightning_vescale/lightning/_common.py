@@ -23,14 +23,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.plugins.precision.utils import (
+    _convert_fp_tensor,
+    _DtypeContextManager,
+)
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning_utilities import apply_to_collection
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale._init import init_sharded_weights
-from lightning_vescale.fully_shard import GranularityArg, VeScaleModule, fully_shard, get_state, sharded_groups
+from lightning_vescale.fully_shard import (
+    GranularityArg,
+    VeScaleModule,
+    fully_shard,
+    get_state,
+    sharded_groups,
+)
+from lightning_vescale.tensor import is_ragged
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +101,12 @@ def _generic_precision_classes() -> tuple[type, ...]:
     from lightning.fabric.plugins.precision import HalfPrecision as FabricHalf
     from lightning.fabric.plugins.precision import MixedPrecision as FabricMixed
     from lightning.fabric.plugins.precision import Precision as FabricPrecision
-    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+    from lightning.pytorch.plugins.precision import (
+        DoublePrecision,
+        HalfPrecision,
+        MixedPrecision,
+        Precision,
+    )
 
     return (FabricPrecision, FabricMixed, FabricHalf, FabricDouble, Precision, MixedPrecision, HalfPrecision,
             DoublePrecision)
@@ -332,7 +347,7 @@ def shard_module(
     for root in roots:
         if get_state(root) is None:
             fully_shard(root, **kwargs)
-    unsharded = [n for n, p in module.named_parameters() if getattr(p, "_vescale", None) is None]
+    unsharded = [n for n, p in module.named_parameters() if not is_ragged(p)]
     if unsharded:
         raise ValueError(
             f"parameters {unsharded[:3]} are not sharded: a module sharded in configure_model() leaves them outside "
@@ -420,7 +435,7 @@ def broadcast_module_states(module: nn.Module, device: torch.device, src: int = 
         return
     seen: set[int] = set()
     for t in [*module.parameters(), *module.buffers()]:
-        if t.is_meta or id(t) in seen or getattr(t, "_vescale", None) is not None:
+        if t.is_meta or id(t) in seen or is_ragged(t):
             continue
         seen.add(id(t))
         data = t.detach()
@@ -564,7 +579,7 @@ def shard_expert_parallel(
             for block in select_blocks(root, auto_wrap_policy):
                 fully_shard(block, mesh=dense_mesh, **kwargs)
             fully_shard(root, mesh=dense_mesh, **kwargs)
-    unsharded = [n for n, p in module.named_parameters() if getattr(p, "_vescale", None) is None]
+    unsharded = [n for n, p in module.named_parameters() if not is_ragged(p)]
     if unsharded:
         raise ValueError(f"parameters {unsharded[:3]} are not sharded: put them in a submodule of the LightningModule")
 
@@ -579,7 +594,7 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[int, nn.Para
     for group in optimizer.param_groups:
         new_params = []
         for p in group["params"]:
-            if getattr(p, "_vescale", None) is not None:
+            if is_ragged(p):
                 new_params.append(p)
                 continue
             if id(p) not in mapping:

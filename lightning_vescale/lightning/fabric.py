@@ -20,7 +20,9 @@ import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher,
+)
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
@@ -59,6 +61,7 @@ from lightning_vescale.lightning._common import (
     register_vescale_names,
     remap_optimizer,
 )
+from lightning_vescale.tensor import is_ragged
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -252,7 +255,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
     # -- model and optimizers -----------------------------------------------------------------------------
     @override
     def setup_module(self, module: Module) -> Module:
-        if not all(getattr(p, "_vescale", None) is not None for p in module.parameters()):
+        if not all(is_ragged(p) for p in module.parameters()):
             precision = self.precision
             assert isinstance(precision, VeScaleFabricPrecision)
             prepare_sharded(

@@ -31,7 +31,9 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher,
+)
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -61,6 +63,7 @@ from lightning_vescale.lightning._common import (
     top_level_roots,
     warn_if_policy_ignored,
 )
+from lightning_vescale.tensor import is_ragged
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -341,7 +344,7 @@ class VeScaleStrategy(ParallelStrategy):
         assert isinstance(precision, VeScalePrecision)
         user_sharded = is_sharded(module)
         expert_parallel = self._expert_parallel_size > 1
-        if expert_parallel or not all(getattr(p, "_vescale", None) is not None for p in module.parameters()):
+        if expert_parallel or not all(is_ragged(p) for p in module.parameters()):
             module = precision.convert_module(module)
             prepare_sharded(
                 module,

@@ -6,7 +6,11 @@ hidden matrices to Muon and the rest to AdamW.
 """
 
 from lightning_vescale.optim.muon import Muon, MuonCostModel
-from lightning_vescale.optim.owner import OwnerAssignment, assign_owners, newton_schulz_cost
+from lightning_vescale.optim.owner import (
+    OwnerAssignment,
+    assign_owners,
+    newton_schulz_cost,
+)
 from lightning_vescale.optim.routing import (
     DEFAULT_ADAMW_PATTERNS,
     DEFAULT_EXPERT_PATTERNS,

@@ -4,7 +4,7 @@
 ``torch.optim.Muon`` does, per 2-D parameter: ``buf.lerp_(g, 1 - mu)``; ``u = g.lerp(buf, mu)`` (Nesterov)
 or ``buf``; ``O = NS(u)`` (Newton–Schulz in bf16, :func:`torch.optim._muon._zeropower_via_newtonschulz`);
 ``p.mul_(1 - lr * wd)``; ``p.add_(O, alpha=-adjust_lr(lr, shape))``. Everything but ``NS`` is elementwise,
-so it runs on the flat local piece ``p._vescale.piece`` that ``fully_shard`` leaves on each rank (the
+so it runs on the local piece ``p.to_local()`` that ``fully_shard`` leaves on each rank (the
 momentum buffer exists only for that piece, invariant 3). ``NS`` needs the whole matrix, on one rank —
 its *owner*. Each matrix (each 2-D parameter, and each ``[e]`` slice of a declared 3-D expert stack)
 takes one of two paths:
@@ -66,6 +66,7 @@ from torch.optim.optimizer import Optimizer, ParamsT, _to_scalar
 
 from lightning_vescale import collectives
 from lightning_vescale.optim.owner import assign_owners, newton_schulz_cost
+from lightning_vescale.tensor import is_ragged
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def _intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
 
 def _matrix_ranges(p: Tensor, start: int, numel: int) -> list[tuple[int, int]]:
     """Per rank, the part of the matrix ``[start, start + numel)`` of sharded ``p`` it holds, matrix-relative."""
-    pieces = p._vescale.buffer.plan.pieces(p._vescale.index)
+    pieces = p.layout_info.ranges
     return [
         (lo - start, hi - start) if hi > lo else (0, 0)
         for lo, hi in (_intersect(pc, (start, start + numel)) for pc in pieces)
@@ -204,12 +205,17 @@ def _matrix_ranges(p: Tensor, start: int, numel: int) -> list[tuple[int, int]]:
 
 
 def _is_sharded(p: Tensor) -> bool:
-    return getattr(p, "_vescale", None) is not None
+    return is_ragged(p)
+
+
+def _local(t: Tensor) -> Tensor:
+    """The piece this rank holds of a sharded tensor; a plain tensor itself."""
+    return t.to_local() if is_ragged(t) else t
 
 
 def global_shape(p: Tensor) -> torch.Size:
-    """The unsharded shape of ``p`` (its own shape when it is not a ``fully_shard`` parameter)."""
-    return p._vescale.global_shape if _is_sharded(p) else p.shape
+    """The unsharded shape of ``p`` (a sharded parameter reports it as its ``shape``)."""
+    return p.shape
 
 
 def is_expert_stack(name: str, p: Tensor, expert_patterns: Sequence[str]) -> bool:
@@ -328,19 +334,14 @@ class Muon(Optimizer):
         if "param_names" in group:
             return list(group["param_names"])
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
-        return [
-            f"param_groups[{gi}][{i}]" + (f" ({p._vescale.fqn})" if _is_sharded(p) else "")
-            for i, p in enumerate(group["params"])
-        ]
+        return [f"param_groups[{gi}][{i}]" for i in range(len(group["params"]))]
 
     def _matrix_shapes(self, name: str, p: Tensor) -> list[tuple[int, tuple[int, int]]]:
         """``[(flat start, (rows, cols))]`` of the matrices of ``p``; raise for tensors Muon cannot take."""
         shape = tuple(global_shape(p))
-        # Unnamed parameters are matched by their name inside their fully_shard module.
-        pattern_name = p._vescale.fqn if name.startswith("param_groups[") and _is_sharded(p) else name
         if len(shape) == 2:
             return [(0, (shape[0], shape[1]))]
-        if len(shape) == 3 and is_expert_stack(pattern_name, p, self.expert_patterns):
+        if len(shape) == 3 and is_expert_stack(name, p, self.expert_patterns):
             size = shape[1] * shape[2]
             return [(e * size, (shape[1], shape[2])) for e in range(shape[0])]
         if len(shape) == 3:
@@ -373,18 +374,19 @@ class Muon(Optimizer):
                                 mode="replicated", owner=0, holder=0)
                     matrices.append(m)
                     continue
-                buf = p._vescale.buffer
-                pieces = buf.plan.pieces(p._vescale.index)
+                layout = p.layout_info
+                pieces = layout.ranges
                 ranges = _matrix_ranges(p, start, numel)
-                mine = _intersect(pieces[buf.rank], (start, start + numel))
-                local = (mine[0] - pieces[buf.rank][0], mine[1] - pieces[buf.rank][0]) if mine[1] > mine[0] else (0, 0)
+                mine = _intersect(pieces[layout.rank], (start, start + numel))
+                here = pieces[layout.rank][0]
+                local = (mine[0] - here, mine[1] - here) if mine[1] > mine[0] else (0, 0)
                 holders = [r for r, (lo, hi) in enumerate(ranges) if hi > lo]
                 holder = holders[0] if len(holders) == 1 else -1
                 m = _Matrix(mname, slot, shape, cost, ranges, local, group, holder=holder)
-                key = id(buf.group) if buf.group is not None else None
+                key = id(layout.group) if layout.group is not None else None
                 bucket = buckets.get(key)
                 if bucket is None:
-                    bucket = buckets[key] = _Bucket(buf.group, buf.rank, buf.world_size, buf.device)
+                    bucket = buckets[key] = _Bucket(layout.group, layout.rank, layout.world_size, p.device)
                 bucket.matrices.append(m)  # every sharded matrix for now; _assign keeps the gathered ones
                 matrices.append(m)
         names = [m.name for m in matrices]
@@ -526,22 +528,27 @@ class Muon(Optimizer):
             return
         # 1. Elementwise, on local pieces: momentum, Nesterov, decoupled weight decay (torch.optim.Muon order).
         updates: list[Tensor] = []
-        for group, _, p in entries:
-            grad = p.grad
+        for group, name, p in entries:
             if torch.is_complex(p):
                 raise RuntimeError("Muon does not support complex parameters")
-            if grad.is_sparse:
+            if p.grad.is_sparse:
                 raise RuntimeError("Muon does not support sparse gradients")
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
+            if is_ragged(p) and (not is_ragged(buf) or buf.layout_info != p.layout_info):
+                raise ValueError(
+                    f"the momentum_buffer of {name} is not sharded like the parameter ({buf!r}); load optimizer "
+                    f"state through lightning_vescale.checkpoint, which reshards it"
+                )
+            grad, buf = _local(p.grad), _local(buf)
             momentum = group["momentum"]
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
             updates.append(update.reshape(-1))
-            p.mul_(1 - _to_scalar(group["lr"]) * group["weight_decay"])
-        flat_params = [p.view(-1) for _, _, p in entries]
+            _local(p).mul_(1 - _to_scalar(group["lr"]) * group["weight_decay"])
+        flat_params = [_local(p).view(-1) for _, _, p in entries]
         plan = self._get_plan(entries)
 
         # 2. Gather-path pieces to their owners: one all-to-all per process group, in flight during 3.
@@ -625,20 +632,34 @@ class Muon(Optimizer):
 
     # -- state dict -------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
-        """As ``torch.optim.Optimizer.load_state_dict``, but a state tensor whose shape is not its
-        parameter's (local piece) shape raises instead of loading silently."""
+        """As ``torch.optim.Optimizer.load_state_dict``, but a state tensor that is not laid out like its
+        parameter (another world size or granularity, or a plain tensor for a sharded parameter) raises
+        instead of loading silently."""
         params = [p for g in self.param_groups for p in g["params"]]
         names = [n for g in self.param_groups for n in self._names(g)]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         if len(saved_ids) == len(params):
             for pid, p, name in zip(saved_ids, params, names):
                 for key, value in state_dict["state"].get(pid, {}).items():
-                    if key in _STATE_KEYS_SHAPED_LIKE_PARAM and isinstance(value, Tensor) and value.shape != p.shape:
+                    problem = _state_mismatch(value, p) if key in _STATE_KEYS_SHAPED_LIKE_PARAM else None
+                    if problem is not None:
                         raise ValueError(
-                            f"cannot load optimizer state {key!r} of {name}: its shape {tuple(value.shape)} is not "
-                            f"the parameter's local piece shape {tuple(p.shape)} (global shape "
-                            f"{tuple(global_shape(p))}). The state was saved with another sharding (world size or "
-                            f"granularity); reshard it through a full or DCP checkpoint instead."
+                            f"cannot load optimizer state {key!r} of {name}: {problem}. The state was saved with "
+                            f"another sharding (world size or granularity); reshard it through a full or DCP "
+                            f"checkpoint (lightning_vescale.checkpoint) instead."
                         )
         super().load_state_dict(state_dict)
         self._plan, self._plan_key = None, None
+
+
+def _state_mismatch(value: Any, p: Tensor) -> Optional[str]:
+    """Why a per-element optimizer state cannot belong to ``p``, or None when it can."""
+    if not isinstance(value, Tensor):
+        return None
+    if is_ragged(p):
+        if is_ragged(value) and value.layout_info == p.layout_info:
+            return None
+        have = f"it is sharded as {value.layout_info}" if is_ragged(value) else (
+            f"it is a plain tensor of shape {tuple(value.shape)}")
+        return f"{have}, but the parameter is sharded as {p.layout_info}"
+    return None if value.shape == p.shape else f"its shape {tuple(value.shape)} is not the parameter's {tuple(p.shape)}"

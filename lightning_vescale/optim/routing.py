@@ -22,10 +22,16 @@ from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.optim.adam import Adam, adam
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
+from torch.optim.adam import Adam, adam
 
-from lightning_vescale.optim.muon import Mode, Muon, MuonCostModel, global_shape, is_expert_stack
+from lightning_vescale.optim.muon import (
+    Mode,
+    Muon,
+    MuonCostModel,
+    global_shape,
+    is_expert_stack,
+)
 
 __all__ = [
     "DEFAULT_ADAMW_PATTERNS",

@@ -41,10 +41,11 @@ and everything else over all ``dp * ep`` ranks. Two things differ from plain dat
   all ``dp*ep`` ranks once, and the default division by the dp group size (``dp``) would leave it
   ``ep`` times too large. The expert group is therefore sharded with
   ``fully_shard(..., gradient_divide_factor=dp * ep)``.
-* the gradient norm: after that ReduceScatter each expert element lives on exactly one of the
-  ``dp*ep`` ranks (ep picks the expert slice, dp the piece), so ``clip_grad_norm_`` must sum the
-  experts' local ``|g|^p`` over all of them, not over the dp shard group:
-  ``fully_shard(..., norm_group=<all dp*ep ranks>)``.
+* the layout: after that ReduceScatter each expert element lives on exactly one of the ``dp*ep`` ranks
+  (ep picks the expert slice, dp the piece). ``fully_shard(..., norm_group=<all dp*ep ranks>)`` makes
+  each sharded expert stack a RaggedTensor of the *full* expert shape ``(E, ...)`` laid out over all of
+  them, so its shape, its reductions (``clip_grad_norm_`` sums each element once), ``full_tensor()``
+  and checkpoints see every expert.
 
 .. note::
     Apply it to a materialized full model whose experts are identical on the EP ranks (same seed or
@@ -57,6 +58,7 @@ and everything else over all ``dp * ep`` ranks. Two things differ from plain dat
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -67,6 +69,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from lightning_vescale.models.moe import GroupedExperts, TopKRouter
+from lightning_vescale.tensor import GlobalExtent
 
 __all__ = [
     "ExpertParallelGroupedExperts",
@@ -209,6 +212,9 @@ def apply_expert_parallel(model: nn.Module, ep_group: Union[ProcessGroup, Device
         for param_name in _EXPERT_PARAMS:
             full = getattr(module, param_name)
             local = nn.Parameter(full.detach()[start : start + num_local].clone(), requires_grad=full.requires_grad)
+            # A block of the full expert tensor: fully_shard lays the stack out as that tensor over every rank
+            # holding a block (its norm_group), so the sharded parameter reports the full shape.
+            local._vescale_global_extent = GlobalExtent(tuple(full.shape), start * math.prod(full.shape[1:]), group)
             setattr(module, param_name, local)
         module.__class__ = ExpertParallelGroupedExperts
         module.ep_group = group

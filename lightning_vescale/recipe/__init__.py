@@ -33,8 +33,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_vescale.data import TextDataModule
 from lightning_vescale.models import from_pretrained, num_params
-from lightning_vescale.recipe.callbacks import RecipeProgressBar, RunSummary, StepCheckpoint, StepStats
-from lightning_vescale.recipe.module import CausalLMModule, build_optimizer_from_config, lr_multiplier
+from lightning_vescale.recipe.callbacks import (
+    RecipeProgressBar,
+    RunSummary,
+    StepCheckpoint,
+    StepStats,
+)
+from lightning_vescale.recipe.module import (
+    CausalLMModule,
+    build_optimizer_from_config,
+    lr_multiplier,
+)
 from lightning_vescale.recipe.schema import (
     DataConfig,
     FinetuneConfig,

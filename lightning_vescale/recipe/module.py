@@ -38,7 +38,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from lightning_vescale.models.moe import MoE, TopKRouter
-from lightning_vescale.recipe.schema import ModelConfig, OptimizerConfig, SchedulerConfig
+from lightning_vescale.recipe.schema import (
+    ModelConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+)
 
 __all__ = ["CausalLMModule", "build_optimizer_from_config", "load_full_state_dict_into", "lr_multiplier"]
 
@@ -245,7 +249,10 @@ def load_full_state_dict_into(model: nn.Module, state_dict: Mapping[str, torch.T
     from lightning_vescale.fully_shard import get_state
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
 
         set_model_state_dict(model, dict(state_dict), options=StateDictOptions(full_state_dict=True, strict=True))
         return

@@ -32,7 +32,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_vescale.data import TOKENIZERS, load_text
-from lightning_vescale.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, RopeScaling, llama_config
+from lightning_vescale.models.llama import (
+    LLAMA_CONFIGS,
+    Llama,
+    LlamaConfig,
+    RopeScaling,
+    llama_config,
+)
 from lightning_vescale.models.moe import MOE_CONFIGS, MoE, MoEConfig, moe_config
 
 __all__ = [

@@ -136,8 +136,8 @@ def _run(rank: int, world: int, tmp: str) -> None:
     meta, meta_opt = prepare_vescale(accelerator, meta, functools.partial(torch.optim.SGD, lr=0.1))
     assert not any(p.is_meta for p in meta.parameters())
     for name, p in meta.named_parameters():
-        start, end = p._vescale.piece
-        assert torch.equal(p.detach().reshape(-1), dict(full_mlp.named_parameters())[name].detach().reshape(-1)[start:end])
+        start, end = p.local_range
+        assert torch.equal(p.to_local().reshape(-1), dict(full_mlp.named_parameters())[name].detach().reshape(-1)[start:end])
     meta(torch.randn(2, 7)).sum().backward()
     meta_opt.step()
 

@@ -80,10 +80,10 @@ def max_param_diff(model, ref) -> float:
     ref_params = dict(ref.named_parameters())
     worst = torch.zeros(())
     for name, p in getattr(model, "module", model).named_parameters():  # unwrap the _FabricModule
-        start, end = p._vescale.piece
+        start, end = p.local_range
         if end > start:
             full = ref_params[name].detach().reshape(-1)[start:end]
-            worst = torch.maximum(worst, (p.detach().reshape(-1) - full).abs().max())
+            worst = torch.maximum(worst, (p.to_local().reshape(-1) - full).abs().max())
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.item()
 

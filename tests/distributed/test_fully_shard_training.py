@@ -36,10 +36,10 @@ def max_param_diff(model: nn.Module, ref: nn.Module) -> float:
     ref_params = dict(ref.named_parameters())
     worst = torch.zeros(())
     for name, p in model.named_parameters():
-        start, end = p._vescale.piece
+        start, end = p.local_range
         full = ref_params[name].detach().reshape(-1)[start:end]
         if end > start:
-            worst = torch.maximum(worst, (p.detach().reshape(-1).float() - full.float()).abs().max())
+            worst = torch.maximum(worst, (p.to_local().reshape(-1).float() - full.float()).abs().max())
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.item()
 
@@ -51,10 +51,10 @@ def max_grad_diff(model: nn.Module, ref: nn.Module) -> float:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        start, end = p._vescale.piece
+        start, end = p.local_range
         full = ref_params[name].grad.reshape(-1)
         if end > start:
-            diff = (p.grad.reshape(-1).float() - full[start:end].float()).abs().max() / full.abs().max().clamp_min(1e-12)
+            diff = (p.grad.to_local().reshape(-1).float() - full[start:end].float()).abs().max() / full.abs().max().clamp_min(1e-12)
             worst = torch.maximum(worst, diff)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.item()
@@ -105,7 +105,7 @@ def train_parity(rank, world, make_model, make_batch, loss_fn, *, steps=3, accum
         ref_opt.zero_grad()
         if perturb and step == 0 and rank == 1:
             with torch.no_grad():
-                next(p for p in model.parameters() if p.numel() > 0).add_(1e-3)
+                next(p for p in model.parameters() if p.to_local().numel() > 0).add_(1e-3)
     return max_param_diff(model, ref)
 
 
@@ -197,8 +197,8 @@ def _structure_checks(rank: int, world: int) -> None:
     for g in groups:
         for mp in g.managed:
             buf = g.buffers[mp.key]
-            assert mp.sharded.untyped_storage()._cdata == buf.local.untyped_storage()._cdata
-            assert mp.sharded.grad.untyped_storage()._cdata == buf.local_grad.untyped_storage()._cdata
+            assert mp.sharded.to_local().untyped_storage()._cdata == buf.local.untyped_storage()._cdata
+            assert mp.sharded.grad.to_local().untyped_storage()._cdata == buf.local_grad.untyped_storage()._cdata
             assert mp.unsharded.untyped_storage()._cdata == buf.unsharded.untyped_storage()._cdata
             assert mp.sharded.is_leaf and mp.unsharded.is_leaf
     # Unsharded buffers are freed after the step (invariant 5).
@@ -209,10 +209,10 @@ def _structure_checks(rank: int, world: int) -> None:
     torch.manual_seed(0)
     tiny = nn.Sequential(nn.Linear(3, 2, bias=False))
     lv.fully_shard(tiny, granularity="tensor")
-    sizes = torch.tensor([p.numel() for p in tiny.parameters()])
+    sizes = torch.tensor([p.to_local().numel() for p in tiny.parameters()])
     dist.all_reduce(sizes)
     assert sizes.item() == 6
-    has_piece = torch.tensor([float(sum(p.numel() for p in tiny.parameters()) > 0)])
+    has_piece = torch.tensor([float(sum(p.to_local().numel() for p in tiny.parameters()) > 0)])
     dist.all_reduce(has_piece)
     assert has_piece.item() == 1.0, "one whole tensor lives on exactly one rank; the others hold empty pieces"
     tiny(torch.randn(2, 3)).sum().backward()  # empty pieces take part in the collectives
@@ -286,10 +286,10 @@ def _checkpoint_and_eval_checks(rank: int, world: int) -> None:
     lm_loss(ref(tokens[:, :-1]), tokens[:, 1:]).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     for name, p in model.named_parameters():
-        start, end = p._vescale.piece
+        start, end = p.local_range
         if p.requires_grad and end > start:
             expected = ref_grads[name.replace(".block", "")].reshape(-1)[start:end]
-            torch.testing.assert_close(p.grad.reshape(-1), expected, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p.grad.to_local().reshape(-1), expected, rtol=1e-5, atol=1e-6)
     if world > 1:
         # Recomputation reuses the gather of pre-backward: still one AllGather per block in backward.
         groups = sharded_groups(model)

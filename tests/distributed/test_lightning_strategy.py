@@ -25,6 +25,7 @@ import lightning_vescale as lv
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
 from lightning_vescale.fully_shard import sharded_groups
 from lightning_vescale.lightning import ProcessGroupEnvironment, VeScaleStrategy
+from lightning_vescale.tensor import is_ragged
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP
 
@@ -186,11 +187,13 @@ def _transformer_checks(rank: int, world: int, tmp: str) -> None:
     mine, trainer = fit(LM, "vescale", callbacks=[saver], **common)
     assert isinstance(trainer.strategy, VeScaleStrategy)
 
-    # Sharded: every parameter is a local piece; the pieces add up to the model.
-    pieces = torch.tensor([sum(p.numel() for p in mine.parameters())])
+    # Sharded: every parameter reports the full model's shape and holds a local piece; the pieces add up to
+    # the model.
+    assert [(n, p.shape) for n, p in mine.named_parameters()] == [(n, p.shape) for n, p in ref.named_parameters()]
+    pieces = torch.tensor([sum(p.to_local().numel() for p in mine.parameters())])
     dist.all_reduce(pieces)
     assert pieces.item() == sum(p.numel() for p in ref.parameters())
-    assert all(hasattr(p, "_vescale") for p in mine.parameters())
+    assert all(is_ragged(p) for p in mine.parameters())
     assert len(sharded_groups(mine)) == 5, "4 encoder/decoder layers + the root self.model"
 
     # 16 micro-batches (2 epochs x 8), 8 optimizer steps: same losses and true gradient norms as DDP.

@@ -30,6 +30,7 @@ hidden size, and each rank's plain ``optimizer.state_dict()`` (local pieces).
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.optim import build_optimizer, muon_granularity
-from lightning_vescale.placement import RaggedShard, gather_full
+from lightning_vescale.tensor import RaggedTensor, is_ragged
 from tests.asserts import assert_equal_tree
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP
@@ -58,7 +59,10 @@ OTHER_HIDDEN = 41  # the mismatching checkpoint's MLP hidden size
 # The data-parallel gradient is the sum of per-rank means, reduced by gloo in its own order: on 3 ranks it
 # rounds differently (~1 ulp) from 2 ranks, and Newton-Schulz runs in bf16, where a 1-ulp fp32 difference
 # can flip a rounding of the update (~lr * 2^-8 * |O|). The gradients themselves are checked to GRAD_TOL.
-CONTINUE_TOL = 1e-5  # measured: ~1e-8
+# One such flip per continued step is the bound: adjusted lr (muon_lr * sqrt(rows / cols) for the 50x16 matrices)
+# times one bf16 ulp (2^-8) of an orthogonalized element (|O| <= 1). Measured: ~1e-8 without a flip, 6.9e-5 with
+# one; the negative control (no momentum) is ~3e-2.
+CONTINUE_TOL = MORE_STEPS * HYPER["muon_lr"] * math.sqrt(HIDDEN / DIM) * 2**-8  # 2.8e-4
 GRAD_TOL = 1e-6
 
 
@@ -88,9 +92,7 @@ def backward(model: nn.Module, step: int) -> None:
 
 def full(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """The whole tensor of sharded ``p`` from every rank's piece ``local`` (of ``p`` or of its grad), on every rank."""
-    info = p._vescale
-    placement = RaggedShard.from_flat_ranges(info.global_shape, info.buffer.plan.pieces(info.index))
-    return gather_full(local.detach().contiguous(), info.global_shape, placement, info.buffer.group)
+    return local.full_tensor()
 
 
 def gathered_grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -100,8 +102,8 @@ def gathered_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 def set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
     """Give every parameter this rank's piece of the full gradient ``grads[name]``."""
     for n, p in model.named_parameters():
-        start, end = p._vescale.piece
-        p.grad = grads[n].reshape(-1)[start:end].clone().view(p.shape)
+        start, end = p.local_range
+        p.grad = RaggedTensor.from_full(grads[n], p.layout_info)
 
 
 def muon_names(opt) -> list[str]:
@@ -137,7 +139,14 @@ def _save2(rank: int, world: int, tmp: str) -> None:
         # Momentum exists for every Muon matrix and is not trivially zero.
         for name in muon_names(opt):
             assert optim["state"][name]["momentum_buffer"].abs().sum() > 0, name
-        torch.save(opt.state_dict(), os.path.join(tmp, f"local_{sharding}_rank{rank}.pt"))
+        # A sharded optimizer state is not pickled (a piece alone would reload as something else) ...
+        with pytest.raises(TypeError, match="is not pickled"):
+            torch.save(opt.state_dict(), os.path.join(tmp, "never.pt"))
+        # ... but its pieces can be, by asking for them: what 5c loads on another world size.
+        local = opt.state_dict()
+        local["state"] = {i: {k: (v.to_local() if is_ragged(v) else v) for k, v in entries.items()}
+                          for i, entries in local["state"].items()}
+        torch.save(local, os.path.join(tmp, f"local_{sharding}_rank{rank}.pt"))
         grads = []
         for step in range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS):
             backward(model, step)
@@ -228,7 +237,7 @@ def _load3(rank: int, world: int, tmp: str) -> None:
         mismatched = [
             n for i, p, n in zip(ids, [p for g in c_opt.param_groups for p in g["params"]],
                                  [n for g in c_opt.param_groups for n in g["param_names"]])
-            if local["state"].get(i, {}).get("momentum_buffer", p).shape != p.shape
+            if local["state"].get(i, {}).get("momentum_buffer", p.to_local()).shape != p.to_local().shape
         ]
         assert mismatched, "pieces on 3 ranks differ in size from those on 2 ranks"
         with pytest.raises(ValueError, match=r"cannot load optimizer state 'momentum_buffer' of .*saved with "
@@ -246,7 +255,7 @@ def _load3(rank: int, world: int, tmp: str) -> None:
             assert not torch.equal(c_optim["state"][name]["momentum_buffer"],
                                    ref["next_optim"]["state"][name]["momentum_buffer"]), name
             assert not torch.equal(c_params[name], ref["next_params"][name]), name
-        assert max_diff(c_params, ref["next_params"]) > 1000 * CONTINUE_TOL  # measured: ~3e-2
+        assert max_diff(c_params, ref["next_params"]) > 30 * CONTINUE_TOL  # measured: ~3e-2
 
     # 5a. A checkpoint of another model shape: refused before anything changes, naming the difference.
     model, opt = make("element", seed=5)

@@ -18,7 +18,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_vescale as lv
 import lightning_vescale.lightning  # noqa: F401 - registers the strategies
-from lightning_vescale.lightning import VeScaleFabricStrategy, VeScalePrecision, VeScaleStrategy
+from lightning_vescale.lightning import (
+    VeScaleFabricStrategy,
+    VeScalePrecision,
+    VeScaleStrategy,
+)
 from lightning_vescale.lightning._common import (
     build_mesh,
     mp_policy_for_precision,
@@ -26,6 +30,7 @@ from lightning_vescale.lightning._common import (
     shard_module,
     top_level_roots,
 )
+from lightning_vescale.tensor import is_ragged
 
 
 @pytest.fixture
@@ -186,7 +191,7 @@ def test_single_rank_fit(single_process_pg, tmp_path) -> None:
     model = BoringModel()
     t = trainer(max_steps=2, default_root_dir=tmp_path, enable_model_summary=False, gradient_clip_val=0.1)
     t.fit(model)
-    assert all(hasattr(p, "_vescale") for p in model.parameters())
+    assert all(is_ragged(p) for p in model.parameters())
     path = tmp_path / "ckpt"
     t.save_checkpoint(path)
     assert path.is_dir() and (path / ".metadata").is_file()

@@ -1,0 +1,724 @@
+"""RaggedTensor: a sharded parameter that looks like the full parameter.
+
+[Note: what a RaggedTensor is]
+``fully_shard`` leaves each rank a contiguous flat range of every parameter (a view into the group's
+DBuffer). A :class:`RaggedTensor` wraps that piece (``to_local()``, zero-copy) and reports the *global*
+``shape``, ``ndim``, ``numel()``, ``dtype``, ``device`` and ``requires_grad``, like FSDP2's DTensor
+parameters, so user code that reads shapes (weight decay on ``p.dim() >= 2``, parameter counts,
+``p.shape``-based init or freezing rules) sees the model it wrote. Its :class:`RaggedLayout` says which
+flat range of the global tensor every rank of its group holds.
+
+Operations run on the pieces, chosen so that the result equals the same operation on the full tensor:
+
+* elementwise ops (everything aten tags ``pointwise``, the ``_foreach_*`` and ``_fused_*`` optimizer
+  kernels, ``copy_``/``zero_``/``fill_``/``clone``/``*_like``/dtype casts) between RaggedTensors of one
+  layout and Python or 0-d scalars run on the local pieces; the result has the same layout. This is
+  every elementwise ``torch.optim`` optimizer, with ``foreach`` and ``fused`` on or off;
+* full reductions (``sum``, ``mean``, ``norm`` / ``linalg.vector_norm`` / ``_foreach_norm``, ``max``,
+  ``min``, ``amax``, ``amin``, ``any``, ``all``, ``equal``) reduce the local piece and all-reduce once over
+  the layout's group: the global value, as a plain tensor, on every rank;
+* in-place random fills (``uniform_``, ``normal_``, ``bernoulli_`` ...) draw the full tensor from the
+  generator and keep this rank's piece, so ``nn.init`` on a sharded parameter gives exactly the values of
+  the unsharded model with the same seed (every rank must call it, as for any collective).
+
+Anything else (matmuls, indexing, reshapes, reductions over a dim, ``item()``) raises
+:class:`UnsupportedRaggedOp`, naming the op, instead of computing a silently local result: call
+``full_tensor()`` for the whole value, or ``to_local()`` for this rank's piece. Mixing a RaggedTensor with
+a plain tensor that is not a scalar, or two RaggedTensors of different layouts, raises too.
+
+Reductions and ``full_tensor()`` are collectives over ``layout.group``: every rank of it must call them.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from lightning_vescale import collectives
+from lightning_vescale.placement import RaggedShard, flat_range_to_boxes
+
+__all__ = [
+    "GlobalExtent", "RaggedLayout", "RaggedTensor", "UnsupportedRaggedOp", "block_layout", "is_ragged",
+    "local_piece_shape",
+]
+
+aten = torch.ops.aten
+FlatRange = tuple[int, int]
+
+
+def local_piece_shape(shape: Sequence[int], start: int, end: int) -> tuple[int, ...]:
+    """Shape of the piece ``[start, end)`` of a tensor of ``shape``: whole rows keep their row shape, else 1-D."""
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    if len(shape) >= 1 and row > 0 and start % row == 0 and end % row == 0:
+        return ((end - start) // row, *shape[1:])
+    return (end - start,)
+
+
+@dataclass(frozen=True, eq=False)
+class RaggedLayout:
+    """Where the pieces of a sharded tensor live.
+
+    ``ranges[q]`` is the flat (row-major) element range of the global tensor that rank ``q`` of ``group``
+    holds. The ranges are disjoint and cover ``[0, numel)``; each element lives on exactly one rank of
+    ``group`` (so a reduction over ``group`` counts it once). For a plain ``fully_shard`` group the ranges
+    are consecutive in rank order; for expert-parallel stacks the owners are ordered by (dp, ep) while the
+    experts are ordered by ep, so :attr:`owners` lists which rank holds each piece in flat order.
+    """
+
+    shape: tuple[int, ...]
+    """The global shape."""
+    ranges: tuple[FlatRange, ...]
+    """Flat range of every rank of ``group``, in group rank order (empty ranges as ``(s, s)``)."""
+    group: Optional[dist.ProcessGroup]
+    """The ranks whose pieces partition the tensor; None for one process."""
+    rank: int
+    """This rank's index in ``group``."""
+
+    def __post_init__(self) -> None:
+        numel = math.prod(self.shape)
+        covered = sorted(r for r in self.ranges if r[1] > r[0])
+        cursor = 0
+        for start, end in covered:
+            if start != cursor:
+                raise ValueError(f"the pieces of a {self.shape} tensor must tile [0, {numel}); got {self.ranges}")
+            cursor = end
+        if cursor != numel:
+            raise ValueError(f"the pieces of a {self.shape} tensor must tile [0, {numel}); got {self.ranges}")
+
+    @property
+    def local_range(self) -> FlatRange:
+        """The flat range of the global tensor this rank holds."""
+        return self.ranges[self.rank]
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return local_piece_shape(self.shape, *self.local_range)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """Group ranks holding a non-empty piece, in the flat order of their pieces."""
+        return tuple(sorted((q for q, (s, e) in enumerate(self.ranges) if e > s), key=lambda q: self.ranges[q][0]))
+
+    @property
+    def placement(self) -> RaggedShard:
+        """The pieces as a :class:`RaggedShard` over ``owners`` (= the group's ranks in order, for ``fully_shard``)."""
+        owners = self.owners
+        if list(owners) == sorted(owners):
+            return RaggedShard.from_flat_ranges(self.shape, self.ranges)
+        return RaggedShard.from_flat_ranges(self.shape, [self.ranges[q] for q in owners])
+
+    def boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """N-D ``(offsets, sizes)`` boxes covering this rank's piece, in flat order."""
+        return flat_range_to_boxes(self.shape, *self.local_range)
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, RaggedLayout):
+            return NotImplemented
+        return (self.shape, self.ranges, self.rank) == (other.shape, other.ranges, other.rank) and (
+            self.group is other.group
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.ranges, self.rank, id(self.group)))
+
+    def __repr__(self) -> str:
+        return f"RaggedLayout(shape={self.shape}, local_range={self.local_range}, rank={self.rank}/{self.world_size})"
+
+
+@dataclass(frozen=True)
+class GlobalExtent:
+    """A declaration on a plain tensor: it is block ``[offset, offset + numel)`` of a larger tensor of ``shape``,
+    the blocks held by the ranks of ``group`` in rank order (expert parallelism: each rank's experts).
+
+    Set as ``param._vescale_global_extent``. ``fully_shard(..., norm_group=...)`` then lays the sharded parameter
+    out as the larger tensor, and checkpoints store the larger tensor.
+    """
+
+    shape: tuple[int, ...]
+    offset: int
+    group: Optional[dist.ProcessGroup]
+
+
+def block_layout(t: torch.Tensor, extent: GlobalExtent) -> RaggedLayout:
+    """The layout of a plain tensor ``t`` that is one of equal blocks ``extent`` describes (rank q, block q)."""
+    n = t.numel()
+    q = dist.get_rank(extent.group) if extent.group is not None else 0
+    size = dist.get_world_size(extent.group) if extent.group is not None else 1
+    if extent.offset != q * n:
+        raise ValueError(f"block {q} of {size} of a {extent.shape} tensor starts at {extent.offset}, not at {q * n}: "
+                         f"the blocks must be equal and in rank order")
+    return RaggedLayout(tuple(extent.shape), tuple((r * n, (r + 1) * n) for r in range(size)), extent.group, q)
+
+
+class UnsupportedRaggedOp(RuntimeError):
+    """An operation that a RaggedTensor cannot run on its piece without changing the result."""
+
+
+def is_ragged(t: Any) -> bool:
+    """Whether ``t`` is a sharded :class:`RaggedTensor` (a parameter, its gradient or a state shaped like it)."""
+    return isinstance(t, RaggedTensor)
+
+
+class RaggedTensor(torch.Tensor):
+    """A tensor of global shape ``layout.shape`` of which this rank holds the piece ``to_local()``.
+
+    Made by ``fully_shard`` for every sharded parameter (and its ``.grad``), and by elementwise ops on
+    those (optimizer states). See the module note for what runs on it.
+    """
+
+    _local: torch.Tensor
+    _layout: RaggedLayout
+    __slots__ = ("_local", "_layout")
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, layout: RaggedLayout, *, requires_grad: bool = False) -> "RaggedTensor":
+        if local.numel() != layout.local_range[1] - layout.local_range[0]:
+            raise ValueError(
+                f"the local piece has {local.numel()} elements but the layout gives this rank "
+                f"{layout.local_range[1] - layout.local_range[0]} ({layout})"
+            )
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, layout.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad
+        )
+        r._local = local
+        r._layout = layout
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # -- the public face -----------------------------------------------------------------------------------
+    @property
+    def layout_info(self) -> RaggedLayout:
+        """Where every rank's piece lives (named so as not to shadow ``torch.Tensor.layout``)."""
+        return self._layout
+
+    @property
+    def placement(self) -> RaggedShard:
+        """The :class:`RaggedShard` placement of the pieces (see :attr:`RaggedLayout.placement`)."""
+        return self._layout.placement
+
+    @property
+    def local_range(self) -> FlatRange:
+        """The flat element range ``[start, end)`` of the global tensor held here."""
+        return self._layout.local_range
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's piece: a zero-copy view of the sharded storage (for a parameter: its DBuffer)."""
+        return self._local
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor on every rank of the layout's group (an all-gather; every rank must call it)."""
+        return gather_pieces(self._local, self._layout)
+
+    @classmethod
+    def from_full(cls, full: torch.Tensor, layout: RaggedLayout) -> "RaggedTensor":
+        """A RaggedTensor holding this rank's piece (a copy) of ``full``, a tensor of ``layout.shape``."""
+        if tuple(full.shape) != layout.shape:
+            raise ValueError(f"from_full: the tensor has shape {tuple(full.shape)}, the layout {layout.shape}")
+        start, end = layout.local_range
+        return cls(full.detach().reshape(-1)[start:end].clone().view(layout.local_shape), layout)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (
+            f"RaggedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
+            f"local_range={self.local_range}, rank={self._layout.rank}/{self._layout.world_size}, "
+            f"local={self._local!r})"
+        )
+
+    def __deepcopy__(self, memo: dict) -> "RaggedTensor":
+        if id(self) in memo:
+            return memo[id(self)]
+        out = RaggedTensor(self._local.detach().clone(), self._layout, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        for key, value in self.__dict__.items():  # _is_param, user declarations
+            setattr(out, key, copy.deepcopy(value, memo))
+        return out
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise TypeError(
+            "a RaggedTensor holds one rank's piece and is not pickled; save sharded state with "
+            "lightning_vescale.checkpoint (or torch.distributed.checkpoint), or pickle .full_tensor() / .to_local()"
+        )
+
+    # -- torch.distributed.checkpoint extension points (as DTensor implements them) -------------------------
+    def __create_write_items__(self, fqn: str, object: Any) -> list:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import (
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
+
+        props = TensorProperties.create_from_tensor(self._local)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                    properties=props,
+                    size=torch.Size(self._layout.shape),
+                ),
+            )
+            for offsets, sizes in self._chunks()
+        ]
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in self._chunks()]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        flat = self._local.detach().reshape(-1)
+        pos = 0
+        for offsets, sizes in self._chunks():
+            n = math.prod(sizes)
+            if tuple(offsets) == tuple(index.offset):
+                return flat[pos : pos + n].view(sizes)
+            pos += n
+        raise ValueError(f"{index.fqn}: no piece at offsets {tuple(index.offset)} on this rank ({self._layout})")
+
+    def _chunks(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        if math.prod(self._layout.shape) == 0:
+            # Nothing to write, but the checkpoint must still know the tensor: one rank lists an empty chunk.
+            return [((0,) * len(self._layout.shape), self._layout.shape)] if self._layout.rank == 0 else []
+        return self._layout.boxes()
+
+    # -- dispatch -----------------------------------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            handler = _HANDLERS[func] = _handler_for(func)
+        return handler(func, args, kwargs)
+
+
+def _wrap(local: torch.Tensor, layout: RaggedLayout) -> RaggedTensor:
+    """``RaggedTensor(local, layout)`` without the size check (the caller got ``local`` from a same-layout op)."""
+    r = torch.Tensor._make_wrapper_subclass(RaggedTensor, layout.shape, dtype=local.dtype, device=local.device)
+    r._local = local
+    r._layout = layout
+    return r
+
+
+# --------------------------------------------------------------------------------------------------------
+# Gathering
+
+
+def gather_pieces(local: torch.Tensor, layout: RaggedLayout) -> torch.Tensor:
+    """All-gather every rank's piece of ``layout`` into the full tensor (pieces padded to the largest)."""
+    shape = layout.shape
+    sizes = [e - s for s, e in layout.ranges]
+    if layout.group is None or layout.world_size == 1:
+        return local.detach().reshape(shape).clone()
+    padded = max(sizes)
+    full = torch.empty(shape, dtype=local.dtype, device=local.device)
+    if padded == 0:
+        return full
+    wire = _wire_view
+    send = local.new_zeros(padded)
+    wire(send)[: local.numel()].copy_(wire(local.detach().reshape(-1)))
+    recv = local.new_empty(layout.world_size * padded)
+    collectives.all_gather_into_tensor(wire(recv), wire(send), layout.group, kind="all_gather_full_tensor")
+    out, flat_recv = wire(full.view(-1)), wire(recv)
+    for q, (s, e) in enumerate(layout.ranges):
+        out[s:e].copy_(flat_recv[q * padded : q * padded + (e - s)])
+    return full
+
+
+def _wire_view(t: torch.Tensor) -> torch.Tensor:
+    """float8 travels as bytes (gloo rejects float8 dtypes)."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t
+
+
+# --------------------------------------------------------------------------------------------------------
+# Handlers
+
+
+def _op_name(func: Any) -> str:
+    return str(func).replace("aten::", "aten.")
+
+
+def _unsupported(func: Any, args: tuple, kwargs: dict) -> Any:
+    shapes = [tuple(a.shape) for a in _flat_tensors((args, kwargs)) if isinstance(a, RaggedTensor)]
+    raise UnsupportedRaggedOp(
+        f"{_op_name(func)} is not supported on a sharded RaggedTensor (global shape "
+        f"{shapes[0] if shapes else '?'}; this rank holds only its piece, so a local result would be wrong). "
+        f"Call .full_tensor() to gather the whole tensor (every rank must call it), or .to_local() to work on "
+        f"this rank's piece."
+    )
+
+
+def _flat_tensors(tree: Any) -> list:
+    out: list = []
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        return x
+
+    tree_map(visit, tree)
+    return out
+
+
+class _Unwrapper:
+    """Replaces RaggedTensors by their pieces, checking that they share one layout (per list position for
+    ``_foreach_*`` ops) and that every plain tensor mixed in is a scalar."""
+
+    def __init__(self, func: Any, foreach: bool) -> None:
+        self.func = func
+        self.foreach = foreach
+        self.layouts: dict[int, RaggedLayout] = {}  # position (0 for non-foreach ops) -> layout
+        self.wrappers: dict[int, RaggedTensor] = {}  # id(local) -> the RaggedTensor it came from
+
+    def one(self, x: Any, position: int, in_list: bool) -> Any:
+        if type(x) is RaggedTensor or isinstance(x, RaggedTensor):
+            seen = self.layouts.get(position)
+            if seen is None:
+                self.layouts[position] = x._layout
+            elif seen is not x._layout and seen != x._layout:
+                raise UnsupportedRaggedOp(
+                    f"{_op_name(self.func)} mixes RaggedTensors of two different layouts ({seen} and {x._layout}): "
+                    f"their pieces hold different parts of the tensor. Use tensors sharded the same way (states "
+                    f"made from the parameter with zeros_like / clone), or full_tensor() both."
+                )
+            self.wrappers[id(x._local)] = x
+            return x._local
+        if isinstance(x, torch.Tensor) and x.dim() != 0 and not (self.foreach and not in_list and x.dim() == 1):
+            raise UnsupportedRaggedOp(
+                f"{_op_name(self.func)} mixes a sharded RaggedTensor with a plain tensor of shape {tuple(x.shape)}: "
+                f"only Python numbers and 0-d tensors combine with a sharded piece. Shard both the same way, or "
+                f"call .full_tensor() on the RaggedTensor."
+            )
+        return x
+
+    def __call__(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def arg(x: Any) -> Any:
+            if isinstance(x, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in x):
+                return type(x)(self.one(e, i if self.foreach else 0, True) for i, e in enumerate(x))
+            return self.one(x, 0, False)
+
+        return tuple(arg(a) for a in args), {k: arg(v) for k, v in kwargs.items()}
+
+    def wrap(self, out: Any, position: int = 0) -> Any:
+        """The RaggedTensor for a local result: the input itself for in-place ops, else a new one."""
+        if not isinstance(out, torch.Tensor):
+            return out
+        back = self.wrappers.get(id(out))
+        if back is not None:
+            return back
+        layout = self.layouts.get(position)
+        return out if layout is None else _wrap(out, layout)
+
+
+def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
+    # Fast path (the optimizer's ops): RaggedTensors of one layout object and Python scalars only.
+    layout = None
+    local_args = []
+    for a in args:
+        if type(a) is RaggedTensor:
+            if layout is None:
+                layout = a._layout
+            elif a._layout is not layout:
+                return _elementwise_checked(func, args, kwargs)
+            local_args.append(a._local)
+        elif isinstance(a, (torch.Tensor, list, tuple)):
+            return _elementwise_checked(func, args, kwargs)
+        else:
+            local_args.append(a)
+    if layout is None or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return _elementwise_checked(func, args, kwargs)
+    out = func(*local_args, **kwargs)
+    if out is local_args[0]:
+        return args[0]  # in-place on the first argument
+    return _wrap(out, layout) if isinstance(out, torch.Tensor) else _elementwise_checked(func, args, kwargs)
+
+
+def _elementwise_checked(func: Any, args: tuple, kwargs: dict) -> Any:
+    unwrap = _Unwrapper(func, foreach=False)
+    local_args, local_kwargs = unwrap(args, kwargs)
+    out = func(*local_args, **local_kwargs)
+    if isinstance(out, (list, tuple)):
+        return type(out)(unwrap.wrap(o) for o in out)
+    return unwrap.wrap(out)
+
+
+def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
+    unwrap = _Unwrapper(func, foreach=True)
+    local_args, local_kwargs = unwrap(args, kwargs)
+    out = func(*local_args, **local_kwargs)
+    if isinstance(out, (list, tuple)):
+        return type(out)(unwrap.wrap(o, i) for i, o in enumerate(out))
+    return out
+
+
+def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
+    self = args[0]
+    return RaggedTensor(func(self._local, *args[1:], **kwargs), self._layout)
+
+
+def _same_shape_view(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``view`` / ``reshape`` to the same global shape (a no-op user code does) keeps the layout."""
+    self, shape = args[0], args[1]
+    if torch.empty(self.shape, device="meta").view(shape).shape != self.shape:
+        return _unsupported(func, args, kwargs)
+    return RaggedTensor(self._local.view(self._local.shape), self._layout)
+
+
+def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
+    return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+def _new_factory(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``new_empty`` / ``new_zeros`` ...: a RaggedTensor for the global shape, else a plain tensor (no data read)."""
+    self, size = args[0], tuple(args[1])
+    if size == tuple(self.shape):
+        return RaggedTensor(func(self._local, self._local.shape, *args[2:], **kwargs), self._layout)
+    return func(self._local, size, *args[2:], **kwargs)
+
+
+def _random_fill(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Draw the full tensor from the generator and keep this rank's piece: the unsharded model's values."""
+    self = args[0]
+    if not isinstance(self, RaggedTensor) or any(isinstance(a, RaggedTensor) for a in _flat_tensors((args[1:], kwargs))):
+        return _unsupported(func, args, kwargs)
+    full = torch.empty(self._layout.shape, dtype=self.dtype, device=self.device)
+    func(full, *args[1:], **kwargs)
+    start, end = self._layout.local_range
+    self._local.view(-1).copy_(full.view(-1)[start:end])
+    return self
+
+
+# -- reductions -------------------------------------------------------------------------------------------
+
+
+def _all_reduce(value: torch.Tensor, layout: RaggedLayout, op: Any) -> torch.Tensor:
+    if layout.group is not None and layout.world_size > 1:
+        collectives.all_reduce(value, layout.group, op=op, kind="all_reduce_ragged")
+    return value
+
+
+def _is_full_reduction(self: torch.Tensor, dims: Any, keepdim: bool) -> bool:
+    if keepdim:
+        return False
+    return dims in (None, [], ()) or sorted(d % self.dim() for d in dims) == list(range(self.dim()))
+
+
+def _reduction_input(func: Any, args: tuple, kwargs: dict) -> "RaggedTensor":
+    """The RaggedTensor of a reduction over all of it; a reduction over some dims is refused."""
+    self = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    if not isinstance(self, RaggedTensor) or not _is_full_reduction(self, dims, keepdim):
+        _unsupported(func, args, kwargs)
+    return self
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype == torch.float64:
+        return dtype
+    return torch.float32 if dtype.is_floating_point or dtype.is_complex else torch.int64
+
+
+def _sum(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    self = _reduction_input(func, args, kwargs)
+    dtype = kwargs.get("dtype") or (self.dtype if self.dtype.is_floating_point else torch.int64)
+    total = _all_reduce(self._local.sum(dtype=_accumulation_dtype(dtype)), self._layout, dist.ReduceOp.SUM)
+    return total.to(dtype)
+
+
+def _mean(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    self = _reduction_input(func, args, kwargs)
+    dtype = kwargs.get("dtype") or self.dtype
+    total = _all_reduce(self._local.sum(dtype=_accumulation_dtype(dtype)), self._layout, dist.ReduceOp.SUM)
+    return (total / self.numel()).to(dtype)
+
+
+def _neutral(dtype: torch.dtype, largest: bool) -> float:
+    """The value that never wins a max (``largest``) or min: what an empty piece contributes."""
+    if dtype.is_floating_point:
+        return -math.inf if largest else math.inf
+    info = torch.iinfo(dtype) if dtype != torch.bool else None
+    if info is None:
+        return not largest
+    return info.min if largest else info.max
+
+
+def _extreme(func: Any, args: tuple, kwargs: dict, largest: bool) -> torch.Tensor:
+    self = _reduction_input(func, args, kwargs)
+    if self.numel() == 0:
+        raise RuntimeError(f"{_op_name(func)}: the tensor has no elements")
+    local = self._local
+    if local.numel():
+        value = (local.max() if largest else local.min()).clone()
+    else:
+        value = torch.full((), _neutral(local.dtype, largest), dtype=local.dtype, device=local.device)
+    return _all_reduce(value, self._layout, dist.ReduceOp.MAX if largest else dist.ReduceOp.MIN)
+
+
+def _any_all(func: Any, args: tuple, kwargs: dict, want_all: bool) -> torch.Tensor:
+    self = _reduction_input(func, args, kwargs)
+    local = self._local
+    value = (local.all() if want_all else local.any()) if local.numel() else torch.tensor(want_all, device=local.device)
+    as_int = value.to(torch.int32)
+    _all_reduce(as_int, self._layout, dist.ReduceOp.MIN if want_all else dist.ReduceOp.MAX)
+    return as_int.to(torch.bool)
+
+
+def _local_norm_power(local: torch.Tensor, p: float) -> torch.Tensor:
+    """``sum |x|^p`` of the piece (``max |x|`` for inf, ``-min`` trick for -inf, count for 0), in fp32 or better."""
+    acc = torch.float64 if local.dtype == torch.float64 else torch.float32
+    if local.numel() == 0:
+        return torch.zeros((), dtype=acc, device=local.device) if p != -math.inf else torch.full(
+            (), math.inf, dtype=acc, device=local.device)
+    x = local.detach().to(acc).abs()
+    if p == math.inf:
+        return x.max()
+    if p == -math.inf:
+        return x.min()
+    if p == 0:
+        return (x != 0).sum().to(acc)
+    return torch.linalg.vector_norm(x, p) ** p
+
+
+def _finish_norm(power: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    if p in (math.inf, -math.inf, 0):
+        return power.to(dtype)
+    return (power ** (1.0 / p)).to(dtype)
+
+
+def _norm_op(p: float) -> Any:
+    return dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.MIN if p == -math.inf else dist.ReduceOp.SUM
+
+
+def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    self = args[0]
+    p = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    dims = args[2] if len(args) > 2 else kwargs.get("dim")
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    if not isinstance(self, RaggedTensor) or not _is_full_reduction(self, dims, keepdim):
+        return _unsupported(func, args, kwargs)
+    dtype = kwargs.get("dtype") or self.dtype
+    power = _all_reduce(_local_norm_power(self._local, p), self._layout, _norm_op(p))
+    return _finish_norm(power, p, dtype)
+
+
+def _norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``aten.norm.Scalar`` / ``norm.ScalarOpt_dim`` (``Tensor.norm``) as a full vector norm."""
+    p = args[1] if len(args) > 1 and args[1] is not None else kwargs.get("p", 2)
+    dims = args[2] if len(args) > 2 else kwargs.get("dim")
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    return _vector_norm(aten.linalg_vector_norm.default, (args[0], p, dims, keepdim), {"dtype": kwargs.get("dtype")})
+
+
+def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list:
+    """The global norm of every tensor: one all-reduce per process group for the whole list
+    (``clip_grad_norm_``'s fast path)."""
+    tensors = args[0]
+    p = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    dtype = kwargs.get("dtype", args[2] if len(args) > 2 else None)
+    out: list = [None] * len(tensors)
+    by_group: dict = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, RaggedTensor):
+            by_group.setdefault(t._layout.group, []).append(i)
+        else:  # a plain tensor is whole on this rank: its norm is local (each output is one tensor's norm)
+            out[i] = torch.linalg.vector_norm(t, p, dtype=dtype)
+    for group, idx in by_group.items():
+        powers = torch.stack([_local_norm_power(tensors[i]._local, p) for i in idx])
+        _all_reduce(powers, tensors[idx[0]]._layout, _norm_op(p))
+        for k, i in enumerate(idx):
+            out[i] = _finish_norm(powers[k], p, dtype or tensors[i].dtype)
+    return out
+
+
+def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
+    a, b = args[0], args[1]
+    if not (isinstance(a, RaggedTensor) and isinstance(b, RaggedTensor)):
+        return _unsupported(func, args, kwargs)
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    _Unwrapper(func, foreach=False)((a, b), {})  # same layout, or a clear error
+    same = torch.tensor(int(torch.equal(a._local, b._local)), dtype=torch.int32, device=a._local.device)
+    return bool(_all_reduce(same, a._layout, dist.ReduceOp.MIN).item())
+
+
+_EXPLICIT_ELEMENTWISE = {
+    aten.copy_.default, aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.clone.default,
+    aten._to_copy.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+    aten.full_like.default, aten.lerp_.Scalar, aten.lerp_.Tensor, aten.masked_fill_.Scalar,
+}
+
+_HANDLERS: dict[Any, Callable] = {
+    aten.detach.default: _detach,
+    aten.alias.default: _detach,
+    aten.view.default: _same_shape_view,
+    aten.reshape.default: _same_shape_view,
+    aten._unsafe_view.default: _same_shape_view,
+    aten.is_same_size.default: _is_same_size,
+    aten.new_empty.default: _new_factory,
+    aten.new_zeros.default: _new_factory,
+    aten.new_ones.default: _new_factory,
+    aten.new_full.default: _new_factory,
+    aten.sum.default: _sum,
+    aten.sum.dim_IntList: _sum,
+    aten.mean.default: _mean,
+    aten.mean.dim: _mean,
+    aten.max.default: functools.partial(_extreme, largest=True),
+    aten.min.default: functools.partial(_extreme, largest=False),
+    aten.amax.default: functools.partial(_extreme, largest=True),
+    aten.amin.default: functools.partial(_extreme, largest=False),
+    aten.any.default: functools.partial(_any_all, want_all=False),
+    aten.all.default: functools.partial(_any_all, want_all=True),
+    aten.linalg_vector_norm.default: _vector_norm,
+    aten.norm.Scalar: _norm,
+    aten.norm.ScalarOpt_dim: _norm,
+    aten._foreach_norm.Scalar: _foreach_norm,
+    aten.equal.default: _equal,
+}
+
+
+def _handler_for(func: Any) -> Callable:
+    name = func._schema.name
+    tags = func.tags
+    if torch.Tag.nondeterministic_seeded in tags:
+        return _random_fill if torch.Tag.inplace_view not in tags and name.endswith("_") else _unsupported
+    if name.startswith("aten::_foreach_") or name.startswith("aten::_fused_"):
+        if name in ("aten::_foreach_max",):
+            return _unsupported
+        return _foreach
+    if torch.Tag.pointwise in tags or func in _EXPLICIT_ELEMENTWISE:
+        return _elementwise
+    return _unsupported
+
+
+def _register_foreach_support() -> None:
+    """Let torch's optimizers and ``clip_grad_norm_`` take their ``foreach`` paths with RaggedTensors, as
+    ``torch.distributed.tensor`` does for DTensor (one dispatch per list instead of one per tensor)."""
+    from torch.optim import optimizer as optim_module
+    from torch.utils import _foreach_utils
+
+    for supported in (optim_module._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if RaggedTensor not in supported:
+            supported.append(RaggedTensor)
+
+
+_register_foreach_support()
