@@ -93,8 +93,9 @@ def from_pretrained(
 
     Args:
         path: the checkpoint directory.
-        model_type: ``"llama"``, ``"mixtral"`` or ``"qwen2_moe"`` (or the architecture name, e.g.
-            ``"LlamaForCausalLM"``); default: ``config.json``'s ``model_type``.
+        model_type: one of :data:`SUPPORTED_MODEL_TYPES` (``"llama"``, ``"mixtral"``, ``"qwen2_moe"``,
+            ``"qwen3_moe"``, ``"deepseek_v3"``) or the architecture name (e.g. ``"LlamaForCausalLM"``);
+            default: ``config.json``'s ``model_type``.
         dtype: dtype of the returned model's parameters and buffers.
         device: where the model is materialized.
 
@@ -120,9 +121,8 @@ def from_pretrained(
     hf_state = _load_safetensors(path)
 
     with torch.device("meta"):
-        model: nn.Module = (
-            adapter.model_class(config) if adapter else Llama(config) if isinstance(config, LlamaConfig) else MoE(config)
-        )
+        build = adapter.model_class if adapter else Llama if isinstance(config, LlamaConfig) else MoE
+        model: nn.Module = build(config)
     model.to_empty(device=device)
     model.init_buffers()
     state, origin, unexpected = adapter.state_from_hf(hf_state, config) if adapter else _state_from_hf(hf_state)
