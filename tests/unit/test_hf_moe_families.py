@@ -262,7 +262,7 @@ def test_save_refuses_what_the_architecture_cannot_express(tmp_path):
     with pytest.raises(ValueError, match=r"cannot save as 'deepseek_v3': n_shared_experts=0"):
         save_pretrained(DeepSeekV3(config), config, tmp_path)
     config = qwen3_moe_config("tiny")
-    with pytest.raises(ValueError, match=r"a Qwen3MoEConfig can be saved as \('qwen3_moe',\), not model_type='mixtral'"):
+    with pytest.raises(ValueError, match=r"Qwen3MoEConfig can be saved as \('qwen3_moe',\), not model_type='mixtral'"):
         save_pretrained(Qwen3MoE(config), config, tmp_path, model_type="mixtral")
 
 
