@@ -57,7 +57,8 @@ def test_tiny_presets_have_the_family_features():
     qwen3 = qwen3_moe_config("tiny")
     assert qwen3.head_dim * qwen3.n_heads != qwen3.dim
     deepseek = deepseek_v3_config("tiny")
-    assert deepseek.q_lora_rank and deepseek.num_expert_groups > 1 and deepseek.n_shared_experts and deepseek.n_dense_layers
+    assert deepseek.q_lora_rank and deepseek.num_expert_groups > 1
+    assert deepseek.n_shared_experts and deepseek.n_dense_layers
     assert set(QWEN3_MOE_CONFIGS) == {"tiny", "30b_a3b", "235b_a22b"} and set(DEEPSEEK_V3_CONFIGS) == {"tiny", "671b"}
     with pytest.raises(ValueError, match=r"unknown deepseek_v3 config 'v2'; valid names are: 671b, tiny"):
         deepseek_v3_config("v2")
