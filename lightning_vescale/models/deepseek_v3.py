@@ -22,7 +22,7 @@ Shape suffixes as in llama.py and moe.py, plus::
 
 [Note: weights and Hugging Face names]
 Inside ``layers.{i}.attention`` (Hugging Face: ``model.layers.{i}.self_attn``): ``wq`` = ``q_proj`` (when
-``q_lora_rank`` is ``None``), ``wq_a`` = ``q_a_proj``, ``q_norm`` = ``q_a_layernorm``, ``wq_b`` =
+``q_lora_rank`` is 0), ``wq_a`` = ``q_a_proj``, ``q_norm`` = ``q_a_layernorm``, ``wq_b`` =
 ``q_b_proj``, ``wkv_a`` = ``kv_a_proj_with_mqa``, ``kv_norm`` = ``kv_a_layernorm``, ``wkv_b`` =
 ``kv_b_proj``, ``wo`` = ``o_proj``. Inside ``layers.{i}.feed_forward`` (``mlp``): ``router.weight`` =
 ``gate.weight``, ``router.expert_bias`` = ``gate.e_score_correction_bias``, ``shared_experts.w1/w3/w2`` =
@@ -74,8 +74,9 @@ class DeepSeekV3Config:
     """Number of transformer blocks (``num_hidden_layers``)."""
     n_heads: int = 4
     """Attention heads (``num_attention_heads``)."""
-    q_lora_rank: Optional[int] = 32
-    """Rank ``C`` of the query bottleneck; ``None``: one full projection ``wq`` (DeepSeek-V2-Lite)."""
+    q_lora_rank: int = 32
+    """Rank ``C`` of the query bottleneck; 0: one full projection ``wq`` (Hugging Face's ``null``, as in
+    DeepSeek-V2-Lite)."""
     kv_lora_rank: int = 16
     """Width ``L`` of the shared key/value latent."""
     qk_nope_head_dim: int = 16
@@ -132,8 +133,8 @@ class DeepSeekV3Config:
         _require_positive(self, ("vocab_size", "dim", "n_layers", "n_heads", "kv_lora_rank", "qk_nope_head_dim"))
         _require_positive(self, ("qk_rope_head_dim", "v_head_dim", "max_seq_len", "norm_eps", "rope_theta"))
         _require_positive(self, ("init_std", "num_experts", "top_k", "moe_hidden", "route_scale"))
-        if self.q_lora_rank is not None and not self.q_lora_rank > 0:
-            raise ValueError(f"DeepSeekV3Config.q_lora_rank must be > 0 or None, got {self.q_lora_rank}")
+        if self.q_lora_rank < 0:
+            raise ValueError(f"DeepSeekV3Config.q_lora_rank must be >= 0 (0: no bottleneck), got {self.q_lora_rank}")
         if self.qk_rope_head_dim % 2 != 0:
             raise ValueError(f"DeepSeekV3Config.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE")
         if isinstance(self.rope_scaling, dict):
@@ -236,7 +237,7 @@ class MLAttention(nn.Module):
         self.wq_a: Optional[Linear] = None
         self.q_norm: Optional[RMSNorm] = None
         self.wq_b: Optional[Linear] = None
-        if config.q_lora_rank is None:
+        if config.q_lora_rank == 0:
             self.wq = Linear(config.dim, q_width, init_std=std)
         else:
             self.wq_a = Linear(config.dim, config.q_lora_rank, init_std=std)

@@ -69,7 +69,7 @@ def _config_from_hf(hf: dict[str, Any]) -> DeepSeekV3Config:
         dim=hf_get(hf, "hidden_size"),
         n_layers=hf_get(hf, "num_hidden_layers"),
         n_heads=n_heads,
-        q_lora_rank=hf.get("q_lora_rank"),
+        q_lora_rank=hf.get("q_lora_rank") or 0,  # null: no bottleneck
         kv_lora_rank=hf_get(hf, "kv_lora_rank"),
         qk_nope_head_dim=hf_get(hf, "qk_nope_head_dim"),
         qk_rope_head_dim=hf_get(hf, "qk_rope_head_dim"),
@@ -104,7 +104,7 @@ def _config_to_hf(config: DeepSeekV3Config, dtype: torch.dtype) -> dict[str, Any
         "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.n_heads,
-        "q_lora_rank": config.q_lora_rank,
+        "q_lora_rank": config.q_lora_rank or None,
         "kv_lora_rank": config.kv_lora_rank,
         "qk_nope_head_dim": config.qk_nope_head_dim,
         "qk_rope_head_dim": config.qk_rope_head_dim,
