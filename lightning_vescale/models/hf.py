@@ -388,7 +388,8 @@ def save_pretrained(
         config: its config.
         path: output directory (created if needed).
         model_type: for an :class:`MoE`, ``"mixtral"`` or ``"qwen2_moe"``; default: ``"qwen2_moe"`` when
-            it has a shared expert, else ``"mixtral"``. ``"llama"`` for a :class:`Llama`.
+            it has a shared expert, else ``"mixtral"``. ``"llama"`` for a :class:`Llama`; ``"qwen3_moe"`` /
+            ``"deepseek_v3"`` for a :class:`~.qwen3_moe.Qwen3MoE` / :class:`~.deepseek_v3.DeepSeekV3`.
         dtype: cast the saved tensors to this dtype (default: keep the model's).
 
     .. note::
