@@ -21,6 +21,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from lightning_vescale.models import (  # noqa: E402
     DeepSeekV3,
     DeepSeekV3Config,
+    MoE,
+    MoEConfig,
     Qwen3MoE,
     Qwen3MoEConfig,
     deepseek_v3_config,
@@ -261,6 +263,9 @@ def test_save_refuses_what_the_architecture_cannot_express(tmp_path):
     config.n_shared_experts = 0
     with pytest.raises(ValueError, match=r"cannot save as 'deepseek_v3': n_shared_experts=0"):
         save_pretrained(DeepSeekV3(config), config, tmp_path)
+    grouped = MoEConfig(num_experts=8, num_expert_groups=2, top_k_groups=1)
+    with pytest.raises(ValueError, match=r"cannot save as 'mixtral': num_expert_groups=2 \(group-limited routing"):
+        save_pretrained(MoE(grouped), grouped, tmp_path, model_type="mixtral")
     config = qwen3_moe_config("tiny")
     with pytest.raises(ValueError, match=r"Qwen3MoEConfig can be saved as \('qwen3_moe',\), not model_type='mixtral'"):
         save_pretrained(Qwen3MoE(config), config, tmp_path, model_type="mixtral")
