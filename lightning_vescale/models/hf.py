@@ -9,6 +9,8 @@ model_type    architecture               our model
 ``mixtral``   ``MixtralForCausalLM``     :class:`~.moe.MoE` (softmax, top-k renormalized)
 ``qwen2_moe`` ``Qwen2MoeForCausalLM``    :class:`~.moe.MoE` (+ gated shared expert, q/k/v biases,
                                          dense ``mlp_only_layers``)
+``qwen3_moe`` ``Qwen3MoeForCausalLM``    :class:`~.qwen3_moe.Qwen3MoE` (adapter: hf_qwen3_moe.py)
+``deepseek_v3`` ``DeepseekV3ForCausalLM`` :class:`~.deepseek_v3.DeepSeekV3` (adapter: hf_deepseek_v3.py)
 ============  =========================  ===================================================
 
 Weights are renamed one-to-one (the tables are in llama.py's and moe.py's notes); per-expert
@@ -31,13 +33,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from lightning_vescale.models.hf_deepseek_v3 import DEEPSEEK_V3_ADAPTER
+from lightning_vescale.models.hf_qwen3_moe import QWEN3_MOE_ADAPTER
 from lightning_vescale.models.llama import Llama, LlamaConfig, RopeScaling
 from lightning_vescale.models.moe import GroupedExperts, MoE, MoEConfig
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "from_pretrained", "save_pretrained"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mixtral", "qwen2_moe")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+# Families with an adapter module of their own (models/hf_<model_type>.py; see hf_adapter.py).
+_ADAPTERS = {adapter.model_type: adapter for adapter in (QWEN3_MOE_ADAPTER, DEEPSEEK_V3_ADAPTER)}
+SUPPORTED_MODEL_TYPES = ("llama", "mixtral", "qwen2_moe", *_ADAPTERS)
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  **{t: adapter.architecture for t, adapter in _ADAPTERS.items()}}
 _TYPE_OF_ARCHITECTURE = {arch: model_type for model_type, arch in _ARCHITECTURES.items()}
 
 ModelConfig = Union[LlamaConfig, MoEConfig]
@@ -86,8 +93,9 @@ def from_pretrained(
 
     Args:
         path: the checkpoint directory.
-        model_type: ``"llama"``, ``"mixtral"`` or ``"qwen2_moe"`` (or the architecture name, e.g.
-            ``"LlamaForCausalLM"``); default: ``config.json``'s ``model_type``.
+        model_type: one of :data:`SUPPORTED_MODEL_TYPES` (``"llama"``, ``"mixtral"``, ``"qwen2_moe"``,
+            ``"qwen3_moe"``, ``"deepseek_v3"``) or the architecture name (e.g. ``"LlamaForCausalLM"``);
+            default: ``config.json``'s ``model_type``.
         dtype: dtype of the returned model's parameters and buffers.
         device: where the model is materialized.
 
@@ -108,14 +116,16 @@ def from_pretrained(
         raise FileNotFoundError(f"no config.json in {str(path)!r} (found: {sorted(p.name for p in path.iterdir())})")
     hf_config = json.loads(config_file.read_text())
     model_type = _resolve_model_type(model_type or hf_config.get("model_type"), config_file)
-    config = _CONFIG_FROM_HF[model_type](hf_config)
+    adapter = _ADAPTERS.get(model_type)
+    config = adapter.config_from_hf(hf_config) if adapter else _CONFIG_FROM_HF[model_type](hf_config)
     hf_state = _load_safetensors(path)
 
     with torch.device("meta"):
-        model: nn.Module = Llama(config) if isinstance(config, LlamaConfig) else MoE(config)
+        build = adapter.model_class if adapter else Llama if isinstance(config, LlamaConfig) else MoE
+        model: nn.Module = build(config)
     model.to_empty(device=device)
     model.init_buffers()
-    state, origin, unexpected = _state_from_hf(hf_state)
+    state, origin, unexpected = adapter.state_from_hf(hf_state, config) if adapter else _state_from_hf(hf_state)
     if config.tie_embeddings:
         state.pop("output.weight", None)  # some checkpoints store the tied head too; ours reuses the embedding
         origin.pop("output.weight", None)
@@ -378,7 +388,8 @@ def save_pretrained(
         config: its config.
         path: output directory (created if needed).
         model_type: for an :class:`MoE`, ``"mixtral"`` or ``"qwen2_moe"``; default: ``"qwen2_moe"`` when
-            it has a shared expert, else ``"mixtral"``. ``"llama"`` for a :class:`Llama`.
+            it has a shared expert, else ``"mixtral"``. ``"llama"`` for a :class:`Llama`; ``"qwen3_moe"`` /
+            ``"deepseek_v3"`` for a :class:`~.qwen3_moe.Qwen3MoE` / :class:`~.deepseek_v3.DeepSeekV3`.
         dtype: cast the saved tensors to this dtype (default: keep the model's).
 
     .. note::
@@ -387,7 +398,11 @@ def save_pretrained(
         ``expert_bias`` (auxiliary-loss-free balancing) has no transformers counterpart for these
         architectures: it is dropped with a warning.
     """
-    if isinstance(config, LlamaConfig):
+    adapter = next((a for a in _ADAPTERS.values() if isinstance(config, a.config_class)), None)
+    if adapter is not None:
+        model_type = model_type or adapter.model_type
+        allowed = (adapter.model_type,)
+    elif isinstance(config, LlamaConfig):
         model_type = model_type or "llama"
         allowed = ("llama",)
     elif isinstance(config, MoEConfig):
@@ -397,7 +412,7 @@ def save_pretrained(
         raise ValueError(f"config must be a LlamaConfig or MoEConfig, got {type(config).__name__}")
     if model_type not in allowed:
         raise ValueError(f"a {type(config).__name__} can be saved as {allowed}, not model_type={model_type!r}")
-    problems = _export_problems(config, model_type)
+    problems = adapter.export_problems(config) if adapter else _export_problems(config, model_type)
     if problems:
         raise ValueError(f"cannot save as {model_type!r}: " + "; ".join(problems))
     for name, module in model.named_modules():
@@ -408,11 +423,11 @@ def save_pretrained(
             )
     state = model.state_dict()
     save_dtype = dtype or next(iter(state.values())).dtype
-    hf_state = _state_to_hf(state, model_type, dtype)
+    hf_state = adapter.state_to_hf(state, dtype) if adapter else _state_to_hf(state, model_type, dtype)
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    hf_config = _config_to_hf(config, model_type, save_dtype)
+    hf_config = adapter.config_to_hf(config, save_dtype) if adapter else _config_to_hf(config, model_type, save_dtype)
     (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     save_file(hf_state, path / "model.safetensors", metadata={"format": "pt"})
 
@@ -427,6 +442,8 @@ def _export_problems(config: ModelConfig, model_type: str) -> list[str]:
         problems.append(f"score_func={config.score_func!r} (needs 'softmax')")
     if config.route_scale != 1.0:
         problems.append(f"route_scale={config.route_scale} (needs 1.0)")
+    if config.num_expert_groups != 1:
+        problems.append(f"num_expert_groups={config.num_expert_groups} (group-limited routing; save a DeepSeekV3)")
     if model_type == "mixtral":
         if not config.route_norm:
             problems.append("route_norm=False (Mixtral always renormalizes the top-k weights)")

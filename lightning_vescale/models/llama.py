@@ -428,6 +428,10 @@ class Attention(nn.Module):
         qkv_bias: biases on the q/k/v projections.
         init_std: std of ``wq``, ``wk``, ``wv``.
         out_init_std: std of ``wo`` (which writes into the residual stream).
+        head_dim: per-head width ``K``; default ``dim // n_heads`` (Qwen3 sets it independently of ``dim``).
+        qk_norm: RMS-normalize each query and key head over ``K`` before RoPE (Qwen3's ``q_norm`` /
+            ``k_norm``, weights of shape ``[K]`` shared by all heads).
+        norm_eps: epsilon of the q/k norms.
     """
 
     def __init__(
@@ -439,21 +443,28 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         init_std: float = 0.02,
         out_init_std: float = 0.02,
+        head_dim: Optional[int] = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
-        self.head_dim = dim // n_heads
+        self.head_dim = dim // n_heads if head_dim is None else head_dim
         self.wq = Linear(dim, n_heads * self.head_dim, bias=qkv_bias, init_std=init_std)
         self.wk = Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias, init_std=init_std)
         self.wv = Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias, init_std=init_std)
         self.wo = Linear(n_heads * self.head_dim, dim, init_std=out_init_std)
+        self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
 
     def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BTHK = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim)
         k_BTGK = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
         v_BTGK = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         q_BTHK = apply_rope(q_BTHK, cos_TK, sin_TK)
         k_BTGK = apply_rope(k_BTGK, cos_TK, sin_TK)
         n_rep = self.n_heads // self.n_kv_heads

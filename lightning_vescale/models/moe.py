@@ -77,9 +77,38 @@ __all__ = [
     "MoEFeedForward",
     "RouterOutput",
     "TopKRouter",
+    "check_group_routing",
     "moe_config",
     "num_active_params",
 ]
+
+
+def check_group_routing(owner: object, num_experts: int, top_k: int, num_groups: int, top_k_groups: int) -> None:
+    """Raise ``ValueError`` (naming ``owner``'s type) unless group-limited top-k routing is well defined.
+
+    A group's score is the sum of its two best experts (DeepSeek-V3), so a group needs at least two experts,
+    and the chosen groups must hold at least ``top_k`` experts.
+    """
+    name = owner if isinstance(owner, str) else type(owner).__name__
+    if num_groups < 1 or num_experts % num_groups != 0:
+        raise ValueError(
+            f"{name}: num_expert_groups={num_groups} must be >= 1 and divide num_experts={num_experts}"
+        )
+    if num_groups == 1:
+        return
+    per_group = num_experts // num_groups
+    if per_group < 2:
+        raise ValueError(
+            f"{name}: {num_experts} experts in {num_groups} groups leaves {per_group} per group; group-limited "
+            "routing scores a group by its two best experts, so use at most num_experts // 2 groups"
+        )
+    if not 1 <= top_k_groups <= num_groups:
+        raise ValueError(f"{name}: top_k_groups={top_k_groups} must be in [1, num_expert_groups={num_groups}]")
+    if top_k > top_k_groups * per_group:
+        raise ValueError(
+            f"{name}: top_k={top_k} experts cannot be chosen from top_k_groups={top_k_groups} groups of "
+            f"{per_group} experts; raise top_k_groups"
+        )
 
 
 @dataclass
@@ -130,6 +159,12 @@ class MoEConfig:
     """Renormalize the chosen top-k weights to sum to one."""
     route_scale: float = 1.0
     """Multiply the routing weights by this (DeepSeek-V3's ``routed_scaling_factor``)."""
+    num_expert_groups: int = 1
+    """Split the experts into this many equal groups for group-limited routing (DeepSeek-V3's ``n_group``);
+    1 disables the limit."""
+    top_k_groups: int = 1
+    """With ``num_expert_groups > 1``: each token chooses its experts only from its best ``top_k_groups``
+    groups (DeepSeek-V3's ``topk_group``)."""
     aux_loss_coef: float = 0.0
     """Coefficient of the switch-style auxiliary loss; 0 disables it."""
     dense_layers: tuple[int, ...] = ()
@@ -148,6 +183,7 @@ class MoEConfig:
             raise ValueError("MoEConfig.shared_expert_gate needs a shared expert: set shared_expert_hidden > 0")
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"MoEConfig.score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
+        check_group_routing(self, self.num_experts, self.top_k, self.num_expert_groups, self.top_k_groups)
         if self.aux_loss_coef < 0:
             raise ValueError(f"MoEConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
         self.dense_layers = tuple(sorted(set(self.dense_layers)))
@@ -215,6 +251,10 @@ class RouterOutput(NamedTuple):
 class TopKRouter(nn.Module):
     """Scores every expert, chooses the top-k by ``score + expert_bias``, weights by the unbiased score.
 
+    With ``num_groups > 1`` (DeepSeek-V3's group-limited routing) the experts form ``num_groups`` equal
+    contiguous groups; a group's score is the sum of its two best ``score + expert_bias``, and each token
+    chooses its top-k experts only inside its ``top_k_groups`` best groups.
+
     Buffers: ``expert_bias`` (persistent: it is training state) and ``tokens_per_expert`` (counts
     accumulated since the last :meth:`update_expert_bias`, for balancing and logging; not saved).
     """
@@ -232,10 +272,15 @@ class TopKRouter(nn.Module):
         route_norm: bool,
         route_scale: float,
         init_std: float,
+        num_groups: int = 1,
+        top_k_groups: int = 1,
     ) -> None:
         super().__init__()
+        check_group_routing(type(self).__name__, num_experts, top_k, num_groups, top_k_groups)
         self.num_experts = num_experts
         self.top_k = top_k
+        self.num_groups = num_groups
+        self.top_k_groups = top_k_groups
         self.score_func = score_func
         self.route_norm = route_norm
         self.route_scale = route_scale
@@ -263,7 +308,10 @@ class TopKRouter(nn.Module):
         else:
             scores_NE = torch.sigmoid(logits_NE.float())
         # The bias only decides which experts are chosen; it never enters the weights.
-        _, selected_NA = torch.topk(scores_NE.detach() + self.expert_bias.float(), self.top_k, dim=-1)
+        choice_NE = scores_NE.detach() + self.expert_bias.float()
+        if self.num_groups > 1:
+            choice_NE = self._only_top_groups(choice_NE)
+        _, selected_NA = torch.topk(choice_NE, self.top_k, dim=-1)
         weights_NA = scores_NE.gather(-1, selected_NA)
         if self.route_norm:
             weights_NA = weights_NA / weights_NA.sum(dim=-1, keepdim=True)
@@ -272,6 +320,15 @@ class TopKRouter(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert += num_tokens_per_expert_E
         return RouterOutput(weights_NA.to(x_ND.dtype), selected_NA, scores_NE, num_tokens_per_expert_E)
+
+    def _only_top_groups(self, choice_NE: torch.Tensor) -> torch.Tensor:
+        """``choice_NE`` with the experts outside each token's ``top_k_groups`` best groups set to -inf."""
+        N = choice_NE.shape[0]
+        choice_NGX = choice_NE.view(N, self.num_groups, -1)  # X: experts per group
+        group_score_NG = choice_NGX.topk(2, dim=-1).values.sum(dim=-1)
+        top_groups = group_score_NG.topk(self.top_k_groups, dim=-1).indices
+        keep_NG = torch.zeros_like(group_score_NG, dtype=torch.bool).scatter_(1, top_groups, True)
+        return choice_NGX.masked_fill(~keep_NG[..., None], float("-inf")).view(N, -1)
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float) -> None:
@@ -286,9 +343,10 @@ class TopKRouter(nn.Module):
         self.tokens_per_expert.zero_()
 
     def extra_repr(self) -> str:
+        groups = f", num_groups={self.num_groups}, top_k_groups={self.top_k_groups}" if self.num_groups > 1 else ""
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, score_func={self.score_func}, "
-            f"route_norm={self.route_norm}, route_scale={self.route_scale}"
+            f"route_norm={self.route_norm}, route_scale={self.route_scale}{groups}"
         )
 
 
@@ -369,6 +427,11 @@ class MoEFeedForward(nn.Module):
 
     After each forward, ``aux_loss`` holds the switch-style auxiliary loss (``None`` when
     ``aux_loss_coef == 0``).
+
+    ``config`` is an :class:`MoEConfig` or another family's config with the same routing fields
+    (``dim``, ``num_experts``, ``top_k``, ``moe_hidden``, ``score_func``, ``route_norm``, ``route_scale``,
+    ``num_expert_groups``, ``top_k_groups``, ``shared_expert_hidden``, ``shared_expert_gate``,
+    ``aux_loss_coef``, ``init_std``).
     """
 
     def __init__(self, config: MoEConfig, *, out_init_std: float) -> None:
@@ -382,6 +445,8 @@ class MoEFeedForward(nn.Module):
             route_norm=config.route_norm,
             route_scale=config.route_scale,
             init_std=config.init_std,
+            num_groups=config.num_expert_groups,
+            top_k_groups=config.top_k_groups,
         )
         self.experts = GroupedExperts(
             config.dim, config.moe_hidden, config.num_experts, init_std=config.init_std, out_init_std=out_init_std
@@ -439,19 +504,37 @@ class MoE(nn.Module):
     Same layout as :class:`~lightning_vescale.models.llama.Llama` (``tok_embeddings``, ``rope``,
     ``layers``, ``norm``, ``output``); each block's ``feed_forward`` is a :class:`MoEFeedForward`,
     or a dense :class:`~lightning_vescale.models.llama.FeedForward` for ``config.dense_layers``.
+
+    Other MoE families (:class:`~lightning_vescale.models.qwen3_moe.Qwen3MoE`,
+    :class:`~lightning_vescale.models.deepseek_v3.DeepSeekV3`) subclass this and override
+    :meth:`_attention` and :meth:`_rotary_embedding`; everything else is shared.
     """
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = Embedding(config.vocab_size, config.dim, init_std=config.init_std)
-        self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
+        self.rope = self._rotary_embedding(config)
         self.layers = nn.ModuleList(self._block(config, layer_id) for layer_id in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = _output_head(config.dim, config.vocab_size, self.tok_embeddings, config.tie_embeddings)
 
     @staticmethod
-    def _block(config: MoEConfig, layer_id: int) -> TransformerBlock:
+    def _rotary_embedding(config: MoEConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
+
+    @staticmethod
+    def _attention(config: MoEConfig, out_init_std: float) -> nn.Module:
+        return Attention(
+            dim=config.dim,
+            n_heads=config.n_heads,
+            n_kv_heads=config.n_kv_heads,
+            qkv_bias=config.qkv_bias,
+            init_std=config.init_std,
+            out_init_std=out_init_std,
+        )
+
+    def _block(self, config: MoEConfig, layer_id: int) -> TransformerBlock:
         out_init_std = residual_init_std(config.init_std, layer_id)
         feed_forward: nn.Module
         if layer_id in config.dense_layers:
@@ -460,14 +543,7 @@ class MoE(nn.Module):
             )
         else:
             feed_forward = MoEFeedForward(config, out_init_std=out_init_std)
-        attention = Attention(
-            dim=config.dim,
-            n_heads=config.n_heads,
-            n_kv_heads=config.n_kv_heads,
-            qkv_bias=config.qkv_bias,
-            init_std=config.init_std,
-            out_init_std=out_init_std,
-        )
+        attention = self._attention(config, out_init_std)
         return TransformerBlock(attention, feed_forward, dim=config.dim, norm_eps=config.norm_eps)
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
@@ -503,12 +579,21 @@ class MoE(nn.Module):
         for moe in self.moe_layers():
             moe.router.reset_buffers()
 
+    def num_active_params(self) -> int:
+        """Parameters touched per token: all but the ``E - top_k`` unchosen routed experts of each MoE layer.
+
+        Works on the meta device; a tied weight counts once.
+        """
+        total = sum(p.numel() for p in self.parameters())
+        for moe in self.moe_layers():
+            experts, router = moe.experts, moe.router
+            per_expert = sum(p.numel() for p in experts.parameters()) // experts.num_experts
+            total -= (router.num_experts - router.top_k) * per_expert
+        return total
+
 
 def num_active_params(config: MoEConfig) -> int:
-    """Parameters touched per token (for the presets' comments and FLOP estimates)."""
+    """Parameters touched per token of the :class:`MoE` built from ``config`` (see :meth:`MoE.num_active_params`)."""
     with torch.device("meta"):
-        model = MoE(config)
-    total = sum(p.numel() for p in model.parameters())
-    inactive_per_layer = (config.num_experts - config.top_k) * 3 * config.dim * config.moe_hidden
-    return total - inactive_per_layer * len(model.moe_layers())
+        return MoE(config).num_active_params()
 

@@ -32,19 +32,16 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_vescale.data import TOKENIZERS, load_text
-from lightning_vescale.models.llama import (
-    LLAMA_CONFIGS,
-    Llama,
-    LlamaConfig,
-    RopeScaling,
-    llama_config,
-)
+from lightning_vescale.models.deepseek_v3 import DEEPSEEK_V3_CONFIGS, DeepSeekV3, DeepSeekV3Config, deepseek_v3_config
+from lightning_vescale.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, llama_config
 from lightning_vescale.models.moe import MOE_CONFIGS, MoE, MoEConfig, moe_config
+from lightning_vescale.models.qwen3_moe import QWEN3_MOE_CONFIGS, Qwen3MoE, Qwen3MoEConfig, qwen3_moe_config
 
 __all__ = [
     "AdamWConfig",
     "DDPStrategyConfig",
     "DataConfig",
+    "DeepSeekV3ModelConfig",
     "FinetuneConfig",
     "LlamaModelConfig",
     "MODEL_FAMILIES",
@@ -54,6 +51,7 @@ __all__ = [
     "MuonConfig",
     "OptimizerConfig",
     "PRECISIONS",
+    "Qwen3MoEModelConfig",
     "SchedulerConfig",
     "StrategyConfig",
     "TrainConfig",
@@ -83,10 +81,12 @@ def _check_target(owner: str, target: str) -> None:
 # Model
 # ----------------------------------------------------------------------------------------------------
 
-ModelArchConfig = Union[LlamaConfig, MoEConfig]
+ModelArchConfig = Union[LlamaConfig, MoEConfig, Qwen3MoEConfig, DeepSeekV3Config]
 _FAMILIES: dict[str, tuple[type, dict, Any, type]] = {
     "llama": (LlamaConfig, LLAMA_CONFIGS, llama_config, Llama),
     "moe": (MoEConfig, MOE_CONFIGS, moe_config, MoE),
+    "qwen3_moe": (Qwen3MoEConfig, QWEN3_MOE_CONFIGS, qwen3_moe_config, Qwen3MoE),
+    "deepseek_v3": (DeepSeekV3Config, DEEPSEEK_V3_CONFIGS, deepseek_v3_config, DeepSeekV3),
 }
 MODEL_FAMILIES = tuple(_FAMILIES)
 """Model families the recipes train."""
@@ -103,7 +103,7 @@ class ModelConfig:
     """
 
     family: str = MISSING
-    """``"llama"`` or ``"moe"``; set by the schema each model option extends."""
+    """``"llama"``, ``"moe"``, ``"qwen3_moe"`` or ``"deepseek_v3"``; set by the schema each model option extends."""
     preset: str = MISSING
     """A key of ``LLAMA_CONFIGS`` / ``MOE_CONFIGS`` (``tiny``, ``debug``, ``small``, ...)."""
 
@@ -141,8 +141,7 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(config_cls)}
         unknown = sorted(set(overrides) - names)
         _check(not unknown, f"model: {self.family} models have no field(s) {unknown}; valid: {sorted(names)}")
-        if isinstance(overrides.get("rope_scaling"), dict):
-            overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
+        # A rope_scaling dict becomes the family's scaling type in the config's own __post_init__.
         if "dense_layers" in overrides:
             overrides["dense_layers"] = tuple(overrides["dense_layers"])
         try:
@@ -175,6 +174,24 @@ MoEModelConfig = dataclasses.make_dataclass(
     bases=(ModelConfig,),
     namespace={
         "__doc__": "An MoE preset plus optional overrides of every ``MoEConfig`` field (``None``: the preset's).",
+        "__module__": __name__,
+    },
+)
+Qwen3MoEModelConfig = dataclasses.make_dataclass(
+    "Qwen3MoEModelConfig",
+    [("family", str, field(default="qwen3_moe"))] + _override_fields(Qwen3MoEConfig),
+    bases=(ModelConfig,),
+    namespace={
+        "__doc__": "A Qwen3-MoE preset plus optional overrides of every ``Qwen3MoEConfig`` field.",
+        "__module__": __name__,
+    },
+)
+DeepSeekV3ModelConfig = dataclasses.make_dataclass(
+    "DeepSeekV3ModelConfig",
+    [("family", str, field(default="deepseek_v3"))] + _override_fields(DeepSeekV3Config),
+    bases=(ModelConfig,),
+    namespace={
+        "__doc__": "A DeepSeek-V3 preset plus optional overrides of every ``DeepSeekV3Config`` field.",
         "__module__": __name__,
     },
 )
@@ -617,6 +634,8 @@ def register_configs() -> None:
     cs.store(name="finetune_schema", node=FinetuneConfig)
     cs.store(group="schema/model", name="llama", node=LlamaModelConfig)
     cs.store(group="schema/model", name="moe", node=MoEModelConfig)
+    cs.store(group="schema/model", name="qwen3_moe", node=Qwen3MoEModelConfig)
+    cs.store(group="schema/model", name="deepseek_v3", node=DeepSeekV3ModelConfig)
     cs.store(group="schema/optimizer", name="adamw", node=AdamWConfig)
     cs.store(group="schema/optimizer", name="muon", node=MuonConfig)
     cs.store(group="schema/strategy", name="vescale", node=VeScaleStrategyConfig)

@@ -10,17 +10,19 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import MissingMandatoryValue
 
-from lightning_vescale.models import Llama, MoE, llama_config, moe_config, save_pretrained
+from lightning_vescale.models import DeepSeekV3, Llama, MoE, llama_config, moe_config, save_pretrained
 from lightning_vescale.recipe import build_strategy, find_last_checkpoint, load_initial_weights, lr_multiplier
 from lightning_vescale.recipe.module import build_optimizer_from_config
 from lightning_vescale.recipe.schema import (
     AdamWConfig,
     DDPStrategyConfig,
+    DeepSeekV3ModelConfig,
     FinetuneConfig,
     LlamaModelConfig,
     ModelParallelStrategyConfig,
     MoEModelConfig,
     MuonConfig,
+    Qwen3MoEModelConfig,
     TrainConfig,
     VeScaleStrategyConfig,
     validate,
@@ -71,8 +73,10 @@ def test_every_model_composes_and_validates(model):
     # Big presets need a matching window only; the config never allocates the model.
     cfg = load(f"model={model}")
     arch = cfg.model.build_config()
-    assert cfg.model.family == model.split("_")[0] and cfg.name == model
-    assert type(cfg.model) is (LlamaModelConfig if cfg.model.family == "llama" else MoEModelConfig)
+    assert f"{cfg.model.family}_{cfg.model.preset}" == model and cfg.name == model
+    schemas = {"llama": LlamaModelConfig, "moe": MoEModelConfig, "qwen3_moe": Qwen3MoEModelConfig,
+               "deepseek_v3": DeepSeekV3ModelConfig}
+    assert type(cfg.model) is schemas[cfg.model.family]
     assert arch.vocab_size >= 256 and arch.max_seq_len >= cfg.data.seq_len
 
 
@@ -138,6 +142,20 @@ def test_field_overrides_reach_the_model_config():
     assert cfg.model.overrides() == {"num_experts": 8, "top_k": 1, "n_layers": 3}
     with torch.device("meta"):
         assert isinstance(cfg.model.build_model(), MoE)
+
+
+def test_qwen3_and_deepseek_overrides_reach_the_model_config():
+    cfg = load("model=deepseek_v3_tiny", "model.top_k_groups=3", "model.q_lora_rank=0")
+    arch = cfg.model.build_config()
+    assert arch.top_k_groups == 3 and arch.q_lora_rank == 0 and arch.num_expert_groups == 4
+    with torch.device("meta"):
+        assert isinstance(cfg.model.build_model(), DeepSeekV3)
+    cfg = load("model=qwen3_moe_tiny", "model.dense_layers=[1]", "model.dense_ffn_hidden=48")
+    assert cfg.model.build_config().dense_layers == (1,)
+    with pytest.raises(ConfigCompositionException, match="n_kv_heads"):
+        load("model=deepseek_v3_tiny", "model.n_kv_heads=2")  # MLA has no separate key/value heads
+    with pytest.raises(ValueError, match=r"top_k=5 experts cannot be chosen from top_k_groups=2 groups of 2"):
+        load("model=deepseek_v3_tiny", "model.top_k=5")
 
 
 def test_finetune_config_requires_init_from(tmp_path):
