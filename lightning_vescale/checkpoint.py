@@ -71,6 +71,7 @@ from torch.distributed.checkpoint._traverse import set_element, traverse_state_d
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
+from lightning_vescale._dtype_kinds import check_dtype_kinds
 from lightning_vescale._param_group import ShardedParamInfo, TrainingState
 from lightning_vescale.dbuffer import BufferState
 from lightning_vescale.fully_shard import sharded_groups
@@ -1214,4 +1215,5 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
             with False, missing and unexpected names are skipped, but shapes must still match.
     """
     _check_idle(model)
+    check_dtype_kinds(model, state_dict, what="full state dict")
     _apply_model_state(model, state_dict, dedupe=False, strict=strict, what="full state dict")

@@ -37,6 +37,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from lightning_vescale._dtype_kinds import check_dtype_kinds
 from lightning_vescale.models.moe import MoE, TopKRouter
 from lightning_vescale.recipe.schema import ModelConfig, OptimizerConfig, SchedulerConfig
 
@@ -244,6 +245,7 @@ def load_full_state_dict_into(model: nn.Module, state_dict: Mapping[str, torch.T
 
     from lightning_vescale.fully_shard import get_state
 
+    check_dtype_kinds(model, state_dict, what="initial state dict")
     if any(isinstance(p, DTensor) for p in model.parameters()):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
