@@ -73,20 +73,18 @@ def build_optimizer_from_config(
         ImportError: the target cannot be imported; the message names it and the optimizer options.
     """
     node = dict(config) if isinstance(config, Mapping) else {k: getattr(config, k) for k in config.__dataclass_fields__}
-    target = node["_target_"]
+    # Through instantiate (never get_object + call), so Hydra's blocklist of dangerous targets applies.
+    extra = {"betas": tuple(node.pop("betas"))} if "betas" in node else {}
     try:
-        factory = hydra.utils.get_object(target)
+        factory = hydra.utils.instantiate(node, _partial_=True, _convert_="all")
     except Exception as err:  # hydra wraps ImportError / AttributeError in its own exception types
         raise ImportError(
-            f"optimizer._target_={target!r} cannot be imported ({err.__class__.__name__}: {err}); "
+            f"optimizer._target_={node['_target_']!r} cannot be built ({err.__class__.__name__}: {err}); "
             "fix the path or pick another optimizer, e.g. optimizer=adamw"
         ) from err
-    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
-    if isinstance(factory, type) and issubclass(factory, torch.optim.Optimizer):
-        return factory(model.parameters(), **kwargs)
-    return factory(model, **kwargs)
+    if isinstance(factory.func, type) and issubclass(factory.func, torch.optim.Optimizer):
+        return factory(model.parameters(), **extra)
+    return factory(model, **extra)
 
 
 class CausalLMModule(LightningModule):
