@@ -136,3 +136,35 @@ def test_hsdp_mesh_groups_fail_within_the_timeout() -> None:
     assert reports[0] == reports[1] == "ok", reports
     assert reports[2].startswith("CollectiveError: rank 2: collective 'all_gather' over ranks [2, 3] failed"), reports[2]
     assert "another rank of the group ([3])" in reports[2], reports[2]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Lightning's own collectives through the strategies (barrier, broadcast, reduce) name themselves too
+
+
+def _lightning_collectives_rank(rank: int, world: int) -> None:
+    from lightning_vescale.collectives import CollectiveError
+    from lightning_vescale.lightning import VeScaleFabricStrategy, VeScaleStrategy
+
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['PG_INIT_FILE']}", rank=rank,
+                            world_size=world, timeout=TIMEOUT)
+    if rank == 1:
+        _stop_here()
+    # The first call times out; the others fail at once on the broken connection, still naming themselves.
+    calls = {
+        "barrier (Lightning)": lambda: VeScaleStrategy().barrier(),
+        "broadcast (Lightning)": lambda: VeScaleFabricStrategy().broadcast("x"),
+        "reduce (Lightning)": lambda: VeScaleStrategy().reduce(torch.ones(1)),
+        "all_reduce (Lightning)": lambda: VeScaleFabricStrategy().all_reduce(torch.ones(1)),
+    }
+    for kind, call in calls.items():
+        try:
+            call()
+        except CollectiveError as err:
+            assert str(err).startswith(f"rank 0: collective '{kind}' over ranks [0, 1] failed"), str(err)
+        else:
+            raise AssertionError(f"{kind} returned although rank 1 is stopped")
+
+
+def test_lightning_collectives_of_the_strategies_name_themselves() -> None:
+    assert run_with_stopped_rank(_lightning_collectives_rank, 2, stopped=1) == {0: "ok"}
