@@ -4,20 +4,29 @@ Byte accounting follows the ring algorithms NCCL and gloo use: an AllGather or R
 buffer of ``N * S`` elements sends ``(N - 1) * S`` elements per rank; an AllReduce sends twice that.
 The counters are per kind and per step, so training loops can log them and benchmarks can compare
 engines on equal terms.
+
+A collective that fails (on gloo: a peer stopped, crashed or fell behind by more than the process-group
+timeout) raises :class:`CollectiveError`, which names this rank, the collective and the group's other
+ranks; torch's own message names neither. Asynchronous calls return a handle whose ``wait()`` does the
+same. (On NCCL a timeout is caught by torch's watchdog, which logs the rank and the operation and ends
+the process.)
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
-    "CommStats", "comm_stats", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
+    "CollectiveError", "CommStats", "comm_stats", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
+    "all_to_all_single", "named_collective",
 ]
 
 
@@ -61,6 +70,54 @@ comm_stats = CommStats()
 """The process-wide counter every collective of the engine records into."""
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank; the message names the rank, the collective and the group's other ranks."""
+
+
+def _describe(kind: str, group: Optional[dist.ProcessGroup], err: BaseException) -> str:
+    rank = dist.get_rank()
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    others = [r for r in ranks if r != rank]
+    return (
+        f"rank {rank}: collective {kind!r} over ranks {ranks} failed: {err}\n"
+        f"A collective fails like this when another rank of the group ({others}) stopped, crashed or fell behind "
+        f"by more than the process-group timeout: look for the rank that did not reach {kind!r} (its log ends "
+        f"earlier). If the wait is expected (slow first steps, large checkpoints), raise the timeout "
+        f"(strategy.timeout in the recipes, VeScaleStrategy(timeout=...) / VeScaleFabricStrategy(timeout=...))."
+    )
+
+
+@contextmanager
+def named_collective(kind: str, group: Optional[dist.ProcessGroup] = None) -> Iterator[None]:
+    """Turn a failure of the collective inside into a :class:`CollectiveError` naming ``kind`` and this rank."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as err:  # DistBackendError and gloo's timeouts are RuntimeErrors
+        raise CollectiveError(_describe(kind, group, err)) from err
+
+
+class _NamedWork:
+    """An async collective's handle whose ``wait()`` raises :class:`CollectiveError` (see :func:`named_collective`)."""
+
+    def __init__(self, work: Any, kind: str, group: Optional[dist.ProcessGroup]) -> None:
+        self._work, self._kind, self._group = work, kind, group
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        with named_collective(self._kind, self._group):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _run(kind: str, group: Optional[dist.ProcessGroup], collective: Any, *args: Any, **kwargs: Any) -> Any:
+    with named_collective(kind, group):
+        work = collective(*args, group=group, **kwargs)
+    return _NamedWork(work, kind, group) if work is not None else None
+
+
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -81,7 +138,7 @@ def all_gather_into_tensor(
             output.copy_(input)
         return None
     comm_stats.record(kind, (n - 1) * _nbytes(input))
-    return _all_gather_flat(output, input, group=group, async_op=async_op)
+    return _run(kind, group, _all_gather_flat, output, input, async_op=async_op)
 
 
 def reduce_scatter_tensor(
@@ -95,7 +152,7 @@ def reduce_scatter_tensor(
             output.copy_(input)
         return None
     comm_stats.record(kind, (n - 1) * _nbytes(output))
-    return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
+    return _run(kind, group, _reduce_scatter_flat, output, input, op=op, async_op=async_op)
 
 
 def all_reduce(
@@ -107,7 +164,7 @@ def all_reduce(
     if n == 1:
         return None
     comm_stats.record(kind, 2 * (n - 1) * _nbytes(tensor) // n)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _run(kind, group, dist.all_reduce, tensor, op=op, async_op=async_op)
 
 
 def all_to_all_single(
@@ -124,7 +181,7 @@ def all_to_all_single(
     else:
         sent = sum(input_split_sizes) - input_split_sizes[rank]
     comm_stats.record(kind, sent * item)
-    return dist.all_to_all_single(
-        output, input, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group,
-        async_op=async_op,
+    return _run(
+        kind, group, dist.all_to_all_single, output, input, output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes, async_op=async_op,
     )

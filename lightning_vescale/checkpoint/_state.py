@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
+from lightning_vescale._dtype_kinds import check_dtype_kinds
 from lightning_vescale._param_group import TrainingState
 from lightning_vescale.dbuffer import BufferState
 from lightning_vescale.fully_shard import sharded_groups
@@ -25,7 +26,7 @@ from lightning_vescale.tensor import RaggedTensor, block_layout, is_ragged
 __all__ = [
     "check_idle", "get_model_state_dict", "get_optimizer_state_dict", "model_entries", "optimizer_params",
     "set_model_state_dict", "set_optimizer_state_dict", "load_into_optimizer", "is_per_element", "optimizer_kind",
-    "check_param_groups", "piece_from", "as_global", "apply_model_state", "check_dtype_kind",
+    "check_param_groups", "piece_from", "as_global", "apply_model_state",
 ]
 
 Shape = tuple[int, ...]
@@ -129,12 +130,11 @@ def apply_model_state(model: nn.Module, state: Mapping[str, Any], *, dedupe: boo
     if report:
         raise ValueError(f"the {what} does not match the model:\n{report}\nPass the state of the same model "
                          f"(strict=False skips missing and unexpected names, never a wrong shape).")
+    check_dtype_kinds(model, state, what=what)
     pieces = {}
     for name, value in entries:
         if name in given and isinstance(value, torch.Tensor):
-            src = state[name]
-            check_dtype_kind(src, value, f"{what} entry {name}")
-            pieces[name] = piece_from(src, value, f"{what} entry {name}")
+            pieces[name] = piece_from(state[name], value, f"{what} entry {name}")
     done: set[int] = set()
     for name, value in entries:
         if name not in given or id(value) in done:
@@ -152,20 +152,6 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     la = a.to_local() if is_ragged(a) else a
     lb = b.to_local() if is_ragged(b) else b
     return la.data_ptr() == lb.data_ptr() and la.dtype == lb.dtype and la.numel() == lb.numel()
-
-
-def check_dtype_kind(src: Any, dst: torch.Tensor, what: str) -> None:
-    """Refuse to load integer or bool values into a floating-point tensor (or the reverse): garbage, not weights."""
-    if not isinstance(src, torch.Tensor):
-        return
-    kinds = {"floating": src.dtype.is_floating_point, "bool": src.dtype == torch.bool}
-    want = {"floating": dst.dtype.is_floating_point, "bool": dst.dtype == torch.bool}
-    if kinds != want:
-        raise ValueError(
-            f"{what}: the state holds {src.dtype} values but the model's tensor is {dst.dtype}; a "
-            f"{'floating-point' if want['floating'] else 'bool' if want['bool'] else 'integer'} tensor cannot be "
-            f"loaded from {src.dtype}. Check that the file holds this model's weights."
-        )
 
 
 def set_model_state_dict(model: nn.Module, state: Mapping[str, Any], *, strict: bool = True) -> None:

@@ -17,11 +17,13 @@ import hashlib
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from lightning.fabric.plugins.precision.utils import (
     _convert_fp_tensor,
@@ -29,7 +31,7 @@ from lightning.fabric.plugins.precision.utils import (
 )
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning_utilities import apply_to_collection
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale._init import init_sharded_weights
@@ -388,20 +390,88 @@ def add_output_casts(roots: Sequence[nn.Module], mp_policy: Optional[MixedPrecis
 # Mesh
 
 
-def build_mesh(device: torch.device, world_size: int, replicate_size: Optional[int] = None) -> DeviceMesh:
+CPU_TIMEOUT = timedelta(minutes=5)
+"""Default process-group timeout on CPU: a stopped or crashed peer stops the others within minutes."""
+
+
+def process_group_timeout(timeout: Union[None, float, timedelta], device: torch.device) -> timedelta:
+    """The strategies' ``timeout`` argument as a ``timedelta``: seconds or a ``timedelta``; ``None`` picks
+    :data:`CPU_TIMEOUT` on CPU and torch's default (``default_pg_timeout``, 30 minutes) on accelerators,
+    where first steps (compilation, NCCL setup, large checkpoints) take longer."""
+    if timeout is None:
+        return CPU_TIMEOUT if device.type == "cpu" else default_pg_timeout
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout must be a number of seconds or a datetime.timedelta, got {timeout!r}")
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return timedelta(seconds=seconds)
+
+
+# [Note: one mesh per shape]
+# Every Trainer.fit builds the mesh again (setup_environment), and a mesh dimension smaller than the world
+# is a new process group each time, with its sockets and threads, alive until the default group is
+# destroyed. The groups cannot be destroyed in teardown instead: the sharded model keeps using them after
+# fit (trainer.test, another Trainer on the same model). So the strategies share one mesh per (device type,
+# shape, names, timeout) for as long as the default process group lives.
+_MESHES: dict[tuple, tuple[Any, DeviceMesh]] = {}
+
+
+def _mesh(
+    device: torch.device, shape: tuple[int, ...], names: tuple[str, ...], timeout: Optional[timedelta]
+) -> DeviceMesh:
+    world = dist.group.WORLD
+    for key in [k for k, (w, _) in _MESHES.items() if w is not world]:
+        del _MESHES[key]  # built on a process group that was destroyed since: release its groups
+    key = (device.type, shape, names, timeout)
+    if key not in _MESHES:
+        _MESHES[key] = (world, _new_mesh(device, shape, names, timeout))
+    return _MESHES[key][1]
+
+
+def _new_mesh(
+    device: torch.device, shape: tuple[int, ...], names: tuple[str, ...], timeout: Optional[timedelta]
+) -> DeviceMesh:
+    """``init_device_mesh`` with ``timeout`` on the groups it creates (a dimension spanning every rank uses the
+    default group, whose timeout was set when it was created); ``init_device_mesh`` gives them torch's default."""
+    world_size = dist.get_world_size()
+    rank = dist.get_rank()
+    ranks = torch.arange(world_size).view(shape)
+    groups = []
+    for dim, size in enumerate(shape):
+        if size == world_size:
+            groups.append(dist.group.WORLD)
+            continue
+        mine = None
+        # Every rank creates every group of this dimension, in the same order (new_group is collective).
+        for members in ranks.movedim(dim, -1).reshape(-1, size).tolist():
+            group = dist.new_group(members, timeout=timeout)
+            if rank in members:
+                mine = group
+        groups.append(mine)
+    if len(groups) == 1:
+        return DeviceMesh.from_group(groups[0], device.type, mesh_dim_names=names)
+    return DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=names)
+
+
+def build_mesh(
+    device: torch.device, world_size: int, replicate_size: Optional[int] = None, *, timeout: Optional[timedelta] = None
+) -> DeviceMesh:
     """A 1-D ``("shard",)`` mesh over every rank, or, with ``replicate_size``, a 2-D
     ``("replicate", "shard")`` mesh for HSDP (shard within groups of ``world_size // replicate_size`` ranks,
-    average across ``replicate_size`` replicas)."""
+    average across ``replicate_size`` replicas). The same arguments give the same mesh again (no new groups);
+    ``timeout`` applies to the groups it creates."""
     if replicate_size is None:
-        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+        return _mesh(device, (world_size,), ("shard",), timeout)
     if replicate_size < 1 or world_size % replicate_size != 0:
         raise ValueError(
             f"replicate_size={replicate_size} must be a positive divisor of the world size {world_size} "
             f"(HSDP shards over world_size // replicate_size ranks and replicates over replicate_size)"
         )
-    return init_device_mesh(
-        device.type, (replicate_size, world_size // replicate_size), mesh_dim_names=("replicate", "shard")
-    )
+    return _mesh(device, (replicate_size, world_size // replicate_size), ("replicate", "shard"), timeout)
 
 
 def check_expert_parallel_size(expert_parallel_size: int, world_size: int) -> None:
@@ -413,12 +483,12 @@ def check_expert_parallel_size(expert_parallel_size: int, world_size: int) -> No
         )
 
 
-def build_expert_parallel_mesh(device: torch.device, world_size: int, expert_parallel_size: int) -> DeviceMesh:
+def build_expert_parallel_mesh(
+    device: torch.device, world_size: int, expert_parallel_size: int, *, timeout: Optional[timedelta] = None
+) -> DeviceMesh:
     """A 2-D ``("dp", "ep")`` mesh: experts split over ``"ep"``, their pieces sharded over ``"dp"``."""
     check_expert_parallel_size(expert_parallel_size, world_size)
-    return init_device_mesh(
-        device.type, (world_size // expert_parallel_size, expert_parallel_size), mesh_dim_names=("dp", "ep")
-    )
+    return _mesh(device, (world_size // expert_parallel_size, expert_parallel_size), ("dp", "ep"), timeout)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -19,10 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.launchers.subprocess_script import (
-    _SubprocessScriptLauncher,
-)
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
@@ -45,6 +42,7 @@ from typing_extensions import override
 
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.clip_grad import clip_grad_norm_
+from lightning_vescale.collectives import named_collective
 from lightning_vescale.fully_shard import GranularityArg
 from lightning_vescale.lightning._common import (
     AutoWrapPolicy,
@@ -58,6 +56,7 @@ from lightning_vescale.lightning._common import (
     param_mapping,
     precision_of_plugin,
     prepare_sharded,
+    process_group_timeout,
     register_vescale_names,
     remap_optimizer,
 )
@@ -113,7 +112,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         replicate_size: Union[None, int, Literal["auto"]] = None,
         sync_module_states: bool = True,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Union[None, float, timedelta] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -131,6 +130,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         self._replicate_size = replicate_size
         self._sync_module_states = sync_module_states
         self._process_group_backend = process_group_backend
+        process_group_timeout(timeout, torch.device("cpu"))  # a bad value fails here, not after launching
         self._timeout = timeout
         self._num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
@@ -245,12 +245,13 @@ class VeScaleFabricStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        timeout = process_group_timeout(self._timeout, self.root_device)
+        kwargs: dict[str, Any] = {"timeout": timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
-        self._device_mesh = build_mesh(self.root_device, self.world_size, replicate)
+        self._device_mesh = build_mesh(self.root_device, self.world_size, replicate, timeout=timeout)
 
     # -- model and optimizers -----------------------------------------------------------------------------
     @override
@@ -321,24 +322,27 @@ class VeScaleFabricStrategy(ParallelStrategy):
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with named_collective("all_reduce (Lightning)", group):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with named_collective("barrier (Lightning)"):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        with named_collective("broadcast (Lightning)"):
+            dist.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
 
     # -- checkpoints --------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -45,6 +44,7 @@ from typing_extensions import override
 
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.clip_grad import clip_grad_norm_
+from lightning_vescale.collectives import named_collective
 from lightning_vescale.fully_shard import GranularityArg, sharded_groups
 from lightning_vescale.lightning._common import (
     AutoWrapPolicy,
@@ -59,6 +59,7 @@ from lightning_vescale.lightning._common import (
     no_gradient_sync,
     precision_of_plugin,
     prepare_sharded,
+    process_group_timeout,
     register_vescale_names,
     top_level_roots,
     warn_if_policy_ignored,
@@ -130,7 +131,10 @@ class VeScaleStrategy(ParallelStrategy):
         meta_init: build the modules created in ``configure_model()`` on the meta device (each rank then only
             ever allocates its pieces). Set ``False`` if ``configure_model`` loads real weights.
         process_group_backend: defaults to ``"gloo"`` on CPU and ``"nccl"`` on CUDA.
-        timeout: the process group timeout.
+        timeout: how long a collective waits for the other ranks before it fails (a stopped or crashed peer),
+            in seconds or as a ``timedelta``; the error names the rank and the collective. ``None``: 5 minutes
+            on CPU, 30 minutes on accelerators. It applies to the process group the strategy creates and to
+            the mesh's groups (a process group created before the strategy keeps its own).
 
     .. note::
         The strategy saves and loads checkpoints itself, as a directory of shards
@@ -152,7 +156,7 @@ class VeScaleStrategy(ParallelStrategy):
         sync_module_states: bool = True,
         meta_init: bool = True,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Union[None, float, timedelta] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -179,6 +183,7 @@ class VeScaleStrategy(ParallelStrategy):
         self._sync_module_states = sync_module_states
         self._meta_init = meta_init
         self._process_group_backend = process_group_backend
+        process_group_timeout(timeout, torch.device("cpu"))  # a bad value fails here, not after launching
         self._timeout = timeout
         self._device_mesh: Optional[DeviceMesh] = None
         self.num_nodes = 1
@@ -303,17 +308,20 @@ class VeScaleStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        timeout = process_group_timeout(self._timeout, self.root_device)
+        kwargs: dict[str, Any] = {"timeout": timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         if self._expert_parallel_size > 1:
             check_expert_parallel_size(self._expert_parallel_size, self.world_size)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._expert_parallel_size > 1:
-            self._device_mesh = build_expert_parallel_mesh(self.root_device, self.world_size, self._expert_parallel_size)
+            self._device_mesh = build_expert_parallel_mesh(
+                self.root_device, self.world_size, self._expert_parallel_size, timeout=timeout
+            )
         else:
             replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
-            self._device_mesh = build_mesh(self.root_device, self.world_size, replicate)
+            self._device_mesh = build_mesh(self.root_device, self.world_size, replicate, timeout=timeout)
         assert self.lightning_module is not None
         # configure_model() can shard by hand with self.device_mesh.
         self.lightning_module._device_mesh = self._device_mesh
@@ -407,17 +415,19 @@ class VeScaleStrategy(ParallelStrategy):
     def barrier(self, name: Optional[str] = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with named_collective("barrier (Lightning)"):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        with named_collective("broadcast (Lightning)"):
+            dist.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
 
     @override
@@ -425,7 +435,8 @@ class VeScaleStrategy(ParallelStrategy):
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with named_collective("reduce (Lightning)", group):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # -- checkpoints --------------------------------------------------------------------------------------
@@ -494,7 +505,7 @@ class VeScaleStrategy(ParallelStrategy):
         from lightning_vescale import checkpoint as vckpt
 
         path = Path(self.broadcast(checkpoint_path))
-        if not path.is_dir():
+        if path.is_file():  # a missing directory goes to vckpt.load, which also resolves the ".old" fallback
             raise ValueError(
                 f"strategy='vescale' resumes from the sharded checkpoint directories it saves; {str(path)!r} is not "
                 f"a directory. To start from a full state dict, load it with "

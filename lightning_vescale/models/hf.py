@@ -26,13 +26,15 @@ import json
 import re
 import warnings
 from collections import defaultdict
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Optional, Union
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
+from lightning_vescale._dtype_kinds import dtype_kind_mismatches
 from lightning_vescale.models.hf_deepseek_v3 import DEEPSEEK_V3_ADAPTER
 from lightning_vescale.models.hf_qwen3_moe import QWEN3_MOE_ADAPTER
 from lightning_vescale.models.llama import Llama, LlamaConfig, RopeScaling
@@ -105,8 +107,11 @@ def from_pretrained(
     .. note::
         Raises ``FileNotFoundError`` when the directory, ``config.json`` or the safetensors files are
         missing, and ``ValueError`` for an unsupported ``model_type`` or configuration (the message
-        names the field), or when checkpoint tensors are missing, unexpected or of the wrong shape
-        (all of them are listed, with both shapes).
+        names the field), or when checkpoint tensors are missing, unexpected, of the wrong shape or of
+        another dtype kind (integers or bool where float weights belong; all of them are listed, with both
+        shapes or dtypes). These checks read only the files' headers, on the meta device, so nothing is
+        allocated for a checkpoint that does not fit. Also ``ValueError`` for a damaged safetensors file
+        (its header does not fit its bytes) and for an index whose shard names leave the directory.
     """
     path = Path(path)
     if not path.is_dir():
@@ -118,18 +123,17 @@ def from_pretrained(
     model_type = _resolve_model_type(model_type or hf_config.get("model_type"), config_file)
     adapter = _ADAPTERS.get(model_type)
     config = adapter.config_from_hf(hf_config) if adapter else _CONFIG_FROM_HF[model_type](hf_config)
-    hf_state = _load_safetensors(path)
+    files = _safetensors_files(path)
 
+    # Names, shapes and dtype kinds are checked on the meta device, from the files' headers only, so a
+    # config.json that does not fit the weights fails with the mismatch before anything is allocated.
     with torch.device("meta"):
         build = adapter.model_class if adapter else Llama if isinstance(config, LlamaConfig) else MoE
         model: nn.Module = build(config)
+    _check_state(model, *_our_state(_read_headers(files), config, adapter), path)
     model.to_empty(device=device)
     model.init_buffers()
-    state, origin, unexpected = adapter.state_from_hf(hf_state, config) if adapter else _state_from_hf(hf_state)
-    if config.tie_embeddings:
-        state.pop("output.weight", None)  # some checkpoints store the tied head too; ours reuses the embedding
-        origin.pop("output.weight", None)
-    _check_state(model, state, origin, unexpected, path)
+    state, _, _ = _our_state(_read_tensors(files), config, adapter)
     model.load_state_dict(state, strict=False)
     return model.to(dtype), config
 
@@ -148,26 +152,89 @@ def _resolve_model_type(model_type: Optional[str], config_file: Path) -> str:
     return model_type
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _safetensors_files(path: Path) -> list[Path]:
+    """``model.safetensors``, or the shards ``model.safetensors.index.json`` names (each inside ``path``)."""
     single = path / "model.safetensors"
     index = path / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(single)
+        return [single]
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+            raise ValueError(f"{index} has no 'weight_map' of tensor names to shard file names")
         shards = sorted(set(weight_map.values()))
+        # A shard name is a file name relative to the checkpoint directory: an absolute path or one that
+        # climbs out with '..' would read files the checkpoint does not own.
+        outside = [s for s in shards if PurePath(s).is_absolute() or ".." in PurePath(s).parts or s.strip() == ""]
+        if outside:
+            raise ValueError(
+                f"{index} names shard files outside the checkpoint directory {str(path)!r}: {outside}. Shard names "
+                f"must be relative file names such as 'model-00001-of-00002.safetensors'."
+            )
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
             raise FileNotFoundError(f"{index} names shards that are not in {str(path)!r}: {missing}")
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_file(path / shard))
-        return state
+        return [path / s for s in shards]
     raise FileNotFoundError(
         f"no model.safetensors or model.safetensors.index.json in {str(path)!r} "
         f"(found: {sorted(p.name for p in path.iterdir())}). PyTorch .bin checkpoints are not supported: "
         "re-save them with transformers' save_pretrained(..., safe_serialization=True)."
     )
+
+
+# safetensors header dtype -> torch dtype (the ones torch can hold).
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
+    "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64, "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _read_headers(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Meta tensors with the names, shapes and dtypes the files' headers declare (no tensor data is read)."""
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with _open_safetensors(file) as f:
+            for key in f.keys():
+                info = f.get_slice(key)
+                dtype = _SAFETENSORS_DTYPES.get(info.get_dtype())
+                if dtype is None:
+                    raise ValueError(f"{file}: tensor {key!r} has dtype {info.get_dtype()}, which torch cannot load")
+                if key in state:
+                    raise ValueError(f"tensor {key!r} is stored in more than one shard (again in {file})")
+                state[key] = torch.empty(info.get_shape(), dtype=dtype, device="meta")
+    return state
+
+
+def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with _open_safetensors(file) as f:
+            state.update({key: f.get_tensor(key) for key in f.keys()})
+    return state
+
+
+def _open_safetensors(file: Path) -> Any:
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as err:
+        # safetensors checks that each header entry's dtype and shape fit its byte range; its message
+        # names neither the file nor what to do.
+        raise ValueError(
+            f"{file} is not a valid safetensors file ({err}): it is damaged or its header was edited; download "
+            f"or save it again"
+        ) from None
+
+
+def _our_state(
+    hf_state: dict[str, torch.Tensor], config: ModelConfig, adapter: Any = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+    state, origin, unexpected = adapter.state_from_hf(hf_state, config) if adapter else _state_from_hf(hf_state)
+    if config.tie_embeddings:
+        state.pop("output.weight", None)  # some checkpoints store the tied head too; ours reuses the embedding
+        origin.pop("output.weight", None)
+    return state, origin, unexpected
 
 
 def _get(hf: dict[str, Any], key: str) -> Any:
@@ -347,7 +414,8 @@ def _check_state(
     unexpected: list[str],
     path: Path,
 ) -> None:
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    model_state = model.state_dict()
+    expected = {name: tuple(t.shape) for name, t in model_state.items()}
     optional = {name for name in expected if name.endswith(".expert_bias")}
     missing = [name for name in expected if name not in state and name not in optional]
     unexpected = unexpected + [origin.get(name, name) for name in state if name not in expected]
@@ -356,11 +424,16 @@ def _check_state(
         for name, t in state.items()
         if name in expected and tuple(t.shape) != expected[name]
     ]
-    if not (missing or unexpected or mismatched):
+    # Another kind (integers or bool where float weights belong) would be cast into garbage values.
+    kinds = dtype_kind_mismatches({name: t.dtype for name, t in model_state.items()}, state, origin)
+    if not (missing or unexpected or mismatched or kinds):
         return
     lines = [f"checkpoint {str(path)!r} does not match the model built from its config.json:"]
     if mismatched:
         lines += ["  shape mismatches:"] + [f"    {m}" for m in mismatched]
+    if kinds:
+        lines += ["  dtype kind mismatches (the file is damaged or its header names the wrong dtype):"]
+        lines += [f"    {k}" for k in kinds]
     if missing:
         lines += ["  missing from the checkpoint:"] + [f"    {m}" for m in missing]
     if unexpected:

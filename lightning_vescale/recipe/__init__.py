@@ -20,6 +20,7 @@ import glob
 import logging
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -93,6 +94,9 @@ def build_strategy(config: TrainConfig) -> Strategy:
         node["granularity"] = "muon"  # keep Muon's matrices whole on their owner rank
     if isinstance(config.strategy, ModelParallelStrategyConfig) and node["data_parallel_size"] is None:
         node["data_parallel_size"] = _processes_per_node(config) * config.trainer.num_nodes
+    timeout = node.pop("timeout", None)  # seconds; Lightning's strategies take a timedelta, null: their default
+    if timeout is not None:
+        node["timeout"] = timedelta(seconds=timeout)
     return hydra.utils.instantiate(node, _convert_="all")
 
 

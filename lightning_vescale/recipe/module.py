@@ -37,6 +37,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from lightning_vescale._dtype_kinds import check_dtype_kinds
 from lightning_vescale.models.moe import MoE, TopKRouter
 from lightning_vescale.recipe.schema import (
     ModelConfig,
@@ -76,20 +77,18 @@ def build_optimizer_from_config(
         ImportError: the target cannot be imported; the message names it and the optimizer options.
     """
     node = dict(config) if isinstance(config, Mapping) else {k: getattr(config, k) for k in config.__dataclass_fields__}
-    target = node["_target_"]
+    # Through instantiate (never get_object + call), so Hydra's blocklist of dangerous targets applies.
+    extra = {"betas": tuple(node.pop("betas"))} if "betas" in node else {}
     try:
-        factory = hydra.utils.get_object(target)
+        factory = hydra.utils.instantiate(node, _partial_=True, _convert_="all")
     except Exception as err:  # hydra wraps ImportError / AttributeError in its own exception types
         raise ImportError(
-            f"optimizer._target_={target!r} cannot be imported ({err.__class__.__name__}: {err}); "
+            f"optimizer._target_={node['_target_']!r} cannot be built ({err.__class__.__name__}: {err}); "
             "fix the path or pick another optimizer, e.g. optimizer=adamw"
         ) from err
-    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
-    if isinstance(factory, type) and issubclass(factory, torch.optim.Optimizer):
-        return factory(model.parameters(), **kwargs)
-    return factory(model, **kwargs)
+    if isinstance(factory.func, type) and issubclass(factory.func, torch.optim.Optimizer):
+        return factory(model.parameters(), **extra)
+    return factory(model, **extra)
 
 
 class CausalLMModule(LightningModule):
@@ -248,6 +247,7 @@ def load_full_state_dict_into(model: nn.Module, state_dict: Mapping[str, torch.T
 
     from lightning_vescale.fully_shard import get_state
 
+    check_dtype_kinds(model, state_dict, what="initial state dict")
     if any(isinstance(p, DTensor) for p in model.parameters()):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

@@ -26,7 +26,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -36,6 +36,7 @@ from lightning_vescale.models.deepseek_v3 import DEEPSEEK_V3_CONFIGS, DeepSeekV3
 from lightning_vescale.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, llama_config
 from lightning_vescale.models.moe import MOE_CONFIGS, MoE, MoEConfig, moe_config
 from lightning_vescale.models.qwen3_moe import QWEN3_MOE_CONFIGS, Qwen3MoE, Qwen3MoEConfig, qwen3_moe_config
+from lightning_vescale.recipe.targets import check_config_targets
 
 __all__ = [
     "AdamWConfig",
@@ -326,9 +327,14 @@ class StrategyConfig:
 
     _target_: str = MISSING
     """Import path of the strategy class."""
+    timeout: Optional[float] = None
+    """Seconds a collective waits for the other ranks before it fails with an error naming the rank and the
+    collective (a stopped or crashed peer); ``null``: the strategy's default (vescale: 300 on CPU, 1800 on
+    GPUs; Lightning's DDP and ModelParallel strategies: 1800)."""
 
     def __post_init__(self) -> None:
         _check_target("strategy", self._target_)
+        _check(self.timeout is None or self.timeout > 0, f"strategy.timeout must be > 0 seconds or null, got {self.timeout}")
 
 
 @dataclass
@@ -557,8 +563,14 @@ class TrainConfig:
     """Continue from this checkpoint (exclusive with ``resume``)."""
     expert_bias_rate: float = 1e-3
     """MoE auxiliary-loss-free balancing: expert-bias step per optimizer step; 0 disables (no effect on Llama)."""
+    trusted_target_modules: List[str] = field(default_factory=list)
+    """Your own packages whose classes and functions ``_target_`` may name (next to ``torch.optim``,
+    ``lightning_vescale`` and Lightning's strategies); see :mod:`lightning_vescale.recipe.targets`."""
+    allow_any_target: bool = False
+    """Let ``_target_`` name anything importable (Hydra's own blocklist still applies): trusted configs only."""
 
     def __post_init__(self) -> None:
+        check_config_targets(self, trusted_modules=self.trusted_target_modules, allow_any=self.allow_any_target)
         arch = self.model.build_config()
         where = f"model={self.model.family}_{self.model.preset}"
         _check(

@@ -199,5 +199,8 @@ def test_single_rank_fit(single_process_pg, tmp_path) -> None:
     t2 = trainer(max_steps=3, default_root_dir=tmp_path, enable_model_summary=False)
     t2.fit(resumed, ckpt_path=path)
     assert t2.global_step == 3
-    with pytest.raises(ValueError, match="not a directory"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at .*missing.ckpt"):
         trainer(max_steps=3, enable_model_summary=False).fit(BoringModel(), ckpt_path=tmp_path / "missing.ckpt")
+    (tmp_path / "single.ckpt").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a directory"):
+        trainer(max_steps=3, enable_model_summary=False).fit(BoringModel(), ckpt_path=tmp_path / "single.ckpt")
