@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import warnings
 from pathlib import Path
 from typing import Union
 
@@ -23,10 +22,11 @@ __all__ = ["load_full_model_state", "convert"]
 
 
 def load_full_model_state(checkpoint_dir: Union[str, os.PathLike], *, strip_prefix: str = "") -> dict[str, torch.Tensor]:
-    """The model's full (unsharded) tensors from a sharded checkpoint directory, by parameter name."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    """The model's full (unsharded) tensors from a sharded checkpoint directory, by parameter name.
+
+    Nothing in the checkpoint is unpickled, and its checksums are verified.
+    """
+    from lightning_vescale.checkpoint import read_full_tensors
 
     path = Path(checkpoint_dir)
     if not (path / ".metadata").is_file():
@@ -34,14 +34,9 @@ def load_full_model_state(checkpoint_dir: Union[str, os.PathLike], *, strip_pref
             f"{path} is not a complete sharded checkpoint (no .metadata file): pass the directory that "
             f"lightning_vescale.checkpoint.save / the strategy wrote, e.g. .../checkpoints/step-000300.ckpt"
         )
-    state: dict = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # DCP's own ShardedTensor deprecation notices
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)),
-                         planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
-    model = state.get("model")
+    model = {k.removeprefix("model."): v for k, v in read_full_tensors(path, prefix="model.").items()}
     if not model:
-        raise ValueError(f"{path} holds no model state (keys: {sorted(state)})")
+        raise ValueError(f"{path} holds no model state")
     out = {}
     for name, tensor in model.items():
         if strip_prefix and name.startswith(strip_prefix):

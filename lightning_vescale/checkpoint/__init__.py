@@ -23,7 +23,7 @@ from lightning_vescale.checkpoint._export import (
     load_full_state_dict,
     save_full,
 )
-from lightning_vescale.checkpoint._save_load import FORMAT_VERSION, load, save
+from lightning_vescale.checkpoint._save_load import FORMAT_VERSION, load, read_full_tensors, save
 from lightning_vescale.checkpoint._state import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -41,6 +41,7 @@ __all__ = [
     "get_optimizer_state_dict",
     "load",
     "load_full_state_dict",
+    "read_full_tensors",
     "save",
     "save_full",
     "set_model_state_dict",

@@ -60,7 +60,7 @@ from lightning_vescale.tensor import RaggedTensor, is_ragged
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FORMAT_VERSION", "load", "save"]
+__all__ = ["FORMAT_VERSION", "load", "read_full_tensors", "save"]
 
 FORMAT_VERSION = 2
 Layout = dict[tuple, Optional[tuple[int, ...]]]
@@ -554,3 +554,22 @@ def load(
         logger.warning("checkpoint %s was saved on %s rank(s) and is loaded on %d: RNG states are not restored",
                        directory, saved_world, _dist.world_size())
     return dict(values.get("extra", {}))
+
+
+def read_full_tensors(path: "os.PathLike | str", prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory whose key starts with ``prefix``, whole, in this process.
+
+    No process group, model code or GPU is needed; nothing is unpickled, and the checksums are verified
+    when the checkpoint has them (lightning_vescale's do; other DCP checkpoints, such as FSDP2's through
+    Lightning's ``ModelParallelStrategy``, are read without). Keys keep the prefix.
+    """
+    directory = _directory.resolve_checkpoint_dir(path)
+    metadata = _storage.read_metadata(directory)
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
+    if state:
+        _verified_load(state, directory, metadata, _storage.read_checksums(directory))
+    return state

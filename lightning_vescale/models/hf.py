@@ -39,6 +39,7 @@ from lightning_vescale.models.hf_deepseek_v3 import DEEPSEEK_V3_ADAPTER
 from lightning_vescale.models.hf_qwen3_moe import QWEN3_MOE_ADAPTER
 from lightning_vescale.models.llama import Llama, LlamaConfig, RopeScaling
 from lightning_vescale.models.moe import GroupedExperts, MoE, MoEConfig
+from lightning_vescale.state_dict_report import listing, mismatch_report
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "from_pretrained", "save_pretrained"]
 
@@ -415,29 +416,23 @@ def _check_state(
     path: Path,
 ) -> None:
     model_state = model.state_dict()
-    expected = {name: tuple(t.shape) for name, t in model_state.items()}
-    optional = {name for name in expected if name.endswith(".expert_bias")}
-    missing = [name for name in expected if name not in state and name not in optional]
-    unexpected = unexpected + [origin.get(name, name) for name in state if name not in expected]
-    mismatched = [
-        f"{origin.get(name, name)} -> {name}: checkpoint {tuple(t.shape)}, model {expected[name]}"
-        for name, t in state.items()
-        if name in expected and tuple(t.shape) != expected[name]
-    ]
+    optional = {name for name in model_state if name.endswith(".expert_bias")}
+    expected = {n: tuple(t.shape) for n, t in model_state.items() if n in state or n not in optional}
+    given = {n: tuple(t.shape) for n, t in state.items()}
+    report = mismatch_report(expected, given, ours="model", theirs="checkpoint",
+                             name=lambda n: f"{origin[n]} -> {n}" if n in origin else n)
     # Another kind (integers or bool where float weights belong) would be cast into garbage values.
     kinds = dtype_kind_mismatches({name: t.dtype for name, t in model_state.items()}, state, origin)
-    if not (missing or unexpected or mismatched or kinds):
+    if not (report or unexpected or kinds):
         return
     lines = [f"checkpoint {str(path)!r} does not match the model built from its config.json:"]
-    if mismatched:
-        lines += ["  shape mismatches:"] + [f"    {m}" for m in mismatched]
+    if report:
+        lines.append(report)
+    if unexpected:
+        lines.append(f"  checkpoint tensors no model parameter maps to ({len(unexpected)}): {listing(unexpected)}")
     if kinds:
         lines += ["  dtype kind mismatches (the file is damaged or its header names the wrong dtype):"]
         lines += [f"    {k}" for k in kinds]
-    if missing:
-        lines += ["  missing from the checkpoint:"] + [f"    {m}" for m in missing]
-    if unexpected:
-        lines += ["  not used by the model:"] + [f"    {u}" for u in unexpected]
     raise ValueError("\n".join(lines))
 
 

@@ -55,6 +55,7 @@ from lightning_vescale.recipe.schema import (
     register_configs,
     validate,
 )
+from lightning_vescale.state_dict_report import mismatch_report
 
 __all__ = [
     "CausalLMModule",
@@ -205,51 +206,30 @@ def _read_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_sharded_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    """The model tensors of a DCP checkpoint directory, read whole in this process (no process group)."""
-    import warnings
+    """The model tensors of a DCP checkpoint directory, read whole in this process (no process group, nothing
+    unpickled, checksums verified where the checkpoint has them)."""
+    from lightning_vescale.checkpoint import read_full_tensors
 
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(path))
-    stored = reader.read_metadata().state_dict_metadata
     # VeScaleStrategy stores "model.<module fqn>", ModelParallelStrategy "state_dict.<module fqn>"; the
     # LightningModule holds the network as ``self.model``.
     for prefix in ("model.model.", "state_dict.model."):
-        keys = [k for k, v in stored.items() if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)]
-        if keys:
-            break
-    else:
-        raise ValueError(
-            f"init_from={str(path)!r} is a sharded checkpoint without the recipe model's tensors (no keys "
-            f"'model.model.*' or 'state_dict.model.*'); found e.g. {sorted(stored)[:5]}"
-        )
-    state = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in keys}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that it runs without a process group: intended here
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    return {k[len(prefix):]: v for k, v in state.items()}
+        state = read_full_tensors(path, prefix=prefix)
+        if state:
+            return {k[len(prefix):]: v for k, v in state.items()}
+    raise ValueError(
+        f"init_from={str(path)!r} is a sharded checkpoint without the recipe model's tensors (no keys "
+        f"'model.model.*' or 'state_dict.model.*')"
+    )
 
 
 def _check_state_matches(state: dict, expected: dict, path: Path, chosen: str) -> None:
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    shapes = [
-        f"{k}: checkpoint {tuple(state[k].shape)}, model {expected[k]}"
-        for k in sorted(set(state) & set(expected))
-        if tuple(state[k].shape) != expected[k]
-    ]
-    if not (missing or unexpected or shapes):
-        return
-    lines = []
-    for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes)):
-        if items:
-            more = f" ... and {len(items) - 8} more" if len(items) > 8 else ""
-            lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:8]) + more)
-    raise ValueError(
-        f"init_from={str(path)!r} does not match {chosen}:\n" + "\n".join(lines)
-        + "\nPick the model the weights were saved from (model=...), or override its fields (model.<field>=...)."
-    )
+    report = mismatch_report(expected, {k: tuple(v.shape) for k, v in state.items()}, ours="model",
+                             theirs="checkpoint")
+    if report:
+        raise ValueError(
+            f"init_from={str(path)!r} does not match {chosen}:\n{report}\n"
+            f"Pick the model the weights were saved from (model=...), or override its fields (model.<field>=...)."
+        )
 
 
 def _hydra_on() -> bool:

@@ -311,7 +311,8 @@ def test_initial_weights_from_a_state_dict_file_must_match_the_model(tmp_path):
     bad["extra.weight"] = torch.zeros(1)
     bad["output.weight"] = torch.zeros(3, 3)
     torch.save(bad, tmp_path / "bad.pt")
-    expected = r"missing \(1\): norm.weight\n  unexpected \(1\): extra.weight\n  wrong shape \(1\): output.weight"
+    expected = (r"missing from the checkpoint \(1\): norm.weight \(64,\)\n  unexpected in the checkpoint, not in the model "
+                r"\(1\): extra.weight \(1,\)\n  shape mismatch \(1\): output.weight: checkpoint \(3, 3\), model \(256, 64\)")
     with pytest.raises(ValueError, match=expected):
         load_initial_weights(tmp_path / "bad.pt", cfg.model)
 
