@@ -60,6 +60,7 @@ class _ManagedParam:
     layout: Optional[RaggedLayout] = None
     sharded: Optional[nn.Parameter] = None
     grad: Optional[RaggedTensor] = None  # the sharded gradient: a RaggedTensor on the DBuffer's local_grad
+    hooked: bool = False  # the post-accumulate-grad hook is registered (once the parameter requires grad)
     unsharded: Optional[nn.Parameter] = None
     original: Optional[weakref.ref] = None  # the parameter before sharding, to detect ties across groups
 
@@ -70,6 +71,11 @@ def _owner_cost(param: torch.Tensor, granularity_numel: int) -> float:
         return 0.0
     s, l = sorted(param.shape)
     return float(5 * s * s * (2 * l + s))
+
+
+SHARDED_ORIGINALS: "weakref.WeakKeyDictionary[torch.Tensor, str]" = weakref.WeakKeyDictionary()
+"""Every parameter ``fully_shard`` has replaced, with where it went: another group that meets it again (a tie
+across groups) is refused by name instead of silently untying the copies."""
 
 
 def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
@@ -152,7 +158,7 @@ class ParamGroup:
                 raise ValueError(f"cannot plan the parameters of {type(self.module).__name__}: {e}") from None
             self.buffers[key] = DBuffer(
                 plan, group=self.shard_group, device=self.device, dtype=dtype,
-                param_dtype=param_dtype, reduce_dtype=reduce_dtype if requires_grad else None,
+                param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                 requires_grad=requires_grad and dtype.is_floating_point,
                 replicate_group=self.replicate_group, gradient_divide_factor=self.gradient_divide_factor,
             )
@@ -163,6 +169,7 @@ class ParamGroup:
             buf = self.buffers[mp.key]
             orig = originals[mp.fqn]
             mp.original = weakref.ref(orig)
+            SHARDED_ORIGINALS[orig] = f"{mp.fqn} of the {type(self.module).__name__} sharded by an earlier fully_shard"
             local = buf.local_view(mp.index)
             if orig.is_meta:
                 self.needs_init = True
@@ -177,9 +184,9 @@ class ParamGroup:
                     setattr(mp.sharded, attr, value)
             mp.unsharded = nn.Parameter(buf.unsharded_view(mp.index), requires_grad=orig.requires_grad)
             if mp.unsharded.requires_grad:
-                mp.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
-                self._grad_expected += 1
+                self._hook(mp)
             self._use_sharded(mp)
+        self._grad_expected = sum(mp.unsharded.requires_grad for mp in self.managed)
 
     def _layouts(self, originals: dict[str, nn.Parameter]) -> dict[str, RaggedLayout]:
         """Each parameter's :class:`RaggedLayout`: its pieces over the shard group.
@@ -246,6 +253,32 @@ class ParamGroup:
         for module, name in mp.uses:
             _set_param(module, name, mp.unsharded)
 
+    def sync_requires_grad(self) -> None:
+        """Follow ``requires_grad`` changes made on the sharded parameters since the last forward (freezing
+        rules, Lightning's ``BackboneFinetuning``): the unsharded parameters used in forward get the same flag,
+        and a buffer of parameters frozen at ``fully_shard`` time gets gradient storage when one is unfrozen."""
+        changed = False
+        for mp in self.managed:
+            want = mp.sharded.requires_grad
+            if mp.unsharded.requires_grad != want:
+                mp.unsharded.requires_grad_(want)
+                changed = True
+                if want:
+                    self.buffers[mp.key].enable_grad()
+                    self._hook(mp)
+        if changed:
+            self._grad_expected = sum(mp.unsharded.requires_grad for mp in self.managed)
+
+    def _hook(self, mp: _ManagedParam) -> None:
+        if not mp.hooked:
+            mp.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+            mp.hooked = True
+
+    def _buffers_with_grads(self) -> list[DBuffer]:
+        """The buffers with at least one parameter that requires a gradient now."""
+        return [b for b in self.buffers.values() if any(
+            mp.unsharded.requires_grad for mp in self.managed if self.buffers[mp.key] is b)]
+
     # -- unshard / reshard ------------------------------------------------------------------------------
     @property
     def is_unsharded(self) -> bool:
@@ -275,9 +308,8 @@ class ParamGroup:
             return  # a module called twice in forward reaches backward twice
         self.unshard()
         self.wait_for_unshard()
-        for buf in self.buffers.values():
-            if buf.requires_grad:
-                buf.alloc_grad()
+        for buf in self._buffers_with_grads():
+            buf.alloc_grad()
         for mp in self.managed:
             if mp.unsharded.requires_grad:
                 mp.unsharded.grad = self.buffers[mp.key].unsharded_grad_view(mp.index)

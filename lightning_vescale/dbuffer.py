@@ -113,7 +113,6 @@ class DBuffer:
         self.dtype = dtype
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        self.requires_grad = requires_grad
         S, N = plan.shard_size, plan.world_size
         # Zero so that padding between tensors never carries garbage (it is gathered and reduced).
         self.local = torch.zeros(S, dtype=dtype, device=device)  # 1D
@@ -123,10 +122,9 @@ class DBuffer:
         _free_storage(self.unsharded)
         self.unsharded_grad: Optional[torch.Tensor] = None
         self._unsharded_grad_views: list[torch.Tensor] = []
+        self.requires_grad = False
         if requires_grad:
-            self.unsharded_grad = torch.empty(N * S, dtype=self.param_dtype, device=device)
-            self._unsharded_grad_views = [self._full_view(self.unsharded_grad, i) for i in range(len(plan.specs))]
-            _free_storage(self.unsharded_grad)
+            self.enable_grad()
         self.local_grad: Optional[torch.Tensor] = None
         self.state = BufferState.SHARDED
         self._gather_handle = None
@@ -134,6 +132,15 @@ class DBuffer:
         self._reduce_output: Optional[torch.Tensor] = None
         self._reduce_accumulate = False
         self.grad_allocated = False
+
+    def enable_grad(self) -> None:
+        """Give the buffer gradient storage (a frozen parameter of it was unfrozen); its layout is unchanged."""
+        if self.requires_grad:
+            return
+        self.unsharded_grad = torch.empty(self.world_size * self.shard_size, dtype=self.param_dtype, device=self.device)
+        self._unsharded_grad_views = [self._full_view(self.unsharded_grad, i) for i in range(len(self.plan.specs))]
+        _free_storage(self.unsharded_grad)
+        self.requires_grad = True
 
     # -- views ----------------------------------------------------------------------------------------
     @property

@@ -37,8 +37,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_vescale import collectives
 from lightning_vescale._api import MixedPrecisionPolicy
-from lightning_vescale._param_group import ParamGroup, TrainingState
+from lightning_vescale._param_group import SHARDED_ORIGINALS, ParamGroup, TrainingState
 from lightning_vescale.planner import Granularity
+from lightning_vescale.tensor import is_ragged
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class _VeScaleState:
         if self.is_root:
             root._root_pre_forward()
         if self.group is not None:
+            self.group.sync_requires_grad()
             self.group.training_state = TrainingState.FORWARD
             self.group.unshard()
             self.group.wait_for_unshard()
@@ -380,6 +382,19 @@ def _collect_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list]]:
                         f"them: don't call fully_shard on the submodule that owns {owner_fqn} separately (or untie)."
                     )
                 continue
+            if is_ragged(param):
+                raise ValueError(
+                    f"parameter {fqn} of {type(module).__name__} is already sharded (a RaggedTensor): fully_shard was "
+                    f"applied to a module above it first. Apply fully_shard bottom-up, like FSDP2: each block first, "
+                    f"then the root; a module below a sharded one cannot be sharded afterwards."
+                )
+            earlier = SHARDED_ORIGINALS.get(param)
+            if earlier is not None:
+                raise ValueError(
+                    f"parameter {fqn} of {type(module).__name__} is the same tensor as {earlier}: a parameter tied "
+                    f"across two groups would be untied (each group would train its own copy). Shard every module "
+                    f"using it in one group: call fully_shard on their common parent only, not on each of them."
+                )
             if id(param) in found:
                 found[id(param)][2].append((sub, pname))
             else:

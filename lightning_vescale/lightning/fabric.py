@@ -402,13 +402,14 @@ class VeScaleFabricStrategy(ParallelStrategy):
                 f"{type(self).__name__}.load_checkpoint needs state={{'model': model, ...}} (or the model) to load into"
             )
         path = Path(self.broadcast(path))
+        safe = weights_only is not False  # nothing is unpickled unless the caller trusts the checkpoint
         if isinstance(state, Module):
-            vckpt.load(path, state)
+            vckpt.load(path, state, weights_only=safe)
             return {}
         if isinstance(state, Optimizer):
             raise NotImplementedError(f"{type(self).__name__} loads an optimizer together with its model")
         (_, module), opt_entry, rest = self._split_state(state)
-        extra = dict(vckpt.load(path, module, opt_entry[1] if opt_entry else None) or {})
+        extra = dict(vckpt.load(path, module, opt_entry[1] if opt_entry else None, weights_only=safe) or {})
         missing = [k for k in rest if k not in extra]
         if strict and missing:
             raise KeyError(f"the checkpoint at {str(path)!r} has no entries {missing}")

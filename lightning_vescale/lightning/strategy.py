@@ -512,8 +512,10 @@ class VeScaleStrategy(ParallelStrategy):
                 f"lightning_vescale.checkpoint.load_full_state_dict(model, state_dict) in setup/on_fit_start."
             )
         assert self.model is not None
-        # Also restores this rank's RNG states (when the world size is the one that saved).
-        extra = dict(vckpt.load(path, self.model, self._optimizer_for_checkpoint()))
+        # Also restores this rank's RNG states (when the world size is the one that saved). Nothing is unpickled
+        # unless the caller passed weights_only=False (only format-1 checkpoints need it).
+        extra = dict(vckpt.load(path, self.model, self._optimizer_for_checkpoint(),
+                                weights_only=weights_only is not False))
         # Hooks such as on_load_checkpoint expect the key; the weights are already in the model.
         extra.setdefault("state_dict", vckpt.get_model_state_dict(self.model))
         return extra
