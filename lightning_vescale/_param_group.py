@@ -61,6 +61,7 @@ class _ManagedParam:
     sharded: Optional[nn.Parameter] = None
     grad: Optional[RaggedTensor] = None  # the sharded gradient: a RaggedTensor on the DBuffer's local_grad
     hooked: bool = False  # the post-accumulate-grad hook is registered (once the parameter requires grad)
+    requires_grad: bool = False  # the flag both parameter objects had when last synchronized
     unsharded: Optional[nn.Parameter] = None
     original: Optional[weakref.ref] = None  # the parameter before sharding, to detect ties across groups
 
@@ -183,6 +184,7 @@ class ParamGroup:
                 if attr.startswith("_vescale_"):
                     setattr(mp.sharded, attr, value)
             mp.unsharded = nn.Parameter(buf.unsharded_view(mp.index), requires_grad=orig.requires_grad)
+            mp.requires_grad = orig.requires_grad
             if mp.unsharded.requires_grad:
                 self._hook(mp)
             self._use_sharded(mp)
@@ -259,13 +261,18 @@ class ParamGroup:
         and a buffer of parameters frozen at ``fully_shard`` time gets gradient storage when one is unfrozen."""
         changed = False
         for mp in self.managed:
+            # The modules hold one of the two parameter objects at a time, so user code may have set either.
             want = mp.sharded.requires_grad
-            if mp.unsharded.requires_grad != want:
+            if want == mp.requires_grad and mp.unsharded.requires_grad != mp.requires_grad:
+                want = mp.unsharded.requires_grad
+            if (mp.sharded.requires_grad, mp.unsharded.requires_grad) != (want, want):
+                mp.sharded.requires_grad_(want)
                 mp.unsharded.requires_grad_(want)
                 changed = True
                 if want:
                     self.buffers[mp.key].enable_grad()
                     self._hook(mp)
+            mp.requires_grad = want
         if changed:
             self._grad_expected = sum(mp.unsharded.requires_grad for mp in self.managed)
 

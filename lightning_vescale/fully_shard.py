@@ -193,15 +193,17 @@ class _VeScaleState:
             return output
         if self.is_root:
             self.root.order_recorded = True
-        if self.group is not None:
-            self.group.training_state = TrainingState.IDLE
-            training = torch.is_grad_enabled()
-            if not training or (self.group.reshard_after_forward and not self.is_root):
-                self.group.reshard()
+        tensors = []
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
+        if self.group is not None:
+            self.group.training_state = TrainingState.IDLE
+            # No output needs a gradient (evaluation, or a frozen module): no backward will come to free the
+            # parameters, so free them now; the root otherwise keeps them for backward.
+            if not tensors or (self.group.reshard_after_forward and not self.is_root):
+                self.group.reshard()
         if self.is_root and self.mp_policy.output_dtype is not None:
             # Only the model's outputs: inner groups feed each other in param_dtype.
             output = _cast_floating(output, self.mp_policy.output_dtype)

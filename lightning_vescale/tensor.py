@@ -651,14 +651,17 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list:
 
 
 def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
+    """``torch.equal``: the global answer. Pieces of one layout compare locally (one all-reduce); anything else
+    (another layout, a plain full tensor) is compared whole. Every rank takes the same path (shapes and
+    layouts are the same everywhere)."""
     a, b = args[0], args[1]
-    if not (isinstance(a, RaggedTensor) and isinstance(b, RaggedTensor)):
-        return _unsupported(func, args, kwargs)
-    if tuple(a.shape) != tuple(b.shape):
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
         return False
-    _Unwrapper(func, foreach=False)((a, b), {})  # same layout, or a clear error
-    same = torch.tensor(int(torch.equal(a._local, b._local)), dtype=torch.int32, device=a._local.device)
-    return bool(_all_reduce(same, a._layout, dist.ReduceOp.MIN).item())
+    if isinstance(a, RaggedTensor) and isinstance(b, RaggedTensor) and a._layout == b._layout:
+        same = torch.tensor(int(torch.equal(a._local, b._local)), dtype=torch.int32, device=a._local.device)
+        return bool(_all_reduce(same, a._layout, dist.ReduceOp.MIN).item())
+    whole = [t.full_tensor() if isinstance(t, RaggedTensor) else t for t in (a, b)]
+    return torch.equal(whole[0], whole[1].to(whole[0].device))
 
 
 _EXPLICIT_ELEMENTWISE = {
