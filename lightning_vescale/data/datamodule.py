@@ -8,17 +8,23 @@ of one split overlaps the other. A window is ``seq_len + 1`` consecutive tokens 
 ``stride`` tokens: ``input_T = w[:-1]``, ``target_T = w[1:]``. The training loader shuffles (Lightning
 swaps in a ``DistributedSampler`` under a distributed strategy, so each rank sees its own windows);
 the validation loader does not.
+
+The training loader is torchdata's ``StatefulDataLoader``: Lightning saves its position in every checkpoint
+and restores it on resume, so a run resumed mid-epoch continues with exactly the batches the uninterrupted
+run would have drawn next (instead of restarting the epoch).
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_vescale.data.corpus import load_text
 from lightning_vescale.data.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer
@@ -26,6 +32,9 @@ from lightning_vescale.data.tokenizer import TOKENIZERS, Tokenizer, build_tokeni
 __all__ = ["TextDataModule", "TokenWindows", "split_tokens"]
 
 logger = logging.getLogger(__name__)
+
+# torchdata calls a torch API that torch deprecated; nothing for a user to act on.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 class TokenWindows(Dataset):
@@ -146,9 +155,9 @@ class TextDataModule(LightningDataModule):
                 len(self.train_set), len(self.val_set), self.seq_len,
             )
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
         assert self.train_set is not None, "call setup() first"
-        return DataLoader(
+        return StatefulDataLoader(
             self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )

@@ -34,7 +34,7 @@ from torch import nn
 from lightning_vescale.models.llama import Llama, LlamaConfig, RopeScaling
 from lightning_vescale.models.moe import GroupedExperts, MoE, MoEConfig
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "from_pretrained", "save_pretrained"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "from_pretrained", "read_pretrained_config", "save_pretrained"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mixtral", "qwen2_moe")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
@@ -549,3 +549,27 @@ def _config_to_hf(config: ModelConfig, model_type: str, dtype: torch.dtype) -> d
             router_aux_loss_coef=config.aux_loss_coef,
         )
     return hf
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config only
+# ----------------------------------------------------------------------------------------------------
+
+
+def read_pretrained_config(path: Union[str, Path], *, model_type: Optional[str] = None) -> tuple[ModelConfig, str]:
+    """The model config a checkpoint directory's ``config.json`` describes, without reading any weights.
+
+    Returns ``(config, model_type)``: the same config :func:`from_pretrained` builds the model from, and
+    the resolved ``model_type`` (``"llama"``, ``"mixtral"`` or ``"qwen2_moe"``).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory or has no ``config.json``.
+        ValueError: an unsupported ``model_type`` or configuration (the message names the field).
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {str(path)!r}")
+    hf_config = json.loads(config_file.read_text())
+    model_type = _resolve_model_type(model_type or hf_config.get("model_type"), config_file)
+    return _CONFIG_FROM_HF[model_type](hf_config), model_type
