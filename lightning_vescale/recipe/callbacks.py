@@ -251,8 +251,10 @@ class StepCheckpoint(ModelCheckpoint):
                 logger.info("SIGTERM: saved %s; continue with resume=true", self.last_model_path or self.best_model_path)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.save_final:
+            return  # ModelCheckpoint.on_train_end would write last.ckpt
         final_step_unsaved = self._last_global_step_saved != trainer.global_step and trainer.global_step > 0
-        if self.save_final and final_step_unsaved and not (trainer.fast_dev_run or trainer.sanity_checking):
+        if final_step_unsaved and not (trainer.fast_dev_run or trainer.sanity_checking):
             self._save_now(trainer)
         super().on_train_end(trainer, pl_module)
 
