@@ -103,12 +103,14 @@ SIGTERM_EXIT_CODE = 128 + 15
 """Exit code of a run stopped by SIGTERM (the shell's convention for "terminated by SIGTERM")."""
 
 
-def build_datamodule(data: DataConfig) -> TextDataModule:
-    """The data module ``data`` describes (a relative ``path`` is taken from the launch directory)."""
+def build_datamodule(data: DataConfig, *, seed: int = 0) -> TextDataModule:
+    """The data module ``data`` describes (a relative ``path`` is taken from the launch directory); ``seed``
+    orders the training windows."""
     path = None if data.path is None else hydra.utils.to_absolute_path(data.path) if _hydra_on() else data.path
     return TextDataModule(
         path, tokenizer=data.tokenizer, bpe_vocab_size=data.bpe_vocab_size, seq_len=data.seq_len,
         batch_size=data.batch_size, val_fraction=data.val_fraction, stride=data.stride, num_workers=data.num_workers,
+        seed=seed,
     )
 
 
@@ -318,7 +320,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     config, resume = checked.config, checked.resume
     _limit_cpu_threads(config)
     run_dir = _run_dir(config)
-    datamodule = build_datamodule(config.data)
+    datamodule = build_datamodule(config.data, seed=config.seed)
     ckpt_path = str(resume.checkpoint) if resume is not None else None
     init_state = None
     if isinstance(config, FinetuneConfig) and ckpt_path is None:
