@@ -47,7 +47,8 @@ class _DeferredSigtermConnector(_SignalConnector):
         super().register_signal_handlers()
 
     def _sigterm_notifier_fn(self, signum: Any, _: Any) -> None:
-        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}; stopping after this step", self.trainer.local_rank))
+        message = f"Received SIGTERM: {signum}; stopping after this step"
+        log.info(rank_prefixed_message(message, self.trainer.local_rank))
         if not self.pending:
             launcher = self.trainer.strategy.launcher
             if launcher is not None:

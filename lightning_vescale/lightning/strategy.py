@@ -370,7 +370,8 @@ class VeScaleStrategy(ParallelStrategy):
             warn_if_policy_ignored(module, precision.precision)
         log.debug("%s: %d sharded groups, precision %s", type(self).__name__, len(sharded_groups(module)), precision.precision)
         if precision.precision != "32-true" and self._mp_policy is None:
-            rank_zero_info(f"{type(self).__name__}: precision={precision.precision!r} runs as {describe_precision(precision.precision)}")
+            what = describe_precision(precision.precision)
+            rank_zero_info(f"{type(self).__name__}: precision={precision.precision!r} runs as {what}")
         self.model = module
         self.model_to_device()
         self.barrier()

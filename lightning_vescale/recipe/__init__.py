@@ -59,7 +59,6 @@ from lightning_vescale.recipe.callbacks import (
     StepStats,
     StopOnSignal,
 )
-from lightning_vescale.recipe.module import CausalLMModule, build_optimizer_from_config, lr_multiplier
 from lightning_vescale.recipe.checks import (
     ConfigError,
     Resume,
@@ -67,6 +66,7 @@ from lightning_vescale.recipe.checks import (
     find_last_checkpoint,
     preflight,
 )
+from lightning_vescale.recipe.module import CausalLMModule, build_optimizer_from_config, lr_multiplier
 from lightning_vescale.recipe.schema import (
     CheckpointModelConfig,
     DataConfig,
@@ -297,7 +297,19 @@ def _absolute(path: Union[str, Path]) -> Path:
     return Path(hydra.utils.to_absolute_path(str(path)) if _hydra_on() else path)
 
 
-def _precision_line(precision: str, strategy: Strategy) -> str:
+def trainer_precision(strategy: Strategy, precision: str) -> dict[str, Any]:
+    """The Trainer arguments for ``precision`` under ``strategy``.
+
+    Under ``VeScaleStrategy`` the engine's precision plugin is passed directly: given ``precision="bf16-mixed"``,
+    Lightning would announce "Automatic Mixed Precision (AMP)", which the engine does not use.
+    """
+    if isinstance(strategy, VeScaleStrategy):
+        return {"plugins": [VeScalePrecision(precision)]}
+    return {"precision": precision}
+
+
+def precision_line(strategy: Strategy, precision: str) -> str:
+    """What ``precision`` runs as under ``strategy``, for the start-up log."""
     if isinstance(strategy, VeScaleStrategy):
         return f"{precision} ({describe_precision(precision)})"
     if precision == "bf16-mixed":
@@ -366,19 +378,16 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
                 save_on_signal=t.save_on_signal,
             )
         )
-    # The engine's precision plugin given directly: Lightning would announce "Automatic Mixed Precision (AMP)"
-    # for precision="bf16-mixed", which the engine does not use.
-    precision_args: dict[str, Any] = (
-        {"plugins": [VeScalePrecision(t.precision)]} if isinstance(strategy, VeScaleStrategy) else {"precision": t.precision}
-    )
     trainer = Trainer(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, **precision_args,
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
+        **trainer_precision(strategy, t.precision),
         strategy=strategy, max_steps=t.max_steps, max_epochs=-1,
         accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=t.gradient_clip_val,
         val_check_interval=t.val_every_n_steps * t.accumulate_grad_batches, check_val_every_n_epoch=None,
         limit_val_batches=t.limit_val_batches, log_every_n_steps=t.log_every_n_steps,
         num_sanity_val_steps=t.num_sanity_val_steps, deterministic=t.deterministic,
-        enable_progress_bar=t.enable_progress_bar, enable_checkpointing=any(isinstance(c, StepCheckpoint) for c in callbacks),
+        enable_progress_bar=t.enable_progress_bar,
+        enable_checkpointing=any(isinstance(c, StepCheckpoint) for c in callbacks),
         enable_model_summary=False, callbacks=callbacks, logger=_loggers(run_dir), default_root_dir=run_dir,
     )
     _quiet_other_ranks(trainer.global_rank)
@@ -386,7 +395,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
         logger.info(
             "training %s (%.2fM parameters) with %s on %d process(es), precision %s; %s; writing to %s",
             extra["model"], total_params / 1e6, extra["strategy"], trainer.world_size,
-            _precision_line(t.precision, strategy),
+            precision_line(strategy, t.precision),
             f"resuming from {ckpt_path}" if ckpt_path else "from scratch" if init_state is None else
             f"from {extra['init_from']}", run_dir,
         )

@@ -248,7 +248,8 @@ class StepCheckpoint(ModelCheckpoint):
         if self.save_on_signal and trainer.received_sigterm and self._last_global_step_saved != trainer.global_step:
             self._save_now(trainer)  # every rank: the flag is agreed (StopOnSignal), so this collective is too
             if trainer.is_global_zero:
-                logger.info("SIGTERM: saved %s; continue with resume=true", self.last_model_path or self.best_model_path)
+                saved = self.last_model_path or self.best_model_path
+                logger.info("SIGTERM: saved %s; continue with resume=true", saved)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.save_final:

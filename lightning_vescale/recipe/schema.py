@@ -766,7 +766,8 @@ def check_known_keys(cfg: DictConfig) -> None:
                 continue
             if fields is not None and key not in fields:
                 close = difflib.get_close_matches(str(key), sorted(fields), n=2)
-                problems.append(f"{full}" + (f" (did you mean {' or '.join(prefix + c for c in close)}?)" if close else ""))
+                hint = f" (did you mean {' or '.join(prefix + c for c in close)}?)" if close else ""
+                problems.append(full + hint)
             elif isinstance(value, DictConfig) and not (value._is_none() or value._is_missing()):
                 walk(value, f"{full}.")
 

@@ -44,7 +44,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, str]]:
 
 def test_llama_tiny_trains_checkpoints_and_resumes(tmp_path):
     run1 = tmp_path / "llama_tiny" / "run1"
-    proc = run_recipe("train.py", f"output_root={tmp_path}", f"hydra.run.dir={run1}", "trainer.enable_progress_bar=true")
+    proc = run_recipe("train.py", f"output_root={tmp_path}", f"hydra.run.dir={run1}",
+                      "trainer.enable_progress_bar=true")
     # stdout is not a terminal: one progress line every log_every_n_steps (2) steps, and one per validation.
     output = proc.stdout + proc.stderr
     assert "\r" not in output

@@ -34,7 +34,9 @@ def load(*overrides: str, config: str = "train"):
     return validate(compose_cfg(*overrides, config=config))
 
 
-def fake_run(root: Path, stamp: str, *overrides: str, step: int, mtime: float = 1000.0, name: str = "llama_tiny") -> Path:
+def fake_run(
+    root: Path, stamp: str, *overrides: str, step: int, mtime: float = 1000.0, name: str = "llama_tiny"
+) -> Path:
     """A run directory as a recipe leaves it: the composed config, model.json and checkpoints/last.ckpt."""
     cfg = compose_cfg(f"output_root={root}", *overrides)
     run = root / name / stamp
@@ -104,7 +106,8 @@ def test_resume_compares_model_optimizer_schedule_data_seed_and_strategy(tmp_pat
     message = str(info.value)
     for expected in ("model.n_layers: saved 2, now 3", "optimizer.lr: saved 0.003, now 0.01",
                      "scheduler.decay: saved 'cosine', now 'linear'", "data.seq_len: saved 128, now 64",
-                     "seed: saved 1234, now 7", "strategy._target_: saved 'lightning_vescale.lightning.VeScaleStrategy'"):
+                     "seed: saved 1234, now 7",
+                     "strategy._target_: saved 'lightning_vescale.lightning.VeScaleStrategy'"):
         assert expected in message, message
     # What may change: loader workers, accumulation, max_steps.
     resume = preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "data.num_workers=2",
@@ -161,7 +164,8 @@ def test_from_checkpoint_takes_the_model_config_from_the_checkpoint(tmp_path):
 def test_from_checkpoint_reads_a_recipe_run(tmp_path):
     run = fake_run(tmp_path, "a", "model=moe_tiny", "model.n_layers=3", step=10, name="moe_tiny")
     cfg = load(f"init_from={run}", config="finetune")
-    assert cfg.model.family == "moe" and cfg.model.build_config() == load("model=moe_tiny", "model.n_layers=3").model.build_config()
+    assert cfg.model.family == "moe"
+    assert cfg.model.build_config() == load("model=moe_tiny", "model.n_layers=3").model.build_config()
     assert cfg.name == "moe_tiny_finetune"
     assert load(f"init_from={run / 'checkpoints' / 'step-000010.ckpt'}", config="finetune").name == "moe_tiny_finetune"
 
