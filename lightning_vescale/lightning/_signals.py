@@ -9,7 +9,7 @@ timeout. A rank also stops on its own ``received_sigterm`` flag at the end of a 
 may not have yet.
 
 Here the handler only records the signal (and forwards it to the processes the launcher started, as
-Lightning does). :func:`agree_on_sigterm` is the one collective: an all-reduce (MAX) of the flags, called at
+Lightning does); outside ``fit`` it stops at the next batch, as Lightning does. :func:`agree_on_sigterm` is the one collective: an all-reduce (MAX) of the flags, called at
 the same point of the same batch on every rank (the start of a batch that ends an optimizer step). Only
 after that does ``trainer.received_sigterm`` become true, on every rank at once; Lightning's loops then stop
 after that step on all ranks together, and callbacks can save a checkpoint of it first (a collective too).
@@ -18,11 +18,12 @@ after that step on all ranks together, and callbacks can save a checkpoint of it
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
 if TYPE_CHECKING:
@@ -39,11 +40,11 @@ class _DeferredSigtermConnector(_SignalConnector):
     def __init__(self, trainer: "pl.Trainer") -> None:
         super().__init__(trainer)
         self.pending = False
-        self._agreed_batch = -1
+        self._agreed_batch: Optional[int] = None
 
     def register_signal_handlers(self) -> None:
         self.pending = False
-        self._agreed_batch = -1
+        self._agreed_batch = None
         super().register_signal_handlers()
 
     def _sigterm_notifier_fn(self, signum: Any, _: Any) -> None:
@@ -54,6 +55,8 @@ class _DeferredSigtermConnector(_SignalConnector):
             if launcher is not None:
                 launcher.kill(signum)  # os.kill on the processes it started: no collective
         self.pending = True
+        if self.trainer.state.fn != TrainerFn.FITTING:
+            self.received_sigterm = True  # validate/test/predict: stop at the next batch, as Lightning does
 
     def agree(self) -> bool:
         """Collective: whether any rank received SIGTERM; if so, every rank's ``received_sigterm`` becomes true."""
