@@ -11,9 +11,9 @@ function (``recipe.run`` calls it again, so a config given programmatically is c
 A run continues only with the settings it was trained with: the model (every architecture field that
 shapes the weights), the optimizer, the learning-rate schedule, ``trainer.precision``, the data (all but
 ``num_workers``), the seed and the strategy class. They are compared against the run's saved
-``.hydra/config.yaml`` (and ``model.json``); a difference stops with the list of differing keys. The world
-size, ``accumulate_grad_batches`` and ``max_steps`` may change (sharded checkpoints reshard); the run
-says so when it starts.
+``.hydra/config.yaml`` (and ``model.json``); a difference stops with the list of differing keys (or, with
+``resume_strict=false``, is logged as a warning). The world size, ``accumulate_grad_batches`` and
+``max_steps`` may change (sharded checkpoints reshard); the run says so when it starts.
 """
 
 from __future__ import annotations
@@ -252,14 +252,18 @@ def resolve_resume(config: TrainConfig, run_dir: Optional[Path] = None) -> Optio
     step = checkpoint_step(checkpoint)
     differences, notes = compare_with_run(config, ckpt_run) if ckpt_run is not None else ([], [])
     where = f"{ckpt_run or checkpoint}" + (f" (checkpoint at step {step})" if step is not None else "")
-    if differences:
+    if differences and not config.resume_strict:
+        notes = [f"{key} differs from the run's: saved {saved!r}, now {now!r} (resume_strict=false)"
+                 for key, saved, now in differences] + notes
+    elif differences:
         lines = [f"  {key}: saved {saved!r}, now {now!r}" for key, saved, now in differences]
         fixes = " ".join(f"{key}={_cli_value(saved)}" for key, saved, _ in differences if key != "model")
         others = _matching_runs(config, root, ckpt_run) if config.resume is True else []
         raise ConfigError(
             f"{what} would continue {where}, which was trained with other settings:\n" + "\n".join(lines)
             + "\nContinue it with its settings" + (f" ({fixes})" if fixes else "")
-            + ", start a new run (without resume), or continue another run with resume=<run dir>"
+            + ", start a new run (without resume), continue another run with resume=<run dir>, or continue "
+            "this one with the new settings anyway (resume_strict=false)"
             + (f"; runs of {config.name!r} with matching settings: {', '.join(map(str, others))}" if others else "")
         )
     if step is not None and step >= config.trainer.max_steps:

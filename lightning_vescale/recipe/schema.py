@@ -640,6 +640,9 @@ class TrainConfig:
     world size may change: checkpoints reshard)."""
     ckpt_path: Optional[str] = None
     """Continue from this checkpoint (exclusive with ``resume``; checked against its run's config the same way)."""
+    resume_strict: bool = True
+    """``false``: continue a run even if its settings differ (e.g. to lower the learning rate); the differences are
+    logged as warnings instead of stopping the run."""
     expert_bias_rate: float = 1e-3
     """MoE auxiliary-loss-free balancing: expert-bias step per optimizer step; 0 disables (no effect on Llama)."""
     notes: Dict[str, Any] = field(default_factory=dict)

@@ -109,6 +109,10 @@ def test_resume_compares_model_optimizer_schedule_data_seed_and_strategy(tmp_pat
                      "seed: saved 1234, now 7",
                      "strategy._target_: saved 'lightning_vescale.lightning.VeScaleStrategy'"):
         assert expected in message, message
+    # On purpose (e.g. a lower learning rate): resume_strict=false continues and says what differs.
+    lenient = preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "optimizer.lr=0.001",
+                                    "resume_strict=false")).resume
+    assert lenient.step == 100 and any("optimizer.lr differs" in note for note in lenient.notes)
     # What may change: loader workers, accumulation, max_steps.
     resume = preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "data.num_workers=2",
                                    "trainer.accumulate_grad_batches=2", "trainer.max_steps=400")).resume
