@@ -10,7 +10,7 @@ reordering.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn as nn

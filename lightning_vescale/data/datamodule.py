@@ -8,17 +8,27 @@ of one split overlaps the other. A window is ``seq_len + 1`` consecutive tokens 
 ``stride`` tokens: ``input_T = w[:-1]``, ``target_T = w[1:]``. The training loader shuffles (Lightning
 swaps in a ``DistributedSampler`` under a distributed strategy, so each rank sees its own windows);
 the validation loader does not.
+
+The training loader is torchdata's ``StatefulDataLoader``: Lightning saves its position in every checkpoint
+and restores it on resume, so a run resumed mid-epoch continues with exactly the batches the uninterrupted
+run would have drawn next (instead of restarting the epoch). Under a distributed strategy the module brings
+its own ``StatefulDistributedSampler`` (the same permutation as Lightning's ``DistributedSampler`` with the same
+seed): Lightning would otherwise wrap torchdata's sampler in a ``DistributedSamplerWrapper``, whose order
+depends on the global RNG at the start of each epoch, which a resumed run restores to a later state.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from lightning_vescale.data.corpus import load_text
 from lightning_vescale.data.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer
@@ -26,6 +36,9 @@ from lightning_vescale.data.tokenizer import TOKENIZERS, Tokenizer, build_tokeni
 __all__ = ["TextDataModule", "TokenWindows", "split_tokens"]
 
 logger = logging.getLogger(__name__)
+
+# torchdata calls a torch API that torch deprecated; nothing for a user to act on.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 class TokenWindows(Dataset):
@@ -88,6 +101,7 @@ class TextDataModule(LightningDataModule):
         val_fraction: the tail of the corpus held out for validation.
         stride: distance between training window starts (default ``seq_len``); validation windows never overlap.
         num_workers: DataLoader workers.
+        seed: seed of the training order (each epoch's permutation is seeded with ``seed + epoch``).
 
     .. note::
         A missing ``path`` raises ``FileNotFoundError`` here, at construction, so a run stops before any
@@ -106,6 +120,7 @@ class TextDataModule(LightningDataModule):
         val_fraction: float = 0.05,
         stride: Optional[int] = None,
         num_workers: int = 0,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         if tokenizer not in TOKENIZERS:
@@ -120,6 +135,7 @@ class TextDataModule(LightningDataModule):
         self.val_fraction = val_fraction
         self.stride = stride
         self.num_workers = num_workers
+        self.seed = seed
         self.tokenizer: Optional[Tokenizer] = None
         self.train_set: Optional[TokenWindows] = None
         self.val_set: Optional[TokenWindows] = None
@@ -146,11 +162,18 @@ class TextDataModule(LightningDataModule):
                 len(self.train_set), len(self.val_set), self.seq_len,
             )
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
         assert self.train_set is not None, "call setup() first"
-        return DataLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+        sampler = None
+        trainer = self.trainer
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+        if kwargs and trainer.world_size > 1:
+            # Each rank its own windows (as Lightning's DistributedSampler), with a position a checkpoint keeps.
+            sampler = StatefulDistributedSampler(self.train_set, shuffle=True, seed=self.seed, **kwargs)
+        return StatefulDataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=sampler is None, sampler=sampler, drop_last=True,
+            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed) if sampler is None else None,
         )
 
     def val_dataloader(self) -> DataLoader:

@@ -51,6 +51,7 @@ __all__ = [
     "AutoWrapPolicy",
     "ProcessGroupEnvironment",
     "build_mesh",
+    "describe_precision",
     "mp_policy_for_precision",
 ]
 
@@ -96,6 +97,18 @@ def mp_policy_for_precision(precision: str) -> Optional[MixedPrecisionPolicy]:
     if precision == "bf16-true":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     return None
+
+
+def describe_precision(precision: str) -> str:
+    """What a Lightning precision string runs as under the engine, in words (for the start-up log: Lightning
+    itself prints "Automatic Mixed Precision (AMP)" for ``"bf16-mixed"``, but no autocast is involved)."""
+    precision = validate_precision(precision)
+    if precision == "bf16-mixed":
+        return ("bf16 parameters gathered and computed in bf16, gradients reduced in fp32 into fp32 master weights "
+                "(the engine's MixedPrecisionPolicy; no autocast)")
+    if precision == "bf16-true":
+        return "bf16 weights, gradients, reductions and optimizer states (no fp32 master copy)"
+    return "fp32 weights, compute and reductions"
 
 
 def _generic_precision_classes() -> tuple[type, ...]:
@@ -256,14 +269,10 @@ def top_level_roots(module: nn.Module) -> list[nn.Module]:
 
     A LightningModule's ``training_step`` calls its submodules directly (``self.model(x)``), so its
     children — not the LightningModule itself — are the modules whose forward the engine can hook.
+    Parameters the LightningModule registers directly (a learned position embedding, a CLS token) belong to
+    no child: :func:`shard_module` puts them in the LightningModule's own group, as FSDP2 puts every
+    parameter no group claims into the root's.
     """
-    direct = [name for name, _ in module.named_parameters(recurse=False)]
-    if direct:
-        raise ValueError(
-            f"{type(module).__name__} registers parameters directly ({', '.join(direct[:3])}): the default sharding "
-            f"shards each child module of the LightningModule as a root, so parameters must live in a submodule. "
-            f"Move them into a submodule (e.g. self.model), or apply fully_shard yourself in configure_model()."
-        )
     roots: list[nn.Module] = []
 
     def visit(m: nn.Module) -> None:
@@ -334,7 +343,8 @@ def shard_module(
     mp_policy: Optional[MixedPrecisionPolicy] = None,
     granularity: GranularityArg = None,
 ) -> None:
-    """Apply ``fully_shard`` to the blocks ``auto_wrap_policy`` selects, then to each of ``roots``.
+    """Apply ``fully_shard`` to the blocks ``auto_wrap_policy`` selects, then to each of ``roots``, then to
+    ``module`` itself if parameters are left that no group holds.
 
     If some modules are already sharded (the user called ``fully_shard`` in ``configure_model``), only the
     roots that are not sharded yet are added, so no parameter is left unsharded (and unsynchronized).
@@ -349,12 +359,11 @@ def shard_module(
     for root in roots:
         if get_state(root) is None:
             fully_shard(root, **kwargs)
-    unsharded = [n for n, p in module.named_parameters() if not is_ragged(p)]
-    if unsharded:
-        raise ValueError(
-            f"parameters {unsharded[:3]} are not sharded: a module sharded in configure_model() leaves them outside "
-            f"every group. Apply fully_shard to a module that contains them as well."
-        )
+    if get_state(module) is None and any(not is_ragged(p) for p in module.parameters()):
+        # Parameters no group claims (registered on the LightningModule itself, or left outside the modules
+        # sharded in configure_model) go into the module's own group, as FSDP2's root takes them. Its steps
+        # then run through its forward hooks (VeScaleStrategy.training_step), which gather and reduce them.
+        fully_shard(module, **kwargs)
 
 
 def warn_if_policy_ignored(module: nn.Module, precision: str) -> None:
@@ -552,6 +561,15 @@ def materialize(module: nn.Module) -> None:
     needs_init = any(g.needs_init for g in sharded_groups(module))
     meta_buffers = any(b.is_meta for b in module.buffers())
     if not needs_init and not meta_buffers:
+        return
+    own = get_state(module)
+    if own is not None and own.group is not None and not own.group.needs_init:
+        # The module's own parameters are real (a LightningModule's direct parameters, created in __init__):
+        # initialize what lies below it, child by child in modules() order, and keep those values.
+        with _rank0_rng():
+            for child in module.children():
+                if any(g.needs_init for g in sharded_groups(child)) or any(b.is_meta for b in child.buffers()):
+                    init_sharded_weights(child)
         return
     with _rank0_rng():
         init_sharded_weights(module)

@@ -45,7 +45,7 @@ from typing_extensions import override
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.clip_grad import clip_grad_norm_
 from lightning_vescale.collectives import named_collective
-from lightning_vescale.fully_shard import GranularityArg, sharded_groups
+from lightning_vescale.fully_shard import GranularityArg, get_state, sharded_groups
 from lightning_vescale.lightning._common import (
     AutoWrapPolicy,
     ProcessGroupEnvironment,
@@ -54,6 +54,7 @@ from lightning_vescale.lightning._common import (
     build_mesh,
     check_accelerator,
     check_expert_parallel_size,
+    describe_precision,
     is_sharded,
     materialize,
     no_gradient_sync,
@@ -64,6 +65,7 @@ from lightning_vescale.lightning._common import (
     top_level_roots,
     warn_if_policy_ignored,
 )
+from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
 from lightning_vescale.tensor import is_ragged
 
 if TYPE_CHECKING:
@@ -345,6 +347,7 @@ class VeScaleStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None
         assert self.accelerator is not None
+        install_deferred_sigterm(trainer)  # before the Trainer registers its handlers: see _signals.py
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
@@ -377,6 +380,9 @@ class VeScaleStrategy(ParallelStrategy):
         if user_sharded:
             warn_if_policy_ignored(module, precision.precision)
         log.debug("%s: %d sharded groups, precision %s", type(self).__name__, len(sharded_groups(module)), precision.precision)
+        if precision.precision != "32-true" and self._mp_policy is None:
+            what = describe_precision(precision.precision)
+            rank_zero_info(f"{type(self).__name__}: precision={precision.precision!r} runs as {what}")
         self.model = module
         self.model_to_device()
         self.barrier()
@@ -409,6 +415,39 @@ class VeScaleStrategy(ParallelStrategy):
         assert self.model is not None
         with no_gradient_sync(self.model):
             yield
+
+    # -- steps and signals --------------------------------------------------------------------------------
+    def _run_step(self, step: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        with context():
+            if get_state(module) is not None:
+                # The LightningModule holds parameters itself (its own group): run the step as its forward, so
+                # the group is gathered before the step and its gradients reduced after backward (FSDP2's root).
+                return self._forward_redirection(module, module, step, *args, **kwargs)
+            return getattr(module, step)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Every rank, same batch: stop after this step if any rank received SIGTERM (no collective in the handler).
+        assert self.lightning_module is not None
+        agree_on_sigterm(self.lightning_module.trainer)
 
     # -- collectives --------------------------------------------------------------------------------------
     @override

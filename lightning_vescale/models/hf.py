@@ -41,7 +41,7 @@ from lightning_vescale.models.llama import Llama, LlamaConfig, RopeScaling
 from lightning_vescale.models.moe import GroupedExperts, MoE, MoEConfig
 from lightning_vescale.state_dict_report import listing, mismatch_report
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "from_pretrained", "save_pretrained"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "from_pretrained", "read_pretrained_config", "save_pretrained"]
 
 # Families with an adapter module of their own (models/hf_<model_type>.py; see hf_adapter.py).
 _ADAPTERS = {adapter.model_type: adapter for adapter in (QWEN3_MOE_ADAPTER, DEEPSEEK_V3_ADAPTER)}
@@ -634,3 +634,28 @@ def _config_to_hf(config: ModelConfig, model_type: str, dtype: torch.dtype) -> d
             router_aux_loss_coef=config.aux_loss_coef,
         )
     return hf
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config only
+# ----------------------------------------------------------------------------------------------------
+
+
+def read_pretrained_config(path: Union[str, Path], *, model_type: Optional[str] = None) -> tuple[ModelConfig, str]:
+    """The model config a checkpoint directory's ``config.json`` describes, without reading any weights.
+
+    Returns ``(config, model_type)``: the same config :func:`from_pretrained` builds the model from, and
+    the resolved ``model_type`` (``"llama"``, ``"mixtral"``, ``"qwen2_moe"``, ``"qwen3_moe"`` or ``"deepseek_v3"``).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory or has no ``config.json``.
+        ValueError: an unsupported ``model_type`` or configuration (the message names the field).
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {str(path)!r}")
+    hf_config = json.loads(config_file.read_text())
+    model_type = _resolve_model_type(model_type or hf_config.get("model_type"), config_file)
+    adapter = _ADAPTERS.get(model_type)
+    return (adapter.config_from_hf(hf_config) if adapter else _CONFIG_FROM_HF[model_type](hf_config)), model_type

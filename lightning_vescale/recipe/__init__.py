@@ -6,46 +6,70 @@
     python recipes/train.py model=moe_tiny optimizer=muon trainer.max_steps=500
     python recipes/train.py experiment=fsdp2_baseline          # the same run on torch FSDP2
     python recipes/train.py resume=true                        # continue the newest run of this name
-    python recipes/finetune.py init_from=/path/to/hf_checkpoint_dir model=llama_tiny
+    python recipes/finetune.py init_from=/path/to/hf_checkpoint_dir export_hf=true
 
-A run writes to ``{output_root}/{name}/{timestamp}/``: ``.hydra/`` (the composed config),
-``checkpoints/`` (``step-000100.ckpt``..., ``last.ckpt``), ``csv/metrics.csv`` (and ``tb/`` when
-TensorBoard is installed), ``loss_curve.png`` and ``summary.json``.
+Everything that can be checked on the config is checked before the run directory exists
+(:mod:`~lightning_vescale.recipe.checks`). A run writes to ``{output_root}/{name}/{timestamp}/``:
+``.hydra/`` (the composed config), ``model.json`` (the resolved model config), ``checkpoints/``
+(``step-000100.ckpt``..., ``last.ckpt``), ``csv/metrics.csv`` (and ``tb/`` when TensorBoard is installed),
+``loss_curve.png`` and ``summary.json``; a fine-tune also ``tokenizer/`` (the files of ``init_from``) and,
+with ``export_hf=true``, ``hf/`` (a Hugging Face directory). SIGTERM stops every rank after the same step,
+saves it (``trainer.save_on_signal``) and exits with code 143.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import glob
 import logging
 import os
+import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import hydra.utils
 import torch
+from lightning.fabric.utilities.rank_zero import _get_rank
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_vescale.data import TextDataModule
+from lightning_vescale.export import (
+    TOKENIZER_DIR,
+    copy_tokenizer_files,
+    export_hf,
+    locate_checkpoint,
+    read_model_state,
+    read_run_model,
+    write_run_model,
+)
+from lightning_vescale.lightning import VeScalePrecision, VeScaleStrategy
+from lightning_vescale.lightning._common import describe_precision
 from lightning_vescale.models import from_pretrained, num_params
+from lightning_vescale.models.hf import read_pretrained_config
 from lightning_vescale.recipe.callbacks import (
+    LineProgress,
     RecipeProgressBar,
     RunSummary,
     StepCheckpoint,
     StepStats,
+    StopOnSignal,
 )
-from lightning_vescale.recipe.module import (
-    CausalLMModule,
-    build_optimizer_from_config,
-    lr_multiplier,
+from lightning_vescale.recipe.checks import (
+    ConfigError,
+    Resume,
+    check_same_architecture,
+    find_last_checkpoint,
+    preflight,
 )
+from lightning_vescale.recipe.module import CausalLMModule, build_optimizer_from_config, lr_multiplier
 from lightning_vescale.recipe.schema import (
+    CheckpointModelConfig,
     DataConfig,
     FinetuneConfig,
     ModelConfig,
@@ -59,6 +83,7 @@ from lightning_vescale.state_dict_report import mismatch_report
 
 __all__ = [
     "CausalLMModule",
+    "ConfigError",
     "FinetuneConfig",
     "TrainConfig",
     "build_datamodule",
@@ -67,6 +92,7 @@ __all__ = [
     "find_last_checkpoint",
     "load_initial_weights",
     "lr_multiplier",
+    "preflight",
     "register_configs",
     "run",
     "validate",
@@ -75,16 +101,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _TENSORBOARD = RequirementCache("tensorboard") or RequirementCache("tensorboardX")
-# Architecture fields that do not change the weights' meaning (sizes of RoPE tables, init, derivations).
-_ARCH_FIELDS_IGNORED = {"init_std", "max_seq_len", "multiple_of", "ffn_dim_multiplier"}
+SIGTERM_EXIT_CODE = 128 + 15
+"""Exit code of a run stopped by SIGTERM (the shell's convention for "terminated by SIGTERM")."""
 
 
-def build_datamodule(data: DataConfig) -> TextDataModule:
-    """The data module ``data`` describes (a relative ``path`` is taken from the launch directory)."""
+def build_datamodule(data: DataConfig, *, seed: int = 0) -> TextDataModule:
+    """The data module ``data`` describes (a relative ``path`` is taken from the launch directory); ``seed``
+    orders the training windows."""
     path = None if data.path is None else hydra.utils.to_absolute_path(data.path) if _hydra_on() else data.path
     return TextDataModule(
         path, tokenizer=data.tokenizer, bpe_vocab_size=data.bpe_vocab_size, seq_len=data.seq_len,
         batch_size=data.batch_size, val_fraction=data.val_fraction, stride=data.stride, num_workers=data.num_workers,
+        seed=seed,
     )
 
 
@@ -113,17 +141,6 @@ def _processes_per_node(config: TrainConfig) -> int:
     return 1
 
 
-def find_last_checkpoint(output_root: Union[str, Path], name: str, run_dir: Optional[Path] = None) -> Optional[Path]:
-    """The newest ``checkpoints/last.ckpt`` of runs named ``name`` (in ``run_dir`` or under ``output_root/name``)."""
-    candidates = set(glob.glob(os.path.join(str(output_root), name, "*", "checkpoints", "last.ckpt")))
-    if run_dir is not None:
-        candidates.add(str(run_dir / "checkpoints" / "last.ckpt"))
-    existing = [Path(c) for c in candidates if os.path.exists(c)]  # exists() follows the last.ckpt link
-    if not existing:
-        return None
-    return max(existing, key=lambda p: os.path.getmtime(p))
-
-
 def load_initial_weights(init_from: Union[str, Path], model: ModelConfig) -> dict[str, torch.Tensor]:
     """The full state dict a fine-tuning run starts from, checked against the chosen ``model``.
 
@@ -131,13 +148,17 @@ def load_initial_weights(init_from: Union[str, Path], model: ModelConfig) -> dic
 
     * a Hugging Face checkpoint directory (``config.json`` + safetensors; loaded with
       :func:`lightning_vescale.models.from_pretrained`);
-    * a state-dict file (``.safetensors``, or a ``torch.save`` of a ``state_dict``; a Lightning
-      checkpoint file's ``state_dict`` is accepted too);
-    * a sharded checkpoint directory a recipe run saved (``checkpoints/step-*.ckpt`` of the vescale or
-      fsdp2 strategy): only the model's tensors are read, in this one process, whatever world size saved it.
+    * a recipe run directory (its ``checkpoints/last.ckpt``) or one of its checkpoints (a sharded directory
+      of the vescale or fsdp2 strategy, or a DDP file): only the model's tensors are read, in this one
+      process, whatever world size saved it;
+    * a state-dict file (``.safetensors``, or a ``torch.save`` of a ``state_dict``; a Lightning checkpoint
+      file's ``state_dict`` is accepted too).
+
+    With ``model=from_checkpoint`` the model config is the checkpoint's own (plus the user's overrides), so
+    only the tensors' names and shapes are checked.
 
     Raises:
-        FileNotFoundError: the path does not exist, or a directory lacks ``config.json``.
+        FileNotFoundError: the path does not exist, or a directory is none of the above.
         ValueError: the checkpoint's architecture or tensors do not match ``model``; the message lists the
             differing fields (or names and shapes) and how to pick the matching model.
     """
@@ -146,80 +167,29 @@ def load_initial_weights(init_from: Union[str, Path], model: ModelConfig) -> dic
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in model.build_model().state_dict().items()}
     chosen = f"model={model.family}_{model.preset}" + (f" with {model.overrides()}" if model.overrides() else "")
-    if path.is_dir() and (path / ".metadata").is_file():
-        state = _read_sharded_checkpoint(path)
-    elif path.is_dir():
-        if not (path / "config.json").is_file():
+    from_checkpoint = isinstance(model, CheckpointModelConfig)
+    if path.is_dir() and (path / "config.json").is_file():
+        hf_model, hf_arch = from_pretrained(path)
+        if not from_checkpoint:
+            check_same_architecture(hf_arch, arch, path, chosen)
+        state = hf_model.state_dict()
+    elif path.exists():
+        try:
+            checkpoint, _ = locate_checkpoint(path)
+        except FileNotFoundError:
             raise FileNotFoundError(
                 f"init_from={str(path)!r} is a directory without config.json (found: "
                 f"{sorted(p.name for p in path.iterdir())[:10]}). Fine-tuning starts from a Hugging Face checkpoint "
-                f"directory, a full state-dict file or a recipe's sharded checkpoint directory (with .metadata)."
-            )
-        hf_model, hf_arch = from_pretrained(path)
-        _check_same_architecture(hf_arch, arch, path, chosen)
-        state = hf_model.state_dict()
-    elif path.is_file():
-        state = _read_state_dict_file(path)
+                f"directory, a recipe run or checkpoint, or a full state-dict file."
+            ) from None
+        try:
+            state = read_model_state(checkpoint)
+        except ValueError as err:
+            raise ValueError(f"init_from={str(path)!r}: {err}") from None
     else:
         raise FileNotFoundError(f"init_from={str(path)!r} does not exist (resolved to {str(path.resolve())!r})")
     _check_state_matches(state, expected, path, chosen)
     return state
-
-
-def _check_same_architecture(theirs: Any, ours: Any, path: Path, chosen: str) -> None:
-    if type(theirs) is not type(ours):
-        raise ValueError(
-            f"init_from={str(path)!r} holds a {type(theirs).__name__.replace('Config', '')} model but {chosen} is a "
-            f"{type(ours).__name__.replace('Config', '')}; pick a model of the checkpoint's family "
-            f"(model=llama_... or model=moe_...)"
-        )
-    diffs = []
-    for f in dataclasses.fields(ours):
-        if f.name in _ARCH_FIELDS_IGNORED:
-            continue
-        a, b = getattr(theirs, f.name), getattr(ours, f.name)
-        if a != b:
-            diffs.append(f"{f.name}: checkpoint {a!r}, {chosen.split(' with ')[0]} {b!r}")
-    if diffs:
-        fix = " ".join(f"model.{d.split(':')[0]}={getattr(theirs, d.split(':')[0])!r}" for d in diffs[:4])
-        raise ValueError(
-            f"init_from={str(path)!r} does not match {chosen}:\n  " + "\n  ".join(diffs)
-            + f"\nPick the preset the checkpoint was made from, or override the fields (e.g. {fix})."
-        )
-
-
-def _read_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state: Any = load_file(path)
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):  # a Lightning checkpoint
-        state = {k.removeprefix("model."): v for k, v in state["state_dict"].items()}
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(
-            f"init_from={str(path)!r} is not a state dict (a mapping of names to tensors); export one with "
-            f"torch.save(model.state_dict(), path) or lightning_vescale.checkpoint.save_full"
-        )
-    return state
-
-
-def _read_sharded_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    """The model tensors of a DCP checkpoint directory, read whole in this process (no process group, nothing
-    unpickled, checksums verified where the checkpoint has them)."""
-    from lightning_vescale.checkpoint import read_full_tensors
-
-    # VeScaleStrategy stores "model.<module fqn>", ModelParallelStrategy "state_dict.<module fqn>"; the
-    # LightningModule holds the network as ``self.model``.
-    for prefix in ("model.model.", "state_dict.model."):
-        state = read_full_tensors(path, prefix=prefix)
-        if state:
-            return {k[len(prefix):]: v for k, v in state.items()}
-    raise ValueError(
-        f"init_from={str(path)!r} is a sharded checkpoint without the recipe model's tensors (no keys "
-        f"'model.model.*' or 'state_dict.model.*')"
-    )
 
 
 def _check_state_matches(state: dict, expected: dict, path: Path, chosen: str) -> None:
@@ -246,24 +216,6 @@ def _run_dir(config: TrainConfig) -> Path:
     return Path(config.output_root) / config.name / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
-def _resolve_ckpt_path(config: TrainConfig, run_dir: Path) -> Optional[str]:
-    if config.ckpt_path:
-        path = Path(hydra.utils.to_absolute_path(config.ckpt_path) if _hydra_on() else config.ckpt_path)
-        if not path.exists():
-            raise FileNotFoundError(f"ckpt_path={config.ckpt_path!r} does not exist (resolved to {str(path)!r})")
-        return str(path)
-    if not config.resume:
-        return None
-    root = hydra.utils.to_absolute_path(config.output_root) if _hydra_on() else config.output_root
-    found = find_last_checkpoint(root, config.name, run_dir)
-    if found is None:
-        raise FileNotFoundError(
-            f"resume=true found no checkpoint: no last.ckpt in {str(run_dir / 'checkpoints')!r} or under "
-            f"{os.path.join(str(root), config.name, '*', 'checkpoints')!r}. Start without resume, or pass ckpt_path=..."
-        )
-    return str(found)
-
-
 def _limit_cpu_threads(config: TrainConfig) -> None:
     """One process per device on CPU: give each ``cpu_count // processes`` intra-op threads.
 
@@ -287,21 +239,100 @@ def _loggers(run_dir: Path) -> list[Logger]:
     return loggers
 
 
-def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
-    """Validate ``cfg`` and train with the Lightning Trainer; returns the run summary.
+def _quiet_other_ranks(rank: int) -> None:
+    """Print warnings once: ranks other than zero drop Python warnings and this package's log records below
+    ERROR (every rank would repeat rank zero's)."""
+    if rank != 0:
+        warnings.simplefilter("ignore")
+        logging.getLogger("lightning_vescale").setLevel(logging.ERROR)
 
-    Every check that can fail on the config happens before any process group or model exists: the schema,
-    the data path, the initial weights of a fine-tuning run and the checkpoint to resume from.
+
+def _hf_model_type(config: TrainConfig, resume: Optional[Resume]) -> Optional[str]:
+    """The Hugging Face model_type the weights came from (what an export writes by default), if any."""
+    if isinstance(config.model, CheckpointModelConfig):
+        return config.model.hf_model_type
+    if isinstance(config, FinetuneConfig):
+        path = _absolute(config.init_from)
+        if path.is_dir() and (path / "config.json").is_file():
+            return read_pretrained_config(path)[1]
+    if resume is not None and resume.run_dir is not None:
+        try:
+            return read_run_model(resume.run_dir)[1]
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def _tokenizer_source(config: TrainConfig, resume: Optional[Resume]) -> Optional[Path]:
+    """Where the tokenizer files of the starting weights are: a Hugging Face ``init_from`` or an earlier run."""
+    if isinstance(config, FinetuneConfig) and resume is None:
+        path = _absolute(config.init_from)
+        if path.is_dir() and (path / "config.json").is_file():
+            return path
+        try:
+            run_dir = locate_checkpoint(path)[1]
+        except FileNotFoundError:
+            return None
+        return None if run_dir is None else run_dir / TOKENIZER_DIR
+    if resume is not None and resume.run_dir is not None:
+        return resume.run_dir / TOKENIZER_DIR
+    return None
+
+
+def _record_run(config: TrainConfig, run_dir: Path, resume: Optional[Resume]) -> None:
+    """``model.json`` and the tokenizer files: what an export of this run needs, whatever moves later."""
+    write_run_model(run_dir, config.model.build_config(), _hf_model_type(config, resume))
+    source = _tokenizer_source(config, resume)
+    if source is not None and source.is_dir():
+        copy_tokenizer_files(source, run_dir / TOKENIZER_DIR)
+
+
+def _absolute(path: Union[str, Path]) -> Path:
+    return Path(hydra.utils.to_absolute_path(str(path)) if _hydra_on() else path)
+
+
+def trainer_precision(strategy: Strategy, precision: str) -> dict[str, Any]:
+    """The Trainer arguments for ``precision`` under ``strategy``.
+
+    Under ``VeScaleStrategy`` the engine's precision plugin is passed directly: given ``precision="bf16-mixed"``,
+    Lightning would announce "Automatic Mixed Precision (AMP)", which the engine does not use.
     """
-    config = validate(cfg)
+    if isinstance(strategy, VeScaleStrategy):
+        return {"plugins": [VeScalePrecision(precision)]}
+    return {"precision": precision}
+
+
+def precision_line(strategy: Strategy, precision: str) -> str:
+    """What ``precision`` runs as under ``strategy``, for the start-up log."""
+    if isinstance(strategy, VeScaleStrategy):
+        return f"{precision} ({describe_precision(precision)})"
+    if precision == "bf16-mixed":
+        return f"{precision} (Lightning's autocast: bf16 compute, fp32 weights and gradients)"
+    return precision
+
+
+def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
+    """Check ``cfg`` and train with the Lightning Trainer; returns the run summary.
+
+    Every check that can fail on the config happens first (:func:`~lightning_vescale.recipe.checks.preflight`;
+    under Hydra the recipes already ran it before creating the run directory): the schema, the data path, the
+    initial weights of a fine-tuning run and the checkpoint to resume from.
+
+    Raises:
+        SystemExit: code 143 when SIGTERM stopped the run (after saving it if ``trainer.save_on_signal``).
+    """
+    _quiet_other_ranks(_get_rank() or 0)
+    checked = preflight(cfg, run_dir=_run_dir_if_known())
+    config, resume = checked.config, checked.resume
     _limit_cpu_threads(config)
     run_dir = _run_dir(config)
-    datamodule = build_datamodule(config.data)
-    ckpt_path = _resolve_ckpt_path(config, run_dir)
+    datamodule = build_datamodule(config.data, seed=config.seed)
+    ckpt_path = str(resume.checkpoint) if resume is not None else None
     init_state = None
     if isinstance(config, FinetuneConfig) and ckpt_path is None:
-        init_from = hydra.utils.to_absolute_path(config.init_from) if _hydra_on() else config.init_from
-        init_state = load_initial_weights(init_from, config.model)
+        init_state = load_initial_weights(_absolute(config.init_from), config.model)
+    if (_get_rank() or 0) == 0:
+        _record_run(config, run_dir, resume)
     seed_everything(config.seed, workers=True, verbose=False)
     strategy = build_strategy(config)
 
@@ -325,35 +356,70 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
         "run_dir": str(run_dir),
         "resumed_from": ckpt_path,
         "init_from": getattr(config, "init_from", None),
+        "notes": dict(config.notes),
     }
     summary = RunSummary(stats, run_dir, extra=extra)
-    callbacks: list[Any] = [stats, summary]
+    callbacks: list[Any] = [stats, summary, StopOnSignal()]
     if t.enable_progress_bar:
-        callbacks.append(RecipeProgressBar())
-    if t.checkpoint_every_n_steps > 0:
+        callbacks.append(RecipeProgressBar() if sys.stdout.isatty() else LineProgress(t.log_every_n_steps))
+    export = isinstance(config, FinetuneConfig) and config.export_hf
+    if t.checkpoint_every_n_steps > 0 or t.save_on_signal or export:
         callbacks.append(
             StepCheckpoint(
                 dirpath=run_dir / "checkpoints", filename="step-{step:06d}", auto_insert_metric_name=False,
                 every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=t.checkpoint_keep, save_last="link",
-                enable_version_counter=False,
+                enable_version_counter=False, save_final=t.checkpoint_every_n_steps > 0 or export,
+                save_on_signal=t.save_on_signal,
             )
         )
     trainer = Trainer(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, precision=t.precision,
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
+        **trainer_precision(strategy, t.precision),
         strategy=strategy, max_steps=t.max_steps, max_epochs=-1,
         accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=t.gradient_clip_val,
         val_check_interval=t.val_every_n_steps * t.accumulate_grad_batches, check_val_every_n_epoch=None,
         limit_val_batches=t.limit_val_batches, log_every_n_steps=t.log_every_n_steps,
         num_sanity_val_steps=t.num_sanity_val_steps, deterministic=t.deterministic,
-        enable_progress_bar=t.enable_progress_bar, enable_checkpointing=t.checkpoint_every_n_steps > 0,
+        enable_progress_bar=t.enable_progress_bar,
+        enable_checkpointing=any(isinstance(c, StepCheckpoint) for c in callbacks),
         enable_model_summary=False, callbacks=callbacks, logger=_loggers(run_dir), default_root_dir=run_dir,
     )
+    _quiet_other_ranks(trainer.global_rank)
     if trainer.is_global_zero:
         logger.info(
             "training %s (%.2fM parameters) with %s on %d process(es), precision %s; %s; writing to %s",
-            extra["model"], total_params / 1e6, extra["strategy"], trainer.world_size, t.precision,
+            extra["model"], total_params / 1e6, extra["strategy"], trainer.world_size,
+            precision_line(strategy, t.precision),
             f"resuming from {ckpt_path}" if ckpt_path else "from scratch" if init_state is None else
             f"from {extra['init_from']}", run_dir,
         )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        for note in resume.notes if resume is not None else []:
+            logger.warning("resume: %s", note)
+        if t.accelerator == "cpu" and t.precision.startswith("bf16"):
+            logger.warning(
+                "precision=%s on CPU is usually slower than fp32 (bf16 pays on GPUs with bf16 tensor cores; see the "
+                "README's Precision section): use precision=fp32 on CPU", t.precision,
+            )
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    except SIGTERMException:
+        if trainer.is_global_zero:
+            saved = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+            logger.warning(
+                "stopped by SIGTERM after step %d%s", trainer.global_step,
+                f"; saved {saved}: continue with resume=true (or resume={run_dir})" if saved and t.save_on_signal
+                else " (no checkpoint saved: trainer.save_on_signal=false)",
+            )
+        raise SystemExit(SIGTERM_EXIT_CODE) from None
+    if export and trainer.is_global_zero:
+        out = export_hf(run_dir, run_dir / "hf")
+        logger.info("wrote the Hugging Face model to %s (python -m lightning_vescale.export does the same)", out)
     return summary.summary
+
+
+def _run_dir_if_known() -> Optional[Path]:
+    if not _hydra_on():
+        return None
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)

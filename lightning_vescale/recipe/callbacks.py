@@ -4,8 +4,13 @@
   (``lightning_vescale.comm_stats.step()``), logging ``tok/s`` (tokens of all ranks per second) and
   ``comm/step`` (bytes this rank sent in the step's collectives) to the progress bar, and the bytes per
   collective kind to the loggers. It keeps the per-step history the summary and the plot use.
-* :class:`RecipeProgressBar` is Lightning's TQDM bar with readable units.
-* :class:`StepCheckpoint` is ``ModelCheckpoint`` every N steps that also saves the final step.
+* :class:`RecipeProgressBar` is Lightning's TQDM bar with readable units (for a terminal); :class:`LineProgress`
+  prints one line every N steps instead (for a log file or a scheduler's output, where the bar's carriage
+  returns would turn every update into a line).
+* :class:`StepCheckpoint` is ``ModelCheckpoint`` every N steps that also saves the final step, and the last
+  step before a SIGTERM stops the run.
+* :class:`StopOnSignal` makes SIGTERM stop every rank after the same step (see
+  ``lightning_vescale/lightning/_signals.py``), whatever the strategy.
 * :class:`RunSummary` writes ``loss_curve.png`` (matplotlib, Agg) and ``summary.json`` at the end, and logs
   the summary: steps, first/final/min training loss, last validation loss, tokens/s, bytes/step, peak memory.
 """
@@ -24,12 +29,22 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_vescale.collectives import comm_stats
+from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
 
-__all__ = ["RecipeProgressBar", "RunSummary", "StepCheckpoint", "StepStats", "format_bytes", "peak_memory_bytes"]
+__all__ = [
+    "LineProgress",
+    "RecipeProgressBar",
+    "RunSummary",
+    "StepCheckpoint",
+    "StepStats",
+    "StopOnSignal",
+    "format_bytes",
+    "peak_memory_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -138,31 +153,127 @@ class StepStats(Callback):
             self.val_losses.append((trainer.global_step, float(val)))
 
 
+def _readable(metrics: dict[str, Any]) -> dict[str, Any]:
+    metrics.pop("v_num", None)
+    if "tok/s" in metrics:
+        metrics["tok/s"] = f"{float(metrics['tok/s']):,.0f}"
+    if "comm/step" in metrics:
+        metrics["comm/step"] = format_bytes(float(metrics["comm/step"]))
+    return metrics
+
+
 class RecipeProgressBar(TQDMProgressBar):
     """Lightning's TQDM bar: ``loss``, ``tok/s`` (all ranks), ``comm/step`` (bytes this rank sent) and
     ``val_loss``, in readable units, without the logger's version number."""
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
-        metrics = super().get_metrics(trainer, pl_module)
-        metrics.pop("v_num", None)
-        if "tok/s" in metrics:
-            metrics["tok/s"] = f"{float(metrics['tok/s']):,.0f}"
-        if "comm/step" in metrics:
-            metrics["comm/step"] = format_bytes(float(metrics["comm/step"]))
-        return metrics
+        return _readable(super().get_metrics(trainer, pl_module))
+
+
+class LineProgress(ProgressBar):
+    """Progress as log lines (rank zero): one every ``every_n_steps`` optimizer steps and at the last step,
+    and one after each validation, e.g.::
+
+        step 40/300  loss 2.314  tok/s 61,234  comm/step 562 KB  elapsed 12.3 s
+
+    The recipes use it when stdout is not a terminal.
+    """
+
+    def __init__(self, every_n_steps: int) -> None:
+        super().__init__()
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self._enabled = True
+        self._start = 0.0
+        self._last_step = -1
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start = time.perf_counter()
+        self._last_step = trainer.global_step
+
+    def _line(self, trainer: Trainer, pl_module: LightningModule, keys: tuple[str, ...]) -> str:
+        metrics = _readable(self.get_metrics(trainer, pl_module))
+        parts = [f"step {trainer.global_step}/{trainer.max_steps}"]
+        for key in keys:
+            value = metrics.get(key)
+            if value is not None:
+                parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+        return "  ".join(parts)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if not self._enabled or step == self._last_step:
+            return  # disabled (ranks other than zero), or an accumulation micro-batch
+        self._last_step = step
+        if step % self.every_n_steps == 0 or step >= trainer.max_steps:
+            line = self._line(trainer, pl_module, ("loss", "tok/s", "comm/step"))
+            logger.info("%s  elapsed %.1f s", line, time.perf_counter() - self._start)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._enabled and not trainer.sanity_checking and trainer.state.fn == "fit":
+            logger.info("%s", self._line(trainer, pl_module, ("val_loss",)))
 
 
 class StepCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` every ``every_n_train_steps`` steps (``step-000100.ckpt``, ``last.ckpt``), plus the
-    final step when the run does not end on a multiple of N."""
+    final step when the run does not end on a multiple of N (``save_final``), plus the last completed step when
+    SIGTERM stops the run (``save_on_signal``; needs :class:`StopOnSignal` or ``strategy="vescale"`` so every
+    rank saves at the same step). ``every_n_train_steps=0``: no periodic checkpoints."""
+
+    def __init__(self, *, save_final: bool = True, save_on_signal: bool = False, **kwargs: Any) -> None:
+        if not kwargs.get("every_n_train_steps"):
+            kwargs.update(every_n_train_steps=0, every_n_epochs=0)  # no periodic saving (not Lightning's default)
+        super().__init__(**kwargs)
+        self.save_final = save_final
+        self.save_on_signal = save_on_signal
+
+    def _save_now(self, trainer: Trainer) -> None:
+        monitor_candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, monitor_candidates)
+        self._save_last_checkpoint(trainer, monitor_candidates)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.save_on_signal and trainer.received_sigterm and self._last_global_step_saved != trainer.global_step:
+            self._save_now(trainer)  # every rank: the flag is agreed (StopOnSignal), so this collective is too
+            if trainer.is_global_zero:
+                saved = self.last_model_path or self.best_model_path
+                logger.info("SIGTERM: saved %s; continue with resume=true", saved)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.save_final:
+            return  # ModelCheckpoint.on_train_end would write last.ckpt
         final_step_unsaved = self._last_global_step_saved != trainer.global_step and trainer.global_step > 0
         if final_step_unsaved and not (trainer.fast_dev_run or trainer.sanity_checking):
-            monitor_candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, monitor_candidates)
-            self._save_last_checkpoint(trainer, monitor_candidates)
+            self._save_now(trainer)
         super().on_train_end(trainer, pl_module)
+
+
+class StopOnSignal(Callback):
+    """SIGTERM stops every rank after the same optimizer step, for any strategy.
+
+    The Trainer's SIGTERM handler is replaced (in ``setup``) by one that only records the signal, and the ranks
+    agree on it at the start of each batch that ends an optimizer step (one tiny all-reduce); see
+    ``lightning_vescale/lightning/_signals.py``. Lightning then raises ``SIGTERMException`` after that step on
+    every rank, after :class:`StepCheckpoint` saved it.
+    """
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        install_deferred_sigterm(trainer)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        agree_on_sigterm(trainer)
 
 
 class RunSummary(Callback):

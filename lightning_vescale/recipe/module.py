@@ -104,7 +104,9 @@ class CausalLMModule(LightningModule):
             :meth:`on_fit_start`, after the strategy has sharded and materialized the model.
 
     The training loss (``loss``, averaged over ranks) and ``lr`` go to the progress bar and loggers,
-    ``val_loss`` after each validation; MoE models also log ``moe/layer{i}/expert{e}``, each expert's share
+    ``val_loss`` after each validation. Every row is logged at ``step`` = the number of optimizer steps done
+    (1 for the first step's loss, as in ``summary.json`` and the checkpoint names; Lightning would write the
+    0-based batch count); MoE models also log ``moe/layer{i}/expert{e}``, each expert's share
     of the routed tokens in the step, and ``moe/max_load`` (the busiest expert's share over the mean).
     """
 
@@ -167,6 +169,8 @@ class CausalLMModule(LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.last_loss = loss.detach()
+        # Lightning takes a logged "step" as the row's step: the step this loss belongs to, counted from 1.
+        self.log("step", float(self.global_step + 1), on_step=True, on_epoch=False)
         self.log("loss", loss, prog_bar=True, sync_dist=True)
         if self.is_moe and self.model.config.aux_loss_coef > 0:
             aux = self.model.aux_loss()
@@ -176,6 +180,7 @@ class CausalLMModule(LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
+        self.log("step", float(self.global_step), on_step=False, on_epoch=True, sync_dist=True)  # after that many steps
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 

@@ -9,12 +9,14 @@ field, what it got and what is allowed. The YAML files only pick and override.
 ::
 
     TrainConfig
-      model      ModelConfig       LlamaModelConfig | MoEModelConfig: a preset plus field overrides
+      model      ModelConfig       LlamaModelConfig | MoEModelConfig: a preset plus field overrides;
+                                   CheckpointModelConfig: the config of the weights a fine-tune starts from
       optimizer  OptimizerConfig   AdamWConfig | MuonConfig: a ``_target_`` factory and its kwargs
       scheduler  SchedulerConfig   warmup, then cosine / linear / constant
       strategy   StrategyConfig    VeScaleStrategyConfig | DDPStrategyConfig | ModelParallelStrategyConfig
       data       DataConfig        corpus, tokenizer, windows
       trainer    TrainerConfig     Lightning Trainer settings (+ ``precision``, set by the precision group)
+      notes      dict              free-form: whatever the user wants kept with the run (``+notes.<key>=...``)
 
 Components that carry ``_target_`` are built with ``hydra.utils.instantiate``, so a new optimizer or
 strategy plugs in with a new YAML file (and, for validation of its keys, a schema dataclass here).
@@ -26,21 +28,24 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_vescale.data import TOKENIZERS, load_text
-from lightning_vescale.models.deepseek_v3 import DEEPSEEK_V3_CONFIGS, DeepSeekV3, DeepSeekV3Config, deepseek_v3_config
-from lightning_vescale.models.llama import LLAMA_CONFIGS, Llama, LlamaConfig, llama_config
-from lightning_vescale.models.moe import MOE_CONFIGS, MoE, MoEConfig, moe_config
-from lightning_vescale.models.qwen3_moe import QWEN3_MOE_CONFIGS, Qwen3MoE, Qwen3MoEConfig, qwen3_moe_config
+from lightning_vescale.models.deepseek_v3 import DeepSeekV3Config
+from lightning_vescale.models.families import FAMILIES, family_of
+from lightning_vescale.models.llama import LlamaConfig
+from lightning_vescale.models.moe import MoEConfig
+from lightning_vescale.models.qwen3_moe import Qwen3MoEConfig
 from lightning_vescale.recipe.targets import check_config_targets
 
 __all__ = [
     "AdamWConfig",
+    "CheckpointModelConfig",
     "DDPStrategyConfig",
+    "FREE_FORM_SECTIONS",
     "DataConfig",
     "DeepSeekV3ModelConfig",
     "FinetuneConfig",
@@ -58,7 +63,9 @@ __all__ = [
     "TrainConfig",
     "TrainerConfig",
     "VeScaleStrategyConfig",
+    "check_known_keys",
     "register_configs",
+    "source_name",
     "validate",
 ]
 
@@ -83,12 +90,7 @@ def _check_target(owner: str, target: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 ModelArchConfig = Union[LlamaConfig, MoEConfig, Qwen3MoEConfig, DeepSeekV3Config]
-_FAMILIES: dict[str, tuple[type, dict, Any, type]] = {
-    "llama": (LlamaConfig, LLAMA_CONFIGS, llama_config, Llama),
-    "moe": (MoEConfig, MOE_CONFIGS, moe_config, MoE),
-    "qwen3_moe": (Qwen3MoEConfig, QWEN3_MOE_CONFIGS, qwen3_moe_config, Qwen3MoE),
-    "deepseek_v3": (DeepSeekV3Config, DEEPSEEK_V3_CONFIGS, deepseek_v3_config, DeepSeekV3),
-}
+_FAMILIES = FAMILIES
 MODEL_FAMILIES = tuple(_FAMILIES)
 """Model families the recipes train."""
 
@@ -103,8 +105,9 @@ class ModelConfig:
     ``model.n_layer=4`` is rejected while composing.
     """
 
-    family: str = MISSING
-    """``"llama"``, ``"moe"``, ``"qwen3_moe"`` or ``"deepseek_v3"``; set by the schema each model option extends."""
+    family: Optional[str] = MISSING
+    """``"llama"``, ``"moe"``, ``"qwen3_moe"`` or ``"deepseek_v3"``; set by the schema each model option extends
+    (read from the checkpoint by ``model=from_checkpoint``)."""
     preset: str = MISSING
     """A key of ``LLAMA_CONFIGS`` / ``MOE_CONFIGS`` (``tiny``, ``debug``, ``small``, ...)."""
 
@@ -196,6 +199,98 @@ DeepSeekV3ModelConfig = dataclasses.make_dataclass(
         "__module__": __name__,
     },
 )
+
+
+def _union_override_fields(*config_classes: type) -> list[tuple[str, Any, Any]]:
+    fields: dict[str, tuple[str, Any, Any]] = {}
+    for config_cls in config_classes:
+        for f in _override_fields(config_cls):
+            fields.setdefault(f[0], f)
+    return list(fields.values())
+
+
+class _CheckpointModelBase(ModelConfig):
+    """The behaviour of :class:`CheckpointModelConfig` (its fields are generated below)."""
+
+    def __post_init__(self) -> None:
+        if self.path is None:
+            raise ValueError(
+                "model=from_checkpoint reads the model config from the weights the fine-tune starts from, but none "
+                "were given: set init_from=<Hugging Face dir, recipe run or checkpoint> (or model.path=...), or "
+                "name the model (model=llama_tiny ...)"
+            )
+        arch, self.hf_model_type = _read_source_config(self.path)
+        family = family_of(arch)
+        _check(
+            self.family in (None, family),
+            f"model.family={self.family!r} but the checkpoint at model.path={self.path!r} holds a {family} model; "
+            f"leave model.family unset (it is read from the checkpoint)",
+        )
+        self.family = family
+        self._source_arch = arch
+        self.build_config()  # validates the overrides against the checkpoint's family
+
+    def overrides(self) -> dict[str, Any]:
+        return {k: v for k, v in super().overrides().items() if k != "path"}
+
+    def build_config(self) -> ModelArchConfig:
+        """The checkpoint's model config with the overrides applied."""
+        arch = self._source_arch
+        overrides = self.overrides()
+        names = {f.name for f in dataclasses.fields(arch)}
+        unknown = sorted(set(overrides) - names)
+        _check(
+            not unknown,
+            f"model: the checkpoint at model.path={self.path!r} holds a {self.family} model, which has no field(s) "
+            f"{unknown}; valid: {sorted(names)}",
+        )
+        # A rope_scaling dict becomes the family's scaling type in the config's own __post_init__.
+        if "dense_layers" in overrides:
+            overrides["dense_layers"] = tuple(overrides["dense_layers"])
+        try:
+            return dataclasses.replace(arch, **overrides)
+        except ValueError as err:
+            raise ValueError(f"model=from_checkpoint ({self.path}) with overrides {overrides}: {err}") from err
+
+
+def _read_source_config(path: str) -> tuple[ModelArchConfig, Optional[str]]:
+    from lightning_vescale.export import read_source_config
+
+    return read_source_config(path)
+
+
+
+CheckpointModelConfig = dataclasses.make_dataclass(
+    "CheckpointModelConfig",
+    [
+        ("family", Optional[str], field(default=None)),
+        ("preset", str, field(default="from_checkpoint")),
+        ("path", Optional[str], field(default=None)),
+    ]
+    + _union_override_fields(LlamaConfig, MoEConfig, Qwen3MoEConfig, DeepSeekV3Config),
+    bases=(_CheckpointModelBase,),
+    namespace={
+        "__doc__": "The model config of the weights a fine-tune starts from (``model=from_checkpoint``): a Hugging "
+        "Face directory's ``config.json`` or a recipe run's ``model.json``, plus optional overrides of any field "
+        "(``None``: the checkpoint's value). ``path`` defaults to ``init_from``; ``family`` is read from the "
+        "checkpoint (and ``hf_model_type``, an attribute, from a Hugging Face ``config.json``).",
+        "__module__": __name__,
+    },
+)
+
+
+def source_name(path: str) -> str:
+    """A run name for weights at ``path``: a recipe run's name for its run directory or checkpoints, else the
+    file or directory name without its suffix (the ``lv.source_name`` resolver of the configs)."""
+    p = Path(str(path).rstrip("/"))
+    if p.parent.name == "checkpoints":  # <root>/<name>/<time>/checkpoints/step-N.ckpt
+        p = p.parent.parent
+    if (p / "checkpoints").is_dir() or (p / ".hydra").is_dir():  # <root>/<name>/<time>
+        return p.parent.name or p.name
+    return p.stem if p.is_file() else p.name
+
+
+OmegaConf.register_new_resolver("lv.source_name", source_name, replace=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -490,17 +585,22 @@ class TrainerConfig:
     limit_val_batches: int = 8
     """Validation batches per validation run."""
     log_every_n_steps: int = 10
-    """Write logged metrics (CSV, TensorBoard) every this many steps; the progress bar updates every step."""
+    """Write logged metrics (CSV, TensorBoard) every this many steps. The progress bar updates every step in a
+    terminal; when stdout is not a terminal (a log file, a scheduler) one line is printed every this many steps."""
     checkpoint_every_n_steps: int = 100
     """Save a checkpoint every this many optimizer steps (and at the end); 0 disables checkpoints."""
     checkpoint_keep: int = -1
     """``-1``: keep every checkpoint; ``1``: keep only the latest."""
+    save_on_signal: bool = True
+    """When SIGTERM stops the run (a scheduler's preemption, ``timeout``), save a checkpoint of the last
+    completed step before exiting (exit code 143), so ``resume=true`` continues from it."""
     num_sanity_val_steps: int = 0
     """Validation batches run before training as a smoke test."""
     deterministic: bool = False
     """``torch.use_deterministic_algorithms``."""
     enable_progress_bar: bool = True
-    """Show the progress bar (loss, tokens/s, communication bytes per step)."""
+    """Show progress (loss, tokens/s, communication bytes per step): a bar in a terminal, otherwise a line
+    every ``log_every_n_steps`` steps."""
 
     def __post_init__(self) -> None:
         _check(
@@ -557,10 +657,15 @@ class TrainConfig:
     """Directory that holds the runs (resume searches it)."""
     seed: int = 1234
     """Seed of model initialization and data order (same on every rank)."""
-    resume: bool = False
-    """Continue from the newest ``last.ckpt`` of this run name (in this run dir or an earlier one)."""
+    resume: Any = False
+    """``true``: continue the newest run of this name (its ``checkpoints/last.ckpt``); or a run directory to
+    continue. The model, optimizer, schedule, precision, data and seed must match the run's saved config (the
+    world size may change: checkpoints reshard)."""
     ckpt_path: Optional[str] = None
-    """Continue from this checkpoint (exclusive with ``resume``)."""
+    """Continue from this checkpoint (exclusive with ``resume``; checked against its run's config the same way)."""
+    resume_strict: bool = True
+    """``false``: continue a run even if its settings differ (e.g. to lower the learning rate); the differences are
+    logged as warnings instead of stopping the run."""
     expert_bias_rate: float = 1e-3
     """MoE auxiliary-loss-free balancing: expert-bias step per optimizer step; 0 disables (no effect on Llama)."""
     trusted_target_modules: List[str] = field(default_factory=list)
@@ -569,8 +674,16 @@ class TrainConfig:
     allow_any_target: bool = False
     """Let ``_target_`` name anything importable (Hydra's own blocklist still applies): trusted configs only."""
 
+    notes: Dict[str, Any] = field(default_factory=dict)
+    """Free-form: anything to keep with the run (``+notes.purpose=lr_sweep``); stored in ``config.yaml`` and
+    ``summary.json``. The only section that accepts keys the schema does not define."""
+
     def __post_init__(self) -> None:
         check_config_targets(self, trusted_modules=self.trusted_target_modules, allow_any=self.allow_any_target)
+        _check(
+            isinstance(self.resume, bool) or (isinstance(self.resume, str) and self.resume.strip() != ""),
+            f"resume must be true, false or a run directory, got {self.resume!r}",
+        )
         arch = self.model.build_config()
         where = f"model={self.model.family}_{self.model.preset}"
         _check(
@@ -585,7 +698,8 @@ class TrainConfig:
         )
         _check(
             not (self.resume and self.ckpt_path),
-            f"set either resume=true or ckpt_path=..., not both (got ckpt_path={self.ckpt_path!r})",
+            f"set either resume=... or ckpt_path=..., not both (got resume={self.resume!r}, "
+            f"ckpt_path={self.ckpt_path!r})",
         )
         _check(self.expert_bias_rate >= 0, f"expert_bias_rate must be >= 0, got {self.expert_bias_rate}")
         ep = getattr(self.strategy, "expert_parallel_size", 1)
@@ -616,8 +730,12 @@ class FinetuneConfig(TrainConfig):
     """A fine-tuning run (``recipes/finetune.py``): like :class:`TrainConfig`, starting from given weights."""
 
     init_from: str = MISSING
-    """A Hugging Face checkpoint directory (``config.json`` + safetensors) or a full state-dict file
-    (``.pt``/``.pth``/``.bin``: ``torch.save`` of a ``state_dict``; or ``.safetensors``)."""
+    """A Hugging Face checkpoint directory (``config.json`` + safetensors), a recipe run directory or one of its
+    checkpoints, or a full state-dict file (``.pt``/``.pth``/``.bin``: ``torch.save`` of a ``state_dict``; or
+    ``.safetensors``). ``model=from_checkpoint`` (the default) takes the model config from it."""
+    export_hf: bool = False
+    """At the end, write the final weights as a Hugging Face directory ``<run>/hf`` (``config.json``,
+    ``model.safetensors`` and the tokenizer files of ``init_from``), as ``python -m lightning_vescale.export``."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -625,7 +743,7 @@ class FinetuneConfig(TrainConfig):
         _check(
             path.exists(),
             f"init_from={self.init_from!r} does not exist (resolved to {str(path.resolve())!r}); pass a Hugging "
-            "Face checkpoint directory or a full state-dict file",
+            "Face checkpoint directory, a recipe run or checkpoint, or a full state-dict file",
         )
 
 
@@ -648,6 +766,7 @@ def register_configs() -> None:
     cs.store(group="schema/model", name="moe", node=MoEModelConfig)
     cs.store(group="schema/model", name="qwen3_moe", node=Qwen3MoEModelConfig)
     cs.store(group="schema/model", name="deepseek_v3", node=DeepSeekV3ModelConfig)
+    cs.store(group="schema/model", name="from_checkpoint", node=CheckpointModelConfig)
     cs.store(group="schema/optimizer", name="adamw", node=AdamWConfig)
     cs.store(group="schema/optimizer", name="muon", node=MuonConfig)
     cs.store(group="schema/strategy", name="vescale", node=VeScaleStrategyConfig)
@@ -657,16 +776,57 @@ def register_configs() -> None:
     cs.store(group="schema/trainer", name="trainer", node=TrainerConfig)
 
 
+FREE_FORM_SECTIONS = ("notes",)
+"""Top-level sections that accept any key (``+notes.<key>=...``); every other key must be a schema field."""
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Reject keys the schema does not define (added with ``+key=value``), outside :data:`FREE_FORM_SECTIONS`.
+
+    Hydra's ``+`` adds a key even to a typed config, and the dataclasses would carry it silently.
+
+    Raises:
+        ValueError: names every unknown key, the closest valid names, and the free-form section.
+    """
+    import difflib
+
+    problems: list[str] = []
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        schema = OmegaConf.get_type(node)
+        fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+        for key, value in node.items_ex(resolve=False):
+            full = f"{prefix}{key}"
+            if not prefix and full in FREE_FORM_SECTIONS:
+                continue
+            if fields is not None and key not in fields:
+                close = difflib.get_close_matches(str(key), sorted(fields), n=2)
+                hint = f" (did you mean {' or '.join(prefix + c for c in close)}?)" if close else ""
+                problems.append(full + hint)
+            elif isinstance(value, DictConfig) and not (value._is_none() or value._is_missing()):
+                walk(value, f"{full}.")
+
+    walk(cfg, "")
+    if problems:
+        raise ValueError(
+            f"unknown config key(s): {', '.join(problems)}. Every key is checked against the schema "
+            f"(python recipes/train.py --help lists them); to keep your own values with the run, put them under "
+            f"notes, e.g. +notes.{problems[0].split(' ')[0].rsplit('.', 1)[-1]}=..."
+        )
+
+
 def validate(cfg: Union[DictConfig, TrainConfig]) -> TrainConfig:
     """The composed config as validated dataclasses (a :class:`TrainConfig` or :class:`FinetuneConfig`).
 
     Raises:
         omegaconf.errors.MissingMandatoryValue: a required value (``???``) was not given; names the key.
-        ValueError: a bad value; the message names the field, the value and what is allowed.
+        ValueError: a bad value or a key the schema does not define; the message names the field, the value
+            and what is allowed.
         FileNotFoundError: ``data.path`` or ``init_from`` does not exist; names the path.
     """
     if isinstance(cfg, TrainConfig):
         return cfg
+    check_known_keys(cfg)
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, TrainConfig):
         raise TypeError(

@@ -2,6 +2,7 @@
 
 Each run goes through Hydra, Lightning's subprocess launcher (which re-launches the Hydra app for rank 1),
 the vescale strategy, checkpoints and the summary. The runs are a few steps of ``experiment=smoke``.
+SIGTERM and exact mid-epoch resume: ``test_recipe_signals.py``.
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_vescale.models import MoE, moe_config, save_pretrained
+from lightning_vescale.export import read_model_state
+from lightning_vescale.models import Llama, MoE, llama_config, moe_config, save_pretrained
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_recipe(script: str, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_recipe(script: str, *overrides: str, timeout: float = 300, returncode: int = 0) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(ROOT / "recipes" / script), "experiment=smoke", "trainer.enable_progress_bar=false",
            *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
+    if proc.returncode != returncode:
         raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+            f"{' '.join(cmd)} exited with {proc.returncode}, not {returncode}:\n{proc.stdout[-4000:]}\n"
+            f"{proc.stderr[-8000:]}"
         )
     return proc
 
@@ -41,7 +44,14 @@ def read_metrics(run_dir: Path) -> list[dict[str, str]]:
 
 def test_llama_tiny_trains_checkpoints_and_resumes(tmp_path):
     run1 = tmp_path / "llama_tiny" / "run1"
-    run_recipe("train.py", f"output_root={tmp_path}", f"hydra.run.dir={run1}")
+    proc = run_recipe("train.py", f"output_root={tmp_path}", f"hydra.run.dir={run1}",
+                      "trainer.enable_progress_bar=true")
+    # stdout is not a terminal: one progress line every log_every_n_steps (2) steps, and one per validation.
+    output = proc.stdout + proc.stderr
+    assert "\r" not in output
+    progress = [line.split(" - ", 1)[1] for line in proc.stdout.splitlines() if " - step " in line]
+    assert [p.split()[1] for p in progress] == ["2/12", "4/12", "6/12", "6/12", "8/12", "10/12", "12/12", "12/12"]
+    assert progress[2].startswith("step 6/12  loss ") and progress[3].startswith("step 6/12  val_loss ")
 
     summary = json.loads((run1 / "summary.json").read_text())
     assert summary["model"] == "llama_tiny" and summary["strategy"] == "VeScaleStrategy"
@@ -58,7 +68,15 @@ def test_llama_tiny_trains_checkpoints_and_resumes(tmp_path):
     assert (ckpts / "last.ckpt").resolve() == (ckpts / "step-000012.ckpt").resolve()
     rows = read_metrics(run1)
     assert {"loss", "tok/s", "comm/step", "lr", "val_loss"} <= set(rows[0])
-    assert any(r["val_loss"] for r in rows)
+    # One step numbering everywhere: metrics.csv's step is the summary's (optimizer steps done, from 1).
+    train_rows = [r for r in rows if r["loss"]]
+    assert [int(r["step"]) for r in train_rows] == [2, 4, 6, 8, 10, 12]
+    by_step = {p["step"]: p["loss"] for p in summary["losses"]}
+    for r in train_rows:
+        assert float(r["loss"]) == pytest.approx(by_step[int(r["step"])], rel=1e-5), (r, by_step)
+    val_rows = [(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"]]
+    assert val_rows == [(v["step"], pytest.approx(v["val_loss"], rel=1e-5)) for v in summary["val_losses"]]
+    assert [s for s, _ in val_rows] == [6, 12]
 
     # resume=true finds run1's last checkpoint and continues at step 12, with the loss where it was.
     run2 = tmp_path / "llama_tiny" / "run2"
@@ -70,11 +88,20 @@ def test_llama_tiny_trains_checkpoints_and_resumes(tmp_path):
     assert resumed["first_loss"] < summary["first_loss"] - 1.0  # no restart from random weights
     assert (run2 / "checkpoints" / "step-000016.ckpt").is_dir()
 
+    # Resuming it again with the same max_steps: nothing to train; said before any run directory exists.
+    proc = run_recipe("train.py", f"output_root={tmp_path}", "resume=true", "trainer.max_steps=16", returncode=2)
+    assert "already reached trainer.max_steps=16" in proc.stderr and "trainer.max_steps=32" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "llama_tiny").iterdir()) == ["run1", "run2"]
+
 
 def test_moe_tiny_trains_and_logs_tokens_per_expert(tmp_path):
     run = tmp_path / "moe_tiny" / "run"
-    run_recipe("train.py", "model=moe_tiny", f"output_root={tmp_path}", f"hydra.run.dir={run}",
-               "trainer.max_steps=8", "trainer.checkpoint_every_n_steps=0", "trainer.val_every_n_steps=8")
+    proc = run_recipe("train.py", "model=moe_tiny", f"output_root={tmp_path}", f"hydra.run.dir={run}",
+                      "trainer.max_steps=8", "trainer.checkpoint_every_n_steps=0", "trainer.val_every_n_steps=8",
+                      "scheduler.warmup_steps=8")
+    # A warning every rank would log is printed once.
+    assert (proc.stdout + proc.stderr).count("the run ends inside warmup") == 1
     summary = json.loads((run / "summary.json").read_text())
     assert summary["model"] == "moe_tiny" and summary["steps"] == 8 and summary["loss_is_finite"]
     assert summary["final_loss"] < summary["first_loss"]
@@ -86,34 +113,55 @@ def test_moe_tiny_trains_and_logs_tokens_per_expert(tmp_path):
     assert float(rows[-1]["moe/max_load"]) >= 1.0
 
 
-def test_finetune_starts_from_the_hugging_face_weights(tmp_path):
-    # Zero the output head: if (and only if) the weights are loaded, the first loss is exactly ln(256).
+def test_finetune_round_trip_from_and_to_hugging_face(tmp_path):
+    # A Llama whose norm_eps and rope_theta are not the preset's: model=from_checkpoint (the default) reads them.
+    # Its output head is zero: if (and only if) the weights are loaded, the first loss is exactly ln(256).
     # One process is enough to check that the sharded model receives the weights (and saves a launch).
-    arch = moe_config("tiny")
-    arch.shared_expert_gate = True  # Qwen2-MoE's gated shared expert, so the checkpoint is a transformers one
-    model = MoE(arch)
+    transformers = pytest.importorskip("transformers")
+    arch = llama_config("tiny")
+    arch.norm_eps, arch.rope_theta = 1e-6, 10000.0
+    model = Llama(arch)
     with torch.no_grad():
         model.output.weight.zero_()
     save_pretrained(model, arch, tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')
     run = tmp_path / "ft" / "run"
-    run_recipe("finetune.py", f"init_from={tmp_path / 'hf'}", "model=moe_tiny", "model.shared_expert_gate=true",
-               f"output_root={tmp_path}", f"hydra.run.dir={run}", "trainer.max_steps=4", "trainer.devices=1",
-               "trainer.checkpoint_every_n_steps=0", "trainer.limit_val_batches=0")
+    run_recipe("finetune.py", f"init_from={tmp_path / 'hf'}", f"output_root={tmp_path}", f"hydra.run.dir={run}",
+               "trainer.max_steps=4", "trainer.devices=1", "trainer.checkpoint_every_n_steps=0",
+               "trainer.limit_val_batches=0", "export_hf=true")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["init_from"] == str(tmp_path / "hf") and summary["steps"] == 4
     assert summary["strategy"] == "VeScaleStrategy" and summary["world_size"] == 1
     assert summary["losses"][0]["loss"] == pytest.approx(math.log(256), abs=1e-4)
     assert summary["loss_is_finite"]
 
+    # The way back: <run>/hf is a Hugging Face directory of the fine-tuned weights that transformers loads.
+    hf_dir = run / "hf"
+    assert (hf_dir / "tokenizer_config.json").read_text() == '{"model_max_length": 128}\n'
+    exported = json.loads((hf_dir / "config.json").read_text())
+    assert exported["rms_norm_eps"] == 1e-6 and exported["model_type"] == "llama"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    tuned = Llama(arch)
+    tuned.load_state_dict(read_model_state(run / "checkpoints" / "last.ckpt"))
+    assert tuned.output.weight.abs().sum() > 0  # trained, not the zero head it started from
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, tuned.eval()(tokens), rtol=1e-4, atol=1e-4)
 
-def test_a_mismatching_checkpoint_stops_before_training(tmp_path):
+
+def test_config_mistakes_stop_before_anything_is_written(tmp_path):
     arch = moe_config("tiny")
     arch.shared_expert_gate = True
     save_pretrained(MoE(arch), arch, tmp_path / "hf")
-    cmd = [sys.executable, str(ROOT / "recipes" / "finetune.py"), f"init_from={tmp_path / 'hf'}", "model=moe_tiny",
-           f"output_root={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1"))
-    assert proc.returncode != 0
-    assert "does not match model=moe_tiny" in proc.stderr and "shared_expert_gate: checkpoint True" in proc.stderr
-    assert "Initializing distributed" not in proc.stdout + proc.stderr
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for script, overrides, message in [
+        ("finetune.py", [f"init_from={tmp_path / 'hf'}", "model=moe_tiny"],
+         "does not match model=moe_tiny:\n  shared_expert_gate: checkpoint True"),
+        ("train.py", ["+foo=1"], "unknown config key(s): foo"),
+    ]:
+        cmd = [sys.executable, str(ROOT / "recipes" / script), *overrides, f"output_root={tmp_path / 'out'}"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 2, (proc.stdout, proc.stderr)
+        assert f"{script}: error: " in proc.stderr and message in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and "Initializing distributed" not in proc.stdout + proc.stderr
+        assert not (tmp_path / "out").exists()  # no run directory left behind

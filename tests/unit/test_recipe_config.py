@@ -8,7 +8,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
 from lightning_vescale.models import DeepSeekV3, Llama, MoE, llama_config, moe_config, save_pretrained
 from lightning_vescale.recipe import build_strategy, find_last_checkpoint, load_initial_weights, lr_multiplier
@@ -33,6 +33,9 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+PRESET_MODELS = [m for m in options("model") if m != "from_checkpoint"]  # from_checkpoint: test_recipe_checks.py
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,7 +71,7 @@ def test_every_group_has_the_promised_options():
     assert {"default", "gpu"} <= set(options("trainer"))
 
 
-@pytest.mark.parametrize("model", options("model"))
+@pytest.mark.parametrize("model", PRESET_MODELS)
 def test_every_model_composes_and_validates(model):
     # Big presets need a matching window only; the config never allocates the model.
     cfg = load(f"model={model}")
@@ -159,14 +162,16 @@ def test_qwen3_and_deepseek_overrides_reach_the_model_config():
 
 
 def test_finetune_config_requires_init_from(tmp_path):
-    with pytest.raises(MissingMandatoryValue, match="init_from"):
-        load(config="finetune")
+    with pytest.raises((ValueError, MissingMandatoryValue), match="init_from"):
+        load(config="finetune")  # model=from_checkpoint reads its config from init_from
+    with pytest.raises((MissingMandatoryValue, InterpolationToMissingValueError), match="init_from"):
+        load("model=llama_tiny", config="finetune")
     weights = tmp_path / "w.pt"
     torch.save({}, weights)
-    cfg = load(f"init_from={weights}", config="finetune")
-    assert isinstance(cfg, FinetuneConfig) and cfg.optimizer.lr == 1e-3 and cfg.name == "llama_tiny_finetune"
+    cfg = load(f"init_from={weights}", "model=llama_tiny", config="finetune")
+    assert isinstance(cfg, FinetuneConfig) and cfg.optimizer.lr == 1e-3 and cfg.name == "w_finetune"
     with pytest.raises(ValueError, match=r"init_from='.*missing.pt' does not exist"):
-        load(f"init_from={tmp_path / 'missing.pt'}", config="finetune")
+        load(f"init_from={tmp_path / 'missing.pt'}", "model=llama_tiny", config="finetune")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -225,7 +230,7 @@ def test_unknown_options_list_the_valid_ones(group, option):
          r"can produce 1024 token ids but model=llama_tiny has vocab_size=256"),
         (["strategy.replicate_size=0"], r"strategy.replicate_size must be null, 'auto' or a positive int, got 0"),
         (["strategy=fsdp2", "strategy.tensor_parallel_size=2"], r"strategy.tensor_parallel_size=2"),
-        (["resume=true", "ckpt_path=x.ckpt"], r"set either resume=true or ckpt_path=..., not both"),
+        (["resume=true", "ckpt_path=x.ckpt"], r"set either resume=... or ckpt_path=..., not both"),
     ],
 )
 def test_bad_values_fail_naming_them(overrides, message):

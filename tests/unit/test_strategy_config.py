@@ -149,9 +149,10 @@ def test_sharding_policy() -> None:
         def __init__(self):
             super().__init__()
             self.scale = nn.Parameter(torch.ones(1))
+            self.layer = nn.Linear(2, 2)
 
-    with pytest.raises(ValueError, match="registers parameters directly.*scale"):
-        top_level_roots(Direct())
+    direct = Direct()  # its own parameters go into its own group (shard_module), not into a root
+    assert top_level_roots(direct) == [direct.layer]
 
 
 def test_hydra_target() -> None:

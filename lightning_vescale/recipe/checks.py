@@ -1,0 +1,386 @@
+"""What a recipe checks before its run directory exists: the config, the checkpoint to resume, the weights to
+start from.
+
+:class:`CheckBeforeRun` is a Hydra callback (``hydra.callbacks`` in ``configs/train.yaml`` and
+``configs/finetune.yaml``): Hydra calls it after composing the config and before it creates the run
+directory. A problem is printed as one message naming the key and the fix, without a traceback, and the
+process exits with code 2 (as argparse does); nothing is written. :func:`preflight` is the same check as a
+function (``recipe.run`` calls it again, so a config given programmatically is checked too).
+
+[Note: what resume compares]
+A run continues only with the settings it was trained with: the model (every architecture field that
+shapes the weights), the optimizer, the learning-rate schedule, ``trainer.precision``, the data (all but
+``num_workers``), the seed and the strategy class. They are compared against the run's saved
+``.hydra/config.yaml`` (and ``model.json``); a difference stops with the list of differing keys (or, with
+``resume_strict=false``, is logged as a warning). The world size, ``accumulate_grad_batches`` and
+``max_steps`` may change (sharded checkpoints reshard); the run says so when it starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import glob
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar, Union
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue, OmegaConfBaseException
+
+from lightning_vescale.export import checkpoint_step, locate_checkpoint, read_run_model
+from lightning_vescale.models.hf import read_pretrained_config
+from lightning_vescale.recipe.schema import CheckpointModelConfig, FinetuneConfig, ModelConfig, TrainConfig, validate
+
+__all__ = [
+    "CheckBeforeRun",
+    "ConfigError",
+    "Preflight",
+    "Resume",
+    "check_same_architecture",
+    "compare_with_run",
+    "find_last_checkpoint",
+    "preflight",
+    "resolve_resume",
+]
+
+T = TypeVar("T")
+
+# Architecture fields that do not change the weights' meaning (sizes of RoPE tables, init, derivations).
+ARCH_FIELDS_IGNORED = frozenset({"init_std", "max_seq_len", "multiple_of", "ffn_dim_multiplier"})
+# Sections compared on resume (flattened keys); keys under these prefixes must be equal.
+_MUST_MATCH_PREFIXES = ("optimizer.", "scheduler.", "data.")
+_MUST_MATCH_KEYS = ("seed", "trainer.precision", "strategy._target_")
+_MAY_CHANGE = frozenset({"data.num_workers"})
+
+
+class ConfigError(ValueError):
+    """A problem with the config or the files it names, found before the run starts; the message names the
+    key and the fix."""
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run continues from."""
+
+    checkpoint: Path
+    """The checkpoint (a sharded directory, or a file for DDP)."""
+    run_dir: Optional[Path]
+    """The run that wrote it (``None`` for a checkpoint outside a run directory)."""
+    step: Optional[int]
+    """The optimizer step it was saved at (from its ``step-NNNNNN`` name), if known."""
+    notes: list[str] = field(default_factory=list)
+    """Settings that changed and may change (world size, ...), for the start-up log."""
+
+
+@dataclass
+class Preflight:
+    """A checked run: its validated config and what it resumes from."""
+
+    config: TrainConfig
+    resume: Optional[Resume]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Paths
+# ----------------------------------------------------------------------------------------------------
+
+
+def _absolute(path: Union[str, Path]) -> Path:
+    """A path given on the command line, relative to the launch directory (the recipes never chdir)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        import hydra.utils
+
+        return Path(hydra.utils.to_absolute_path(str(path)))
+    return Path(path).absolute()
+
+
+def find_last_checkpoint(output_root: Union[str, Path], name: str, run_dir: Optional[Path] = None) -> Optional[Path]:
+    """The newest ``checkpoints/last.ckpt`` of runs named ``name`` (in ``run_dir`` or under ``output_root/name``)."""
+    candidates = set(glob.glob(os.path.join(str(output_root), name, "*", "checkpoints", "last.ckpt")))
+    if run_dir is not None:
+        candidates.add(str(run_dir / "checkpoints" / "last.ckpt"))
+    existing = [Path(c) for c in candidates if os.path.exists(c)]  # exists() follows the last.ckpt link
+    if not existing:
+        return None
+    return max(existing, key=lambda p: os.path.getmtime(p))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Comparing a run's saved config
+# ----------------------------------------------------------------------------------------------------
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _cli_value(value: Any) -> str:
+    """A value as a Hydra command-line override writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_cli_value(v) for v in value) + "]"
+    return str(value)
+
+
+def _world_size(trainer: dict[str, Any]) -> Optional[int]:
+    devices = trainer.get("devices")
+    per_node = len(devices) if isinstance(devices, list) else devices if isinstance(devices, int) else None
+    return None if per_node is None else per_node * int(trainer.get("num_nodes", 1))
+
+
+def _model_differences(model: ModelConfig, run_dir: Path) -> list[tuple[str, Any, Any]]:
+    theirs, _ = read_run_model(run_dir)
+    ours = model.build_config()
+    if type(theirs) is not type(ours):
+        return [("model", f"a {type(theirs).__name__}", f"a {type(ours).__name__}")]
+    return [
+        (f"model.{f.name}", getattr(theirs, f.name), getattr(ours, f.name))
+        for f in dataclasses.fields(ours)
+        if f.name not in ARCH_FIELDS_IGNORED and getattr(theirs, f.name) != getattr(ours, f.name)
+    ]
+
+
+def compare_with_run(config: TrainConfig, run_dir: Path) -> tuple[list[tuple[str, Any, Any]], list[str]]:
+    """``(differences, notes)`` between ``config`` and the saved config of ``run_dir``.
+
+    ``differences`` are ``(key, saved, now)`` for the settings a continued run must keep (see
+    [Note: what resume compares]); ``notes`` describe allowed changes (world size, accumulation, max_steps).
+    """
+    saved_file = run_dir / ".hydra" / "config.yaml"
+    if not saved_file.is_file():
+        return [], [f"{run_dir} has no .hydra/config.yaml, so its settings were not compared with this run's"]
+    saved_cfg = OmegaConf.load(saved_file)
+    try:
+        saved = OmegaConf.to_container(saved_cfg, resolve=True)
+    except OmegaConfBaseException:
+        saved = OmegaConf.to_container(saved_cfg, resolve=False)
+    now = OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+    assert isinstance(saved, dict) and isinstance(now, dict)
+    try:
+        differences = _model_differences(config.model, run_dir)
+    except (OSError, ValueError, KeyError, TypeError):  # an older layout: compare the model section as written
+        differences = [
+            (k, v, _flatten(now).get(k)) for k, v in _flatten(saved.get("model", {}), "model.").items()
+            if _flatten(now).get(k) != v
+        ]
+    flat_saved, flat_now = _flatten(saved), _flatten(now)
+    for key in sorted(set(flat_saved) | set(flat_now)):
+        if key in _MAY_CHANGE or not (key.startswith(_MUST_MATCH_PREFIXES) or key in _MUST_MATCH_KEYS):
+            continue
+        if key not in flat_saved:
+            continue  # a setting newer than the saved run
+        if flat_saved[key] != flat_now.get(key):
+            differences.append((key, flat_saved[key], flat_now.get(key, "(not set)")))
+    notes = []
+    saved_trainer, now_trainer = saved.get("trainer", {}), now["trainer"]
+    before, after = _world_size(saved_trainer), _world_size(now_trainer)
+    if before is not None and after is not None and before != after:
+        notes.append(
+            f"the run was trained on {before} processes and continues on {after}: the sharded checkpoint reshards, "
+            f"the global batch changes from {before} to {after} x data.batch_size windows per micro-batch, and the "
+            f"batches after the checkpoint are not those an uninterrupted run would have seen"
+        )
+    for key in ("accumulate_grad_batches", "max_steps"):
+        old, new = saved_trainer.get(key), now_trainer.get(key)
+        if old is not None and old != new:
+            notes.append(f"trainer.{key} changes from {old} to {new}"
+                         + (" (the learning-rate schedule now ends there)" if key == "max_steps" else ""))
+    return differences, notes
+
+
+def _matching_runs(config: TrainConfig, root: Path, exclude: Path) -> list[Path]:
+    runs = []
+    for last in glob.glob(os.path.join(str(root), config.name, "*", "checkpoints", "last.ckpt")):
+        run_dir = Path(last).parent.parent
+        if run_dir == exclude or not os.path.exists(last):
+            continue
+        step = checkpoint_step(last)
+        if step is not None and step >= config.trainer.max_steps:
+            continue
+        if not compare_with_run(config, run_dir)[0]:
+            runs.append(run_dir)
+    return sorted(runs)
+
+
+def resolve_resume(config: TrainConfig, run_dir: Optional[Path] = None) -> Optional[Resume]:
+    """The checkpoint ``config`` continues from (``resume`` or ``ckpt_path``), checked against its run.
+
+    Raises:
+        ConfigError: no checkpoint to resume; the run was trained with other settings (lists the differing
+            keys, with the overrides that match them and other runs of this name that match); or it already
+            reached ``trainer.max_steps`` (says how to extend it).
+    """
+    root = _absolute(config.output_root)
+    if config.ckpt_path:
+        path = _absolute(config.ckpt_path)
+        if not path.exists():
+            raise ConfigError(f"ckpt_path={config.ckpt_path!r} does not exist (resolved to {str(path)!r})")
+        checkpoint, ckpt_run = path, (path.parent.parent if path.parent.name == "checkpoints" else None)
+        what = f"ckpt_path={config.ckpt_path}"
+    elif config.resume is True:
+        found = find_last_checkpoint(root, config.name, run_dir)
+        if found is None:
+            raise ConfigError(
+                f"resume=true found no checkpoint to continue: no run named {config.name!r} under {str(root)!r} has "
+                f"checkpoints/last.ckpt. Start without resume, or pass resume=<run dir> or ckpt_path=<checkpoint>"
+            )
+        checkpoint, ckpt_run = found, found.parent.parent
+        what = "resume=true"
+    elif isinstance(config.resume, str):
+        try:
+            checkpoint, ckpt_run = locate_checkpoint(_absolute(config.resume))
+        except FileNotFoundError as err:
+            raise ConfigError(f"resume={config.resume}: {err}") from None
+        what = f"resume={config.resume}"
+    else:
+        return None
+    step = checkpoint_step(checkpoint)
+    differences, notes = compare_with_run(config, ckpt_run) if ckpt_run is not None else ([], [])
+    where = f"{ckpt_run or checkpoint}" + (f" (checkpoint at step {step})" if step is not None else "")
+    if differences and not config.resume_strict:
+        notes = [f"{key} differs from the run's: saved {saved!r}, now {now!r} (resume_strict=false)"
+                 for key, saved, now in differences] + notes
+    elif differences:
+        lines = [f"  {key}: saved {saved!r}, now {now!r}" for key, saved, now in differences]
+        fixes = " ".join(f"{key}={_cli_value(saved)}" for key, saved, _ in differences if key != "model")
+        others = _matching_runs(config, root, ckpt_run) if config.resume is True else []
+        raise ConfigError(
+            f"{what} would continue {where}, which was trained with other settings:\n" + "\n".join(lines)
+            + "\nContinue it with its settings" + (f" ({fixes})" if fixes else "")
+            + ", start a new run (without resume), continue another run with resume=<run dir>, or continue "
+            "this one with the new settings anyway (resume_strict=false)"
+            + (f"; runs of {config.name!r} with matching settings: {', '.join(map(str, others))}" if others else "")
+        )
+    if step is not None and step >= config.trainer.max_steps:
+        raise ConfigError(
+            f"{what}: {where} already reached trainer.max_steps={config.trainer.max_steps}, so there is nothing left "
+            f"to train. To train further, raise it (e.g. trainer.max_steps={2 * step}; the learning-rate schedule is "
+            f"recomputed to end there), or start a new run without resume"
+        )
+    return Resume(checkpoint, ckpt_run, step, notes)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fine-tuning: the weights to start from
+# ----------------------------------------------------------------------------------------------------
+
+
+def check_same_architecture(theirs: Any, ours: Any, path: Path, chosen: str) -> None:
+    """Raise if a checkpoint's model config ``theirs`` differs from the chosen ``ours`` (names the fields)."""
+    if type(theirs) is not type(ours):
+        raise ValueError(
+            f"init_from={str(path)!r} holds a {type(theirs).__name__.replace('Config', '')} model but {chosen} is a "
+            f"{type(ours).__name__.replace('Config', '')}; pick a model of the checkpoint's family "
+            f"(model=llama_... or model=moe_...), or model=from_checkpoint"
+        )
+    diffs = []
+    for f in dataclasses.fields(ours):
+        if f.name in ARCH_FIELDS_IGNORED:
+            continue
+        a, b = getattr(theirs, f.name), getattr(ours, f.name)
+        if a != b:
+            diffs.append(f"{f.name}: checkpoint {a!r}, {chosen.split(' with ')[0]} {b!r}")
+    if diffs:
+        fix = " ".join(f"model.{d.split(':')[0]}={getattr(theirs, d.split(':')[0])!r}" for d in diffs[:4])
+        raise ValueError(
+            f"init_from={str(path)!r} does not match {chosen}:\n  " + "\n  ".join(diffs)
+            + f"\nUse model=from_checkpoint (the checkpoint's own config), pick the preset the checkpoint was made "
+            f"from, or override the fields (e.g. {fix})."
+        )
+
+
+def _check_initial_weights_config(config: FinetuneConfig) -> None:
+    """The chosen model against the config the initial weights carry (files' headers only, no weights)."""
+    if isinstance(config.model, CheckpointModelConfig):
+        return  # the model config is the checkpoint's (plus the user's overrides)
+    path = _absolute(config.init_from)
+    model = config.model
+    chosen = f"model={model.family}_{model.preset}" + (f" with {model.overrides()}" if model.overrides() else "")
+    if path.is_dir() and (path / "config.json").is_file():
+        check_same_architecture(read_pretrained_config(path)[0], model.build_config(), path, chosen)
+        return
+    try:
+        _, run_dir = locate_checkpoint(path)
+    except FileNotFoundError:
+        return
+    if run_dir is not None:
+        try:
+            theirs, _ = read_run_model(run_dir)
+        except (OSError, ValueError):
+            return  # the tensors are checked when they are read
+        check_same_architecture(theirs, model.build_config(), path, chosen)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The check, and its Hydra callback
+# ----------------------------------------------------------------------------------------------------
+
+
+def preflight(cfg: Union[DictConfig, TrainConfig], run_dir: Optional[Path] = None) -> Preflight:
+    """Validate ``cfg`` and everything it names that can be checked without starting: the schema (unknown
+    keys included), the checkpoint to resume and its run's settings, the initial weights' config.
+
+    Raises:
+        ConfigError, ValueError, FileNotFoundError, omegaconf.errors.MissingMandatoryValue: the message names
+            the key and the fix.
+    """
+    config = validate(cfg)
+    resume = resolve_resume(config, run_dir)
+    if isinstance(config, FinetuneConfig) and resume is None:
+        _check_initial_weights_config(config)
+    return Preflight(config, resume)
+
+
+def config_error_message(err: BaseException) -> str:
+    """The one-line (or few-line) message of a config problem, without OmegaConf's internals."""
+    missing = re.search(r"Missing mandatory value: (\S+)", str(err))
+    if isinstance(err, (MissingMandatoryValue, InterpolationToMissingValueError)) and missing:
+        key = missing.group(1)
+        return f"{key} is required (it is ??? in the config): set it, e.g. {key}=..."
+    if isinstance(err, OmegaConfBaseException):
+        return str(err).split("\n    full_key:")[0].strip()
+    return str(err)
+
+
+def exit_on_config_error(check: Callable[[], T]) -> T:
+    """Run ``check``; on a config problem print ``<prog>: error: <message>`` to stderr and exit with code 2."""
+    try:
+        return check()
+    except (ValueError, OSError, OmegaConfBaseException) as err:
+        prog = Path(sys.argv[0]).name or "recipe"
+        sys.stderr.write(f"{prog}: error: {config_error_message(err)}\n")
+        sys.stderr.flush()
+        raise SystemExit(2) from None
+
+
+class CheckBeforeRun(Callback):
+    """Hydra callback: :func:`preflight` after composing and before the run directory is created.
+
+    Enabled in ``configs/train.yaml`` and ``configs/finetune.yaml``::
+
+        hydra:
+          callbacks:
+            check_before_run:
+              _target_: lightning_vescale.recipe.checks.CheckBeforeRun
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        task = copy.deepcopy(config)
+        with read_write(task), open_dict(task):
+            del task["hydra"]
+        exit_on_config_error(lambda: preflight(task))

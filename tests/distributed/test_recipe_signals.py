@@ -1,0 +1,129 @@
+"""SIGTERM ends a 2-rank recipe run on every rank after saving it, and ``resume=true`` continues exactly.
+
+A reference run trains 60 steps uninterrupted. The same run is then started, stopped by a real SIGTERM, resumed
+with ``resume=true``, stopped again, and resumed to the end: each stop must end every process of the run (exit
+code 143, nothing left behind) with a checkpoint of the last completed step, and the resumed runs must see
+exactly the batches of the uninterrupted one (mid-epoch: an epoch is 185 steps), so their losses are equal.
+The first stop signals the whole process group (as ``timeout`` and schedulers do), the second only the
+launching process (as ``kill <pid>`` does; it forwards the signal to the rank it started).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_STEPS = 60
+# Liveness bounds, not timings: a run that hangs is killed here instead of blocking the suite.
+START_TIMEOUT_S = 240
+EXIT_TIMEOUT_S = 90
+
+
+def _start(output_root: Path, log: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "experiment=smoke", f"trainer.max_steps={MAX_STEPS}",
+           "trainer.checkpoint_every_n_steps=0", "trainer.val_every_n_steps=25", f"output_root={output_root}",
+           *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _progress_step(log: Path) -> int:
+    steps = re.findall(rf" - step (\d+)/{MAX_STEPS}  loss", log.read_text())
+    return int(steps[-1]) if steps else 0
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if _group_alive(proc.pid):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _stop_with_sigterm(proc: subprocess.Popen, log: Path, *, after_step: int, whole_group: bool) -> int:
+    """Send SIGTERM once the run logged ``after_step``; return the step it stopped after."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while _progress_step(log) < after_step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _kill_group(proc)
+            pytest.fail(f"the run ended or stalled before step {after_step}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.05)
+    if whole_group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        pytest.fail(f"SIGTERM did not end the run (hang):\n{log.read_text()[-4000:]}")
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    while _group_alive(proc.pid) and time.monotonic() < deadline:  # the other rank
+        time.sleep(0.1)
+    alive = _group_alive(proc.pid)
+    _kill_group(proc)
+    text = log.read_text()
+    assert not alive, f"a rank outlived SIGTERM:\n{text[-4000:]}"
+    assert code == 143, f"exit code {code}:\n{text[-4000:]}"
+    stopped = re.search(r"stopped by SIGTERM after step (\d+); saved (\S+): continue with resume=true", text)
+    assert stopped, text[-4000:]
+    return int(stopped.group(1))
+
+
+def _csv_losses(run_dir: Path) -> dict[int, str]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return {int(r["step"]): r["loss"] for r in csv.DictReader(f) if r["loss"]}
+
+
+def _only_run(root: Path, exclude: set[Path] = frozenset()) -> Path:
+    runs = [p for p in (root / "llama_tiny").iterdir() if p not in exclude]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_sigterm_saves_and_resume_continues_exactly(tmp_path):
+    reference = _start(tmp_path / "ref", tmp_path / "ref.log")
+    assert reference.wait(timeout=START_TIMEOUT_S * 2) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+    ref_run = _only_run(tmp_path / "ref")
+    ref_summary = json.loads((ref_run / "summary.json").read_text())
+    ref_losses = {p["step"]: p["loss"] for p in ref_summary["losses"]}
+    ref_csv = _csv_losses(ref_run)
+
+    root = tmp_path / "runs"
+    first = _stop_with_sigterm(_start(root, tmp_path / "1.log"), tmp_path / "1.log", after_step=8, whole_group=True)
+    run1 = _only_run(root)
+    assert os.path.realpath(run1 / "checkpoints" / "last.ckpt").endswith(f"step-{first:06d}.ckpt")
+
+    proc = _start(root, tmp_path / "2.log", "resume=true")
+    second = _stop_with_sigterm(proc, tmp_path / "2.log", after_step=first + 8, whole_group=False)
+    run2 = _only_run(root, {run1})
+    assert os.path.realpath(run2 / "checkpoints" / "last.ckpt").endswith(f"step-{second:06d}.ckpt")
+    # The stretch the second run trained (after the first stop) saw the uninterrupted run's batches.
+    between = {s: v for s, v in _csv_losses(run2).items() if first < s <= second}
+    assert between and between == {s: ref_csv[s] for s in between}, (between, ref_csv)
+
+    proc = _start(root, tmp_path / "3.log", "resume=true")
+    assert proc.wait(timeout=START_TIMEOUT_S * 2) == 0, (tmp_path / "3.log").read_text()[-4000:]
+    run3 = _only_run(root, {run1, run2})
+    summary = json.loads((run3 / "summary.json").read_text())
+    assert summary["resumed_from_step"] == second and summary["steps"] == MAX_STEPS
+    resumed = {p["step"]: p["loss"] for p in summary["losses"]}
+    assert sorted(resumed) == list(range(second + 1, MAX_STEPS + 1))
+    assert resumed == {s: ref_losses[s] for s in resumed}, "the resumed run saw other batches (or other weights)"

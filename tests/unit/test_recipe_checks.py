@@ -1,0 +1,243 @@
+"""What the recipes check before a run starts (unknown keys, resume against the saved config), the fine-tune's
+``model=from_checkpoint`` and the Hugging Face export. No processes are started."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lightning_vescale.export import export_hf, main, write_run_model
+from lightning_vescale.models import Llama, MoE, llama_config, moe_config, save_pretrained
+from lightning_vescale.recipe.checks import ConfigError, preflight
+from lightning_vescale.recipe.schema import CheckpointModelConfig, validate
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hydra_configs():
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        yield
+
+
+def compose_cfg(*overrides: str, config: str = "train"):
+    return compose(config, overrides=list(overrides))
+
+
+def load(*overrides: str, config: str = "train"):
+    return validate(compose_cfg(*overrides, config=config))
+
+
+def fake_run(
+    root: Path, stamp: str, *overrides: str, step: int, mtime: float = 1000.0, name: str = "llama_tiny"
+) -> Path:
+    """A run directory as a recipe leaves it: the composed config, model.json and checkpoints/last.ckpt."""
+    cfg = compose_cfg(f"output_root={root}", *overrides)
+    run = root / name / stamp
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    write_run_model(run, validate(cfg).model.build_config())
+    checkpoint = run / "checkpoints" / f"step-{step:06d}.ckpt"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / ".metadata").touch()  # what makes a directory a complete sharded checkpoint
+    (run / "checkpoints" / "last.ckpt").symlink_to(checkpoint.name)
+    os.utime(checkpoint, (mtime, mtime))
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Unknown keys
+
+
+def test_keys_added_with_plus_are_rejected_unless_under_notes():
+    with pytest.raises(ValueError, match=r"unknown config key\(s\): foo\. .*\+notes\.foo="):
+        load("+foo=1")
+    with pytest.raises(ValueError, match=r"model\.dimm \(did you mean model\.dim\?\)"):
+        load("+model.dimm=3")
+    with pytest.raises(ValueError, match=r"unknown config key\(s\): trainer\.x"):
+        load("+trainer.x.y=3")
+    cfg = load("+notes.purpose=sweep", "+notes.owner.team=infra")
+    assert cfg.notes == {"purpose": "sweep", "owner": {"team": "infra"}}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resume
+
+
+def test_resume_true_continues_the_newest_run_with_the_same_settings(tmp_path):
+    older = fake_run(tmp_path, "a", step=100, mtime=1000)
+    newer = fake_run(tmp_path, "b", step=200, mtime=2000)
+    checked = preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+    assert checked.resume.checkpoint == newer / "checkpoints" / "last.ckpt"
+    assert checked.resume.run_dir == newer and checked.resume.step == 200 and checked.resume.notes == []
+    explicit = preflight(compose_cfg(f"output_root={tmp_path}", f"resume={older}")).resume
+    assert explicit.run_dir == older and explicit.step == 100
+
+
+def test_resume_refuses_a_run_trained_with_other_settings_and_names_the_keys(tmp_path):
+    matching = fake_run(tmp_path, "a", step=100, mtime=1000)
+    other = fake_run(tmp_path, "b", "precision=bf16_mixed", "trainer.devices=4", step=200, mtime=2000)
+    with pytest.raises(ConfigError) as info:
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+    message = str(info.value)
+    assert f"resume=true would continue {other} (checkpoint at step 200)" in message
+    assert "trainer.precision: saved 'bf16-mixed', now '32-true'" in message
+    assert "trainer.precision=bf16-mixed" in message  # the override that matches the run
+    assert "trainer.devices" not in message  # the world size may change
+    assert f"runs of 'llama_tiny' with matching settings: {matching}" in message
+    # Its own settings (on 2 processes instead of 4) continue it, with a note on the world size.
+    resume = preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "precision=bf16_mixed")).resume
+    assert resume.run_dir == other
+    assert any("trained on 4 processes and continues on 2" in note for note in resume.notes)
+
+
+def test_resume_compares_model_optimizer_schedule_data_seed_and_strategy(tmp_path):
+    fake_run(tmp_path, "a", step=100)
+    changed = ["model.n_layers=3", "optimizer.lr=0.01", "scheduler.decay=linear", "data.seq_len=64", "seed=7",
+               "strategy=fsdp2"]
+    with pytest.raises(ConfigError) as info:
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", *changed))
+    message = str(info.value)
+    for expected in ("model.n_layers: saved 2, now 3", "optimizer.lr: saved 0.003, now 0.01",
+                     "scheduler.decay: saved 'cosine', now 'linear'", "data.seq_len: saved 128, now 64",
+                     "seed: saved 1234, now 7",
+                     "strategy._target_: saved 'lightning_vescale.lightning.VeScaleStrategy'"):
+        assert expected in message, message
+    # On purpose (e.g. a lower learning rate): resume_strict=false continues and says what differs.
+    lenient = preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "optimizer.lr=0.001",
+                                    "resume_strict=false")).resume
+    assert lenient.step == 100 and any("optimizer.lr differs" in note for note in lenient.notes)
+    # What may change: loader workers, accumulation, max_steps.
+    resume = preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "data.num_workers=2",
+                                   "trainer.accumulate_grad_batches=2", "trainer.max_steps=400")).resume
+    assert resume.step == 100 and "trainer.max_steps changes from 300 to 400" in " ".join(resume.notes)
+
+
+def test_resuming_a_finished_run_says_how_to_extend_it(tmp_path):
+    run = fake_run(tmp_path, "a", "trainer.max_steps=12", step=12)
+    with pytest.raises(ConfigError, match=rf"{run} \(checkpoint at step 12\) already reached trainer.max_steps=12.*"
+                                          r"trainer.max_steps=24"):
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "trainer.max_steps=12"))
+    assert preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "trainer.max_steps=24")).resume.step == 12
+
+
+def test_resume_without_a_checkpoint_and_a_bad_run_dir_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="resume=true found no checkpoint to continue"):
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"resume=.*empty: .* is neither a run directory nor a checkpoint"):
+        preflight(compose_cfg(f"output_root={tmp_path}", f"resume={tmp_path / 'empty'}"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# model=from_checkpoint
+
+
+def _hf_llama(tmp_path: Path) -> tuple[Path, object]:
+    arch = llama_config("tiny")
+    arch.norm_eps, arch.rope_theta = 1e-6, 10000.0  # not the preset's: the old recipe needed them restated
+    save_pretrained(Llama(arch), arch, tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')
+    return tmp_path / "hf", arch
+
+
+def test_from_checkpoint_takes_the_model_config_from_the_checkpoint(tmp_path):
+    hf, arch = _hf_llama(tmp_path)
+    cfg = load(f"init_from={hf}", config="finetune")
+    assert isinstance(cfg.model, CheckpointModelConfig) and cfg.model.family == "llama"
+    assert cfg.model.build_config() == arch and cfg.model.hf_model_type == "llama"
+    assert cfg.name == "hf_finetune"
+    longer = load(f"init_from={hf}", "model.max_seq_len=256", config="finetune").model
+    assert longer.build_config().max_seq_len == 256 and longer.overrides() == {"max_seq_len": 256}
+    with pytest.raises(ValueError, match=r"holds a llama model, which has no field\(s\) \['num_experts'\]"):
+        load(f"init_from={hf}", "model.num_experts=8", config="finetune")
+    torch.save(Llama(arch).state_dict(), tmp_path / "w.pt")
+    with pytest.raises(ValueError, match=r"carries no model config .* name the model instead"):
+        load(f"init_from={tmp_path / 'w.pt'}", config="finetune")
+    # A preset that does not match is stopped before anything runs, from config.json alone.
+    with pytest.raises(ValueError, match=r"does not match model=llama_tiny:\n  norm_eps: checkpoint 1e-06"):
+        preflight(compose_cfg(f"init_from={hf}", "model=llama_tiny", config="finetune"))
+
+
+def test_from_checkpoint_reads_a_recipe_run(tmp_path):
+    run = fake_run(tmp_path, "a", "model=moe_tiny", "model.n_layers=3", step=10, name="moe_tiny")
+    cfg = load(f"init_from={run}", config="finetune")
+    assert cfg.model.family == "moe"
+    assert cfg.model.build_config() == load("model=moe_tiny", "model.n_layers=3").model.build_config()
+    assert cfg.name == "moe_tiny_finetune"
+    assert load(f"init_from={run / 'checkpoints' / 'step-000010.ckpt'}", config="finetune").name == "moe_tiny_finetune"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Export
+
+
+def _sharded_checkpoint(path: Path, model: torch.nn.Module) -> None:
+    """The layout VeScaleStrategy writes ("model." section + the LightningModule's "model." attribute)."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({f"model.model.{k}": v for k, v in model.state_dict().items()},
+                 storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+
+
+def _exported_run(tmp_path: Path, model: torch.nn.Module, arch, hf_model_type, *, with_model_json=True) -> Path:
+    run = tmp_path / "ft" / "run"
+    checkpoint = run / "checkpoints" / "step-000004.ckpt"
+    _sharded_checkpoint(checkpoint, model)
+    (run / "checkpoints" / "last.ckpt").symlink_to(checkpoint.name)
+    if with_model_json:
+        write_run_model(run, arch, hf_model_type)
+    (run / "tokenizer").mkdir()
+    (run / "tokenizer" / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
+    return run
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
+def test_export_writes_a_directory_transformers_loads(family, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "llama":
+        arch = llama_config("tiny")
+        arch.rope_theta = 10000.0
+        model = Llama(arch)
+    else:
+        arch = moe_config("tiny")
+        arch.shared_expert_gate = True
+        model = MoE(arch)
+    model.eval()
+    run = _exported_run(tmp_path, model, arch, family)
+    out = export_hf(run, tmp_path / "out")
+    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 64}\n'
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert hf.config.model_type == family
+    tokens = torch.randint(0, arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        export_hf(run, out)
+    assert main([str(run), str(tmp_path / "out2")]) == 0  # the command line does the same
+    assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == sorted(p.name for p in out.iterdir())
+
+
+def test_export_of_a_run_without_model_json_and_bad_sources(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = Llama(llama_config("tiny"))
+    run = _exported_run(tmp_path, model, None, None, with_model_json=False)
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(compose_cfg()))  # an older run: preset only
+    out = export_hf(run / "checkpoints" / "step-000004.ckpt", tmp_path / "out")
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(out / "model.safetensors")["model.norm.weight"], model.norm.weight)
+    with pytest.raises(SystemExit) as info:
+        main([str(tmp_path / "nowhere"), str(tmp_path / "out3")])
+    assert info.value.code == 2 and "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out3").exists()
