@@ -137,11 +137,17 @@ def _crc_of_items(directory: str, items: Iterable[tuple[MetadataIndex, Any]]) ->
         by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index))
     out = {}
     for relative_path, entries in by_file.items():
-        with open(os.path.join(directory, relative_path), "rb") as f:
-            for offset, length, index in sorted(entries, key=lambda e: e[0]):
-                f.seek(offset)
-                data = f.read(length)
-                out[_item_key(index)] = zlib.crc32(data) if len(data) == length else -1
+        path = os.path.join(directory, relative_path)
+        try:
+            with open(path, "rb") as f:
+                for offset, length, index in sorted(entries, key=lambda e: e[0]):
+                    f.seek(offset)
+                    data = f.read(length)
+                    out[_item_key(index)] = zlib.crc32(data) if len(data) == length else -1
+        except OSError as e:
+            names = sorted({index.fqn for _, _, index in entries})
+            raise CheckpointError(f"cannot read checkpoint file {path} ({e}), which holds {names[:5]}"
+                                  f"{' ...' if len(names) > 5 else ''}; nothing was loaded") from None
     return out
 
 

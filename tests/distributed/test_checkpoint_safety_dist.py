@@ -1,0 +1,148 @@
+"""On 2 gloo ranks: a damaged checkpoint changes nothing on any rank, and no entry point runs stored code.
+
+* Four bytes flipped in one rank's shard file (a piece rank 1 wrote): every rank raises ``CheckpointError`` (an ``Exception``) naming
+  the file and the tensor, and no rank's parameters or optimizer states changed (the ranks agree before any
+  copy). A missing shard file is named the same way.
+* A ``.metadata`` replaced by a pickle that would create a file: refused through ``Trainer.fit(ckpt_path=...)``
+  (``weights_only`` True and False: metadata is never unpickled freely), ``Fabric.load`` and
+  ``VeScaleAccelerator.load_state``; the file is never created.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_vescale as lv
+import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
+from lightning_vescale import checkpoint as ckpt
+from lightning_vescale.accelerate import VeScaleAccelerator
+from tests.dist_utils import run_distributed
+from tests.toy_models import MLP
+from tests.unit.test_checkpoint_safety import Payload, _corrupt_tensor_bytes
+
+
+def sharded(seed: int):
+    torch.manual_seed(seed)
+    model = MLP()
+    for block in model.blocks:
+        lv.fully_shard(block)
+    lv.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def snapshot(model, opt) -> list[torch.Tensor]:
+    out = [p.to_local().clone() for p in model.parameters()]
+    out += [v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+            for p in model.parameters() for v in opt.state.get(p, {}).values()]
+    return out
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def craft(path: Path, marker: Path) -> None:
+    """Rank 0 replaces the checkpoint's metadata with a pickle that creates ``marker``."""
+    if dist.get_rank() == 0:
+        (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    dist.barrier()
+
+
+def _damaged(rank: int, world: int, tmp: str) -> None:
+    tmp = Path(tmp)
+    model, opt = sharded(0)
+    x, y = torch.randn(8, 7), torch.randn(8, 5)
+    F.mse_loss(model(x[rank::2]), y[rank::2]).backward()
+    opt.step()
+    path = tmp / "ck"
+    ckpt.save(path, model, opt)
+    # A tensor of which rank 1 wrote a piece of at least 16 elements: corrupt that piece.
+    name, weight = next((n, p) for n, p in model.named_parameters()
+                        if p.layout_info.ranges[1][1] - p.layout_info.ranges[1][0] >= 16)
+    full = weight.full_tensor()
+    start, end = weight.layout_info.ranges[1]
+    file = [None]
+    if rank == 0:
+        file[0] = _corrupt_tensor_bytes(path, f"model.{name}", full.view(-1)[start:end])[0]
+    dist.broadcast_object_list(file)
+    assert file[0].startswith("__1_")
+
+    other, other_opt = sharded(1)
+    F.mse_loss(other(x[rank::2]), y[rank::2]).backward()
+    other_opt.step()
+    before = snapshot(other, other_opt)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{file[0]} is corrupted: the bytes of tensor 'model\.{name}'") as err:
+        ckpt.load(path, other, other_opt)
+    assert isinstance(err.value, Exception)
+    assert same(snapshot(other, other_opt), before), "a failed load changed this rank's model or optimizer"
+
+    if rank == 0:
+        os.remove(path / file[0])
+    dist.barrier()
+    with pytest.raises(ckpt.CheckpointError, match=rf"cannot read checkpoint file .*{file[0]}"):
+        ckpt.load(path, other, other_opt)
+    assert same(snapshot(other, other_opt), before)
+
+
+def test_a_damaged_checkpoint_changes_nothing_on_any_rank(tmp_path) -> None:
+    run_distributed(_damaged, 2, str(tmp_path), timeout=300)
+
+
+def _entry_points(rank: int, world: int, tmp: str) -> None:
+    tmp = Path(tmp)
+    marker = tmp / "pwned"
+
+    # Lightning Trainer.
+    trainer_kwargs = dict(strategy="vescale", accelerator="cpu", devices=world, logger=False,
+                          enable_progress_bar=False, enable_model_summary=False, max_steps=2)
+    t = Trainer(default_root_dir=tmp, **trainer_kwargs)
+    t.fit(BoringModel())
+    path = tmp / "trainer_ckpt"
+    t.save_checkpoint(path)
+    craft(Path(t.strategy.broadcast(str(path))), marker)
+    for weights_only in (True, False):
+        t2 = Trainer(default_root_dir=tmp, **trainer_kwargs)
+        with pytest.raises(ckpt.CheckpointError, match=r"refused to load (io|builtins)\.open"):
+            t2.fit(BoringModel(), ckpt_path=path, weights_only=weights_only)
+
+    # Fabric.
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="vescale")
+    fabric.launch()
+    torch.manual_seed(0)
+    module = fabric.setup_module(MLP())
+    fpath = tmp / "fabric_ckpt"
+    fabric.save(fpath, {"model": module, "step": 1})
+    craft(fpath, marker)
+    with pytest.raises(ckpt.CheckpointError, match=r"refused to load (io|builtins)\.open"):
+        fabric.load(fpath, {"model": module, "step": 0})
+
+    # Accelerate.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    accelerator = VeScaleAccelerator(cpu=True)
+    net = MLP()
+    accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                        DataLoader(TensorDataset(torch.randn(8, 7)), batch_size=2))
+    apath = tmp / "accel_ckpt"
+    accelerator.save_state(str(apath))
+    craft(apath / "vescale_model_0", marker)
+    with pytest.raises(ckpt.CheckpointError, match=r"refused to load (io|builtins)\.open"):
+        accelerator.load_state(str(apath))
+    dist.barrier()
+    assert not marker.exists(), "a load ran code stored in a checkpoint"
+
+
+def test_no_entry_point_runs_code_stored_in_a_checkpoint(tmp_path) -> None:
+    run_distributed(_entry_points, 2, str(tmp_path), timeout=300)
