@@ -60,7 +60,7 @@ def main() -> None:
     transitions = torch.softmax(torch.randn(config.vocab_size, config.vocab_size, generator=torch.Generator().manual_seed(1)) * 4, dim=-1)
     data_gen = torch.Generator().manual_seed(1000 + rank)
     if rank == 0:
-        print(f"Llama-{args.model}: {sum(p.numel() for p in model.parameters())} local elements on rank 0, "
+        print(f"Llama-{args.model}: {sum(p.to_local().numel() for p in model.parameters())} local elements on rank 0, "
               f"{world} ranks, backend {backend}")
     for step in range(1, args.steps + 1):
         start = time.perf_counter()
