@@ -323,8 +323,19 @@ def _wrap(local: torch.Tensor, layout: RaggedLayout) -> RaggedTensor:
 # Gathering
 
 
+def check_resident(local: torch.Tensor) -> None:
+    """A piece whose storage the memory manager released (offloaded) cannot be read: say so instead of reading
+    freed memory."""
+    if local.numel() and local.untyped_storage().nbytes() == 0:
+        raise RuntimeError(
+            "this tensor's storage is offloaded (released by the memory manager between steps); bring it in "
+            "first, e.g. `with lightning_vescale.memory.resident_states(optimizer): ...`"
+        )
+
+
 def gather_pieces(local: torch.Tensor, layout: RaggedLayout) -> torch.Tensor:
     """All-gather every rank's piece of ``layout`` into the full tensor (pieces padded to the largest)."""
+    check_resident(local)
     shape = layout.shape
     sizes = [e - s for s, e in layout.ranges]
     if layout.group is None or layout.world_size == 1:

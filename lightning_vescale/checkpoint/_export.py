@@ -25,6 +25,7 @@ from lightning_vescale.checkpoint._state import (
     model_entries,
     optimizer_params,
 )
+from lightning_vescale.memory.optimizer_states import resident_states
 from lightning_vescale.placement import redistribute_flat
 from lightning_vescale.tensor import is_ragged
 
@@ -87,6 +88,11 @@ def export_full_optimizer_state_dict(
         rank0_only: gather onto global rank 0 only (other ranks get ``{}``); False gives every rank all.
     """
     check_idle(model)
+    with resident_states(optimizer):
+        return _export_optimizer(model, optimizer, rank0_only)
+
+
+def _export_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool) -> dict[str, Any]:
     exporting = not rank0_only or _dist.rank() == 0
     state: dict[str, dict[str, Any]] = {}
     param_groups = []

@@ -55,6 +55,7 @@ from lightning_vescale.checkpoint._state import (
 )
 from lightning_vescale.checkpoint._storage import CheckpointError
 from lightning_vescale.checkpoint._values import from_bytes_tensor, to_bytes_tensor
+from lightning_vescale.memory.optimizer_states import resident_states
 from lightning_vescale.state_dict_report import listing, mismatch_report
 from lightning_vescale.tensor import RaggedTensor, is_ragged
 
@@ -257,7 +258,12 @@ def save(
         replaced (ValueError). When the save fails (on any rank, or a rank dies), the temporary directory is
         removed; leftovers of a killed rank 0 are removed by the next save of the same ``path``.
     """
-    path = os.fspath(path)
+    with resident_states(optimizer):
+        _save(os.fspath(path), model, optimizer, extra, schedulers)
+
+
+def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Optional[Mapping[str, Any]],
+          schedulers: Any) -> None:
     _directory.check_save_target(path)
     model_sd = get_model_state_dict(model)
     state: dict[str, Any] = {"model": {n: v for n, v in model_sd.items() if isinstance(v, torch.Tensor)}}

@@ -1,0 +1,213 @@
+"""Optimizer states on the host or disk tier, stepped bucket by bucket with prefetch.
+
+[Note: swapping optimizer states]
+Between steps, every per-element optimizer state (a RaggedTensor or plain tensor of the parameter's layout)
+keeps its tensor object, so ``optimizer.state``, checkpoints and LR schedulers see the optimizer unchanged,
+but its storage is released (resized to 0) after its bytes were written to the tier. The optimizer's
+``step`` runs bucket by bucket: the parameter lists of its param groups are narrowed to one bucket of about
+``MemoryPolicy.bucket_bytes`` of states, that bucket's states are read back into their own storage, the
+optimizer's own ``step`` runs (any elementwise torch optimizer: the numerics are untouched, so training is
+bitwise the same as without offload), and the states are written back and released. The next bucket's states
+are read on a background thread while a bucket steps. At most two buckets of states are in memory at a time
+(the one stepping and the one being read), instead of all of them.
+
+A state whose storage is present when a bucket is brought in (a checkpoint load replaced it, or it was just
+created by the optimizer) is newer than the tier's copy and is used as it is. Scalar states (``step``) stay
+in memory. The swap files are scratch: a checkpoint never reads them, so a killed process leaves nothing a
+resume could read half-written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator, Optional
+
+import torch
+
+from lightning_vescale.memory.disk import DiskStore
+from lightning_vescale.memory.ledger import memory_stats
+from lightning_vescale.memory.policy import MemoryPolicy
+from lightning_vescale.tensor import is_ragged
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StateOffload", "offload_optimizer_states", "resident_states"]
+
+_OFFLOADS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, StateOffload]" = weakref.WeakKeyDictionary()
+
+
+def _storage_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_ragged(t) else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_swappable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+class StateOffload:
+    """Keeps an optimizer's per-element states on a tier between steps (see [Note: swapping optimizer states]).
+
+    Made by :func:`offload_optimizer_states`; ``close()`` brings every state back and stops offloading.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, policy: MemoryPolicy) -> None:
+        if policy.optimizer_states == "device":
+            raise ValueError("offload_optimizer_states needs MemoryPolicy(optimizer_states='host' or 'disk')")
+        self.optimizer = optimizer
+        self.policy = policy
+        self.tier = policy.optimizer_states
+        self.store: Optional[DiskStore] = DiskStore(policy.disk_dir) if self.tier == "disk" else None
+        self._host: dict[str, torch.Tensor] = {}
+        self._offloaded: dict[str, tuple[torch.Tensor, int]] = {}  # key -> (storage tensor, nbytes) on the tier
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lv-prefetch") if policy.prefetch else None
+        self._original_step = optimizer.step
+        optimizer.step = self.step  # type: ignore[method-assign]
+        _OFFLOADS[optimizer] = self
+
+    # -- buckets --------------------------------------------------------------------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def buckets(self) -> list[list[torch.Tensor]]:
+        """Parameters in optimizer order, cut into buckets of about ``bucket_bytes`` of states (estimated as two
+        states per element of this rank's share of each parameter). The same cuts on every rank, from global
+        sizes: optimizers that communicate inside ``step`` (Muon) must step the same parameters everywhere."""
+        out, current, size = [], [], 0
+        for p in self._params():
+            share = p.layout_info.world_size if is_ragged(p) else 1
+            size += 2 * p.numel() * p.element_size() // share
+            current.append(p)
+            if size >= self.policy.bucket_bytes:
+                out.append(current)
+                current, size = [], 0
+        if current:
+            out.append(current)
+        return out
+
+    # -- moving states ---------------------------------------------------------------------------------------
+    def _entries(self, params: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        for p in params:
+            for key, value in (self.optimizer.state.get(p) or {}).items():
+                if _is_swappable(value):
+                    yield f"{id(p)}:{key}", _storage_tensor(value)
+
+    def _write_out(self, params: list[torch.Tensor]) -> None:
+        for key, t in self._entries(params):
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0:
+                continue  # already on the tier
+            nbytes = _nbytes(t)
+            if self.store is not None:
+                self.store.write(key, t)
+            else:
+                host = self._host.get(key)
+                if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                    pin = t.device.type != "cpu" and torch.cuda.is_available()
+                    host = self._host[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+                if t.device.type == "cpu":
+                    continue  # a CPU-only machine: host memory is the device's, nothing to move
+                host.copy_(t)
+            storage.resize_(0)
+            self._offloaded[key] = (t, nbytes)
+            memory_stats.add("optimizer_states", self.tier, nbytes)
+            memory_stats.add("optimizer_states", "device", -nbytes)
+
+    def _read_in(self, params: list[torch.Tensor]) -> None:
+        for key, t in self._entries(params):
+            held = self._offloaded.pop(key, None)
+            if held is None or t.untyped_storage().nbytes() != 0:
+                continue  # resident: newer than the tier's copy (created by a step, or replaced by a load)
+            nbytes = held[1]
+            t.untyped_storage().resize_(nbytes)
+            if self.store is not None:
+                self.store.read_into(key, t)
+            else:
+                t.copy_(self._host[key], non_blocking=True)
+            memory_stats.add("optimizer_states", self.tier, -nbytes)
+            memory_stats.add("optimizer_states", "device", nbytes)
+
+    def _prefetch(self, params: Optional[list[torch.Tensor]]) -> Optional[Future]:
+        if params is None:
+            return None
+        if self._reader is None:
+            self._read_in(params)
+            return None
+        return self._reader.submit(self._read_in, params)
+
+    # -- the step -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """The optimizer's own ``step``, bucket by bucket, with each bucket's states brought in and put back."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = self.optimizer.param_groups
+        originals = [g["params"] for g in groups]
+        buckets = self.buckets()
+        pending = self._prefetch(buckets[0] if buckets else None)
+        try:
+            for i, bucket in enumerate(buckets):
+                if pending is not None:
+                    pending.result()
+                pending = self._prefetch(buckets[i + 1] if i + 1 < len(buckets) else None)
+                mine = {id(p) for p in bucket}
+                for g, params in zip(groups, originals):
+                    g["params"] = [p for p in params if id(p) in mine]
+                self._original_step()
+                self._write_out(bucket)
+        finally:
+            if pending is not None:
+                pending.result()
+            for g, params in zip(groups, originals):
+                g["params"] = params
+        return loss
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Every state in memory inside the block (to save or load a checkpoint), put back on the tier after."""
+        params = self._params()
+        self._read_in(params)
+        try:
+            yield
+        finally:
+            self._write_out(params)
+
+    def close(self) -> None:
+        """Bring every state back and stop offloading."""
+        self._read_in(self._params())
+        self.optimizer.step = self._original_step  # type: ignore[method-assign]
+        _OFFLOADS.pop(self.optimizer, None)
+        if self._reader is not None:
+            self._reader.shutdown()
+        if self.store is not None:
+            self.store.close()
+
+
+def offload_optimizer_states(optimizer: torch.optim.Optimizer, policy: MemoryPolicy) -> StateOffload:
+    """Keep ``optimizer``'s per-element states on ``policy.optimizer_states`` between steps.
+
+    Works with any optimizer whose states are per-element tensors and scalars (every elementwise
+    ``torch.optim`` optimizer, this package's Muon): training is bitwise the same as without offload.
+    """
+    if optimizer in _OFFLOADS:
+        raise ValueError("this optimizer's states are already offloaded")
+    return StateOffload(optimizer, policy)
+
+
+@contextlib.contextmanager
+def resident_states(optimizer: Optional[torch.optim.Optimizer]) -> Iterator[None]:
+    """Inside the block every state of ``optimizer`` is in memory (a no-op unless it is offloaded)."""
+    offload = _OFFLOADS.get(optimizer) if optimizer is not None else None
+    if offload is None:
+        yield
+        return
+    with offload.resident():
+        yield

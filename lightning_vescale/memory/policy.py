@@ -1,0 +1,69 @@
+"""Where each kind of training state lives: the tiers, and the policy that places state classes on them."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+__all__ = ["TIERS", "MemoryPolicy", "Tier", "parse_bytes"]
+
+Tier = Literal["device", "host", "disk"]
+TIERS: tuple[str, ...] = ("device", "host", "disk")
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value: Union[int, str]) -> int:
+    """``6GiB``, ``512MB``, ``1.5GiB`` or a plain number of bytes -> bytes."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a byte budget must be >= 0, got {value}")
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)\s*", str(value), flags=re.IGNORECASE)
+    if m is None or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as bytes: write e.g. 6GiB, 512MB or 1073741824")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    """Which tier holds each class of training state.
+
+    ``device`` is the training device, ``host`` CPU memory (pinned, copied on a side stream, on CUDA; the same
+    as ``device`` on a CPU-only machine), ``disk`` files under ``disk_dir`` read and written in large chunks
+    (ZeRO-Infinity's NVMe tier). States on ``host`` / ``disk`` are brought to the device just before they are
+    used (prefetched one bucket ahead when ``prefetch``) and written back after.
+    """
+
+    optimizer_states: Tier = "device"
+    """Per-element optimizer states (Adam's moments, Muon's momentum)."""
+    disk_dir: Optional[str] = None
+    """Directory for the ``disk`` tier (created if missing; must be writable)."""
+    prefetch: bool = True
+    """Read the next bucket's states on a background thread while this bucket steps."""
+    bucket_bytes: int = 64 * 2**20
+    """Target size of one swapped bucket of optimizer states: the transient memory offload needs."""
+
+    def __post_init__(self) -> None:
+        for name in ("optimizer_states",):
+            value = getattr(self, name)
+            if value not in TIERS:
+                raise ValueError(f"MemoryPolicy.{name} must be one of {TIERS}, got {value!r}")
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"MemoryPolicy.bucket_bytes must be > 0, got {self.bucket_bytes}")
+        if "disk" in (self.optimizer_states,):
+            if not self.disk_dir:
+                raise ValueError("MemoryPolicy: a 'disk' tier needs disk_dir=<a directory on a local disk>")
+            _check_writable(self.disk_dir)
+
+
+def _check_writable(directory: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"MemoryPolicy.disk_dir={directory!r} cannot be created ({e}); pick a writable directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"MemoryPolicy.disk_dir={directory!r} is not writable; pick a writable directory")
