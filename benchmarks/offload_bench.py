@@ -92,7 +92,8 @@ def run(model_name: str, config_name: str, world: int, steps: int) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, world, f"file://{tmp}/pg", model_name, config_name, steps, tmp, out))
+        init = f"file://{tmp}/pg"
+        procs = [ctx.Process(target=_rank, args=(r, world, init, model_name, config_name, steps, tmp, out))
                  for r in range(world)]
         for p in procs:
             p.start()

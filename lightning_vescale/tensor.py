@@ -509,7 +509,8 @@ def _new_factory(func: Any, args: tuple, kwargs: dict) -> Any:
 def _random_fill(func: Any, args: tuple, kwargs: dict) -> Any:
     """Draw the full tensor from the generator and keep this rank's piece: the unsharded model's values."""
     self = args[0]
-    if not isinstance(self, RaggedTensor) or any(isinstance(a, RaggedTensor) for a in _flat_tensors((args[1:], kwargs))):
+    others = _flat_tensors((args[1:], kwargs))
+    if not isinstance(self, RaggedTensor) or any(isinstance(a, RaggedTensor) for a in others):
         return _unsupported(func, args, kwargs)
     full = torch.empty(self._layout.shape, dtype=self.dtype, device=self.device)
     func(full, *args[1:], **kwargs)
