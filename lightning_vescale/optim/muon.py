@@ -325,8 +325,8 @@ class Muon(Optimizer):
                     if len(holders) > 1:
                         raise ValueError(
                             f"Muon mode='local' needs every matrix whole on one rank, but {name} (matrix at element "
-                            f"{start}, shape {shape}) is split over ranks {holders}. Shard with granularity 'tensor' "
-                            f"(or 'row' for an expert stack), e.g. fully_shard(..., granularity="
+                            f"{start}, shape {shape}) is split over ranks {holders}. Shard with granularity 'matrix' "
+                            f"(a whole matrix, or each expert matrix of a stack), e.g. fully_shard(..., granularity="
                             f"muon_granularity(model)); or use mode='auto' / 'gather'."
                         )
 

@@ -112,10 +112,11 @@ def muon_granularity(
     """A ``granularity`` for :func:`lightning_vescale.fully_shard` that puts Muon's matrices whole on one rank.
 
     Call it on the *unsharded* model, before any ``fully_shard``, and pass the result to every
-    ``fully_shard`` call. Muon matrices get ``"tensor"`` and expert stacks ``"row"`` (one row of dim 0 is
-    one expert's matrix), so :class:`~lightning_vescale.optim.Muon` orthogonalizes them with no
-    communication (its "local" path); the AdamW-routed parameters get ``other``. The routing is the one
-    :func:`build_optimizer` uses with the same patterns.
+    ``fully_shard`` call. The parameters Muon steps get ``"matrix"``: a hidden matrix whole, and each expert
+    matrix of a 3-D expert stack whole (the stack itself may be cut between experts), so
+    :class:`~lightning_vescale.optim.Muon` orthogonalizes them with no communication (its "local" path); the
+    AdamW-routed parameters get ``other``. The routing is the one :func:`build_optimizer` uses with the same
+    patterns.
 
     Example::
 
@@ -134,7 +135,7 @@ def muon_granularity(
                        adamw_patterns=adamw_patterns, expert_patterns=expert_patterns)
         if route == "adamw" or not p.requires_grad:
             return other
-        return "tensor" if p.dim() == 2 else "row"
+        return "matrix"
 
     return granularity
 
