@@ -154,7 +154,6 @@ def build_engine(name: str, base: nn.Module, world: int):
     """Returns (model, step_fn, full_param_fn, full_grad_fn, ns_cost_per_rank or None)."""
     import lightning_vescale as lv
     from lightning_vescale.optim import Muon, muon_granularity
-    from lightning_vescale.placement import RaggedShard, gather_full
 
     model = copy.deepcopy(base)
     if name.startswith("vescale"):
@@ -165,14 +164,11 @@ def build_engine(name: str, base: nn.Module, world: int):
         mode = {"vescale-local": "local", "vescale-auto": "auto", "vescale-gather": "gather"}[name]
         opt = Muon(model.named_parameters(), **HYPER, **NS, mode=mode)
 
-        def full(p, t):
-            info = p._vescale
-            placement = RaggedShard.from_flat_ranges(info.global_shape, info.buffer.plan.pieces(info.index))
-            return gather_full(t.detach().contiguous(), info.global_shape, placement, info.buffer.group)
-
         report = opt.plan_report()
         loads = report["buckets"][0]["ns_cost_per_rank"]
-        return model, opt.step, lambda p: full(p, p), lambda p: full(p, p.grad), loads, report["modes"]
+        # Sharded parameters and their gradients are RaggedTensors: full_tensor() gathers the whole value.
+        return (model, opt.step, lambda p: p.detach().full_tensor(), lambda p: p.grad.full_tensor(), loads,
+                report["modes"])
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
