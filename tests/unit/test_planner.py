@@ -116,21 +116,21 @@ def check_plan(plan: BufferPlan, specs: list[TensorSpec], world_size: int, align
 
 
 # -- brute force ------------------------------------------------------------------------------------
-def _first_bad_boundary(l: int, e: int, g: int, P: int, S: int, N: int):
-    """The first rank boundary strictly inside [l, l + e) that is not a granule edge, or None."""
-    return next((k * S for k in range(l // S + 1, N) if k * S < l + e and (k * S - l) % P % g), None)
+def _first_bad_boundary(start: int, e: int, g: int, P: int, S: int, N: int):
+    """The first rank boundary strictly inside [start, start + e) that is not a granule edge, or None."""
+    return next((k * S for k in range(start // S + 1, N) if k * S < start + e and (k * S - start) % P % g), None)
 
 
 def _fits_in_order(order: tuple, S: int, N: int, a: int) -> bool:
     """Earliest placement, one aligned offset at a time (optimal for a fixed order)."""
     c = 0
     for e, g, P in order:
-        l = -(-c // a) * a
-        while l + e <= N * S and _first_bad_boundary(l, e, g, P, S, N) is not None:
-            l += a
-        if l + e > N * S:
+        start = -(-c // a) * a
+        while start + e <= N * S and _first_bad_boundary(start, e, g, P, S, N) is not None:
+            start += a
+        if start + e > N * S:
             return False
-        c = l + e
+        c = start + e
     return True
 
 
