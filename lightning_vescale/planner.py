@@ -378,27 +378,40 @@ def _first_feasible_start(u_lo: int, u_hi: int, e: int, g: int, P: int, S: int, 
     boundary and has every boundary inside it on a granule edge.
 
     The first boundary lies ``x = S - u`` into the tensor: walk the granule edges ``x`` downward. An ``x`` with
-    one boundary inside works; with several, the check repeats at ``x + S``, ``x + 2S``, ... . Two ``x`` that
-    differ by ``lcm(P, a)`` have the same phase, and the smaller one holds more boundaries, so after one such
-    window of multi-boundary candidates nothing further down can work.
+    one boundary inside works. With ``K`` more boundaries, their phases ``x mod P`` step by ``s = S mod P``:
+    either no step wraps past ``P`` (needs ``g | s`` and ``x mod P + K*s < P``) or every step does (needs
+    ``g | s - P mod g`` and ``x mod P >= K * (P - s)``), see :func:`_periodic_size_ok`; the walk jumps to the
+    next edge that can satisfy it. Two ``x`` that differ by ``lcm(P, a)`` have the same phase and the smaller
+    holds more boundaries, so after one such window of multi-boundary candidates nothing further down works.
     """
     x_hi, x_lo = S - u_lo, S - u_hi  # x in (x_lo, x_hi]
     m, rem = divmod(x_hi, P)
     x = m * P + rem // g * g  # the largest granule edge <= x_hi
     last_gap = P - (P - 1) // g * g  # the short last granule of a period
+    s = S % P
+    no_wrap, all_wrap = s % g == 0, (s - P % g) % g == 0
     stop = None
     while x > x_lo and x > 0:
-        if x % a == 0:
-            if x + S >= e:
+        if x + S >= e:  # one boundary inside
+            if x % a == 0:
                 return S - x
+        else:
             if stop is None:
+                if not (no_wrap or all_wrap):
+                    return None  # the step to the next boundary shifts the phase off the granule edges
                 stop = x - _lcm(P, a)
             elif x <= stop:
                 return None
-            b = x + S
-            while b < e and b % P % g == 0:
-                b += S
-            if b >= e:
+            K = -(-(e - x) // S) - 1  # boundaries after the first
+            phase = x % P
+            if no_wrap and phase + K * s >= P:
+                top = P - 1 - K * s  # the highest phase whose run of K steps stays below P
+                x = x - phase + top // g * g if top >= 0 else x - phase - last_gap
+                continue
+            if all_wrap and not no_wrap and phase < K * (P - s):
+                x = x - phase - last_gap  # no lower phase of this period works: the previous period's top
+                continue
+            if x % a == 0:
                 return S - x
         x -= g if x % P else last_gap
     return None
