@@ -101,6 +101,33 @@ def _default_granularity(p: nn.Parameter) -> Granularity:
     return getattr(p, "_vescale_granularity", "element")
 
 
+class ParameterNames:
+    """The names ``model.named_parameters()`` gives, looked up by parameter object.
+
+    A parameter replaced on its module after this was built (expert parallelism swaps each expert stack for
+    this rank's block) is found by the module attribute that holds it now.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self.modules = list(model.named_modules(remove_duplicate=False))
+
+    def get(self, p: nn.Parameter, name: str) -> str:
+        """The model-level name of ``p``; ``name`` (its name inside the sharded module) when ``p`` is not there."""
+        full = self.by_id.get(id(p))
+        if full is None:
+            attr = name.rsplit(".", 1)[-1]
+            for module_name, module in self.modules:
+                if module._parameters.get(attr) is p:
+                    full = f"{module_name}.{attr}" if module_name else attr
+                    self.by_id[id(p)] = full
+                    break
+        return name if full is None else full
+
+    def values(self) -> list[str]:
+        return list(dict.fromkeys(self.by_id.values()))
+
+
 class GranularityByPattern:
     """``{name glob: granularity}`` as a ``granularity`` callable, remembering which globs matched a parameter.
 
@@ -110,7 +137,7 @@ class GranularityByPattern:
     matches names relative to the module each call shards, and is checked at the first forward.
     """
 
-    def __init__(self, patterns: Mapping[str, Granularity], names: Optional[dict[int, str]] = None) -> None:
+    def __init__(self, patterns: Mapping[str, Granularity], names: Optional[ParameterNames] = None) -> None:
         bad = [k for k in patterns if not isinstance(k, str)]
         if bad:
             raise TypeError(f"granularity mapping keys must be name globs (str), got {bad}")
@@ -125,7 +152,7 @@ class GranularityByPattern:
 
     def __call__(self, name: str, p: nn.Parameter) -> Granularity:
         if self.names is not None:
-            name = self.names.get(id(p), name)
+            name = self.names.get(p, name)
         chosen = None
         for pattern, g in self.patterns.items():
             if fnmatch.fnmatchcase(name, pattern):
@@ -145,13 +172,13 @@ def granularity_by_pattern(model: nn.Module, patterns: Mapping[str, Granularity]
     Call it on the model before sharding it. A glob that matches no parameter of ``model`` raises ``ValueError``
     naming it (a typo would otherwise leave the default granularity in place silently).
     """
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names = ParameterNames(model)
     by_pattern = GranularityByPattern(patterns, names)
     for name in names.values():
         by_pattern.matched.update(k for k in by_pattern.patterns if fnmatch.fnmatchcase(name, k))
     missing = by_pattern.unmatched()
     if missing:
-        examples = list(names.values())[:4]
+        examples = names.values()[:4]
         raise ValueError(
             f"granularity pattern(s) {missing} match no parameter of {type(model).__name__}; patterns match the "
             f"names model.named_parameters() gives (e.g. {examples}). Fix or remove them."

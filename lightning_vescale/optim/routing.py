@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 from torch.optim.adam import Adam, adam
 
+from lightning_vescale.fully_shard import ParameterNames
 from lightning_vescale.optim.muon import (
     Mode,
     Muon,
@@ -127,10 +128,10 @@ def muon_granularity(
         optimizer = build_optimizer(model, lr=3e-4, muon_lr=0.02, weight_decay=0.1)
     """
     embeddings = _embedding_params(model)
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names = ParameterNames(model)
 
     def granularity(name: str, p: nn.Parameter) -> Union[str, int]:
-        full = names.get(id(p), name)  # fully_shard passes the name inside the sharded module
+        full = names.get(p, name)  # fully_shard passes the name inside the sharded module
         route = _route(full, p, embeddings=embeddings, muon_patterns=muon_patterns,
                        adamw_patterns=adamw_patterns, expert_patterns=expert_patterns)
         if route == "adamw" or not p.requires_grad:
