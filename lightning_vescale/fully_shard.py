@@ -102,30 +102,35 @@ def _default_granularity(p: nn.Parameter) -> Granularity:
 
 
 class ParameterNames:
-    """The names ``model.named_parameters()`` gives, looked up by parameter object.
+    """The names ``model.named_parameters()`` gives, looked up by parameter object (every name of a tied one).
 
     A parameter replaced on its module after this was built (expert parallelism swaps each expert stack for
     this rank's block) is found by the module attribute that holds it now.
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self.by_id: dict[int, tuple[str, ...]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            self.by_id[id(p)] = self.by_id.get(id(p), ()) + (n,)
         self.modules = list(model.named_modules(remove_duplicate=False))
 
-    def get(self, p: nn.Parameter, name: str) -> str:
-        """The model-level name of ``p``; ``name`` (its name inside the sharded module) when ``p`` is not there."""
+    def all(self, p: nn.Parameter, name: str) -> tuple[str, ...]:
+        """Every model-level name of ``p``; ``(name,)`` (its name inside the sharded module) when ``p`` is not there."""
         full = self.by_id.get(id(p))
         if full is None:
             attr = name.rsplit(".", 1)[-1]
-            for module_name, module in self.modules:
-                if module._parameters.get(attr) is p:
-                    full = f"{module_name}.{attr}" if module_name else attr
-                    self.by_id[id(p)] = full
-                    break
-        return name if full is None else full
+            found = tuple(f"{module_name}.{attr}" if module_name else attr for module_name, module in self.modules
+                          if module._parameters.get(attr) is p)
+            if found:
+                self.by_id[id(p)] = full = found
+        return (name,) if full is None else full
+
+    def get(self, p: nn.Parameter, name: str) -> str:
+        """The model-level name of ``p`` (the first, as ``named_parameters()`` gives it)."""
+        return self.all(p, name)[0]
 
     def values(self) -> list[str]:
-        return list(dict.fromkeys(self.by_id.values()))
+        return [n for names in self.by_id.values() for n in names]
 
 
 class GranularityByPattern:
@@ -151,11 +156,10 @@ class GranularityByPattern:
         return tuple((k, repr(v)) for k, v in self.patterns.items()), self.names is None
 
     def __call__(self, name: str, p: nn.Parameter) -> Granularity:
-        if self.names is not None:
-            name = self.names.get(p, name)
+        names = self.names.all(p, name) if self.names is not None else (name,)
         chosen = None
         for pattern, g in self.patterns.items():
-            if fnmatch.fnmatchcase(name, pattern):
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 self.matched.add(pattern)
                 if chosen is None:
                     chosen = (g,)

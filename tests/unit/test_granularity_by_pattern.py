@@ -58,3 +58,12 @@ def test_swapped_parameters_keep_their_model_names() -> None:
     experts.w1 = nn.Parameter(experts.w1.detach()[2:].clone())  # as apply_expert_parallel does
     assert gran("w1", experts.w1) == 16
     assert muon("w1", experts.w1) == "matrix"  # still an expert stack (by its name), whole per expert
+
+
+def test_a_tied_parameter_answers_to_each_of_its_names() -> None:
+    model = nn.Module()
+    model.embed = nn.Embedding(7, 5)
+    model.head = nn.Linear(5, 7, bias=False)
+    model.head.weight = model.embed.weight
+    gran = lv.granularity_by_pattern(model, {"head.weight": "row"})  # the second name of the tied weight
+    assert gran("weight", model.embed.weight) == "row"
