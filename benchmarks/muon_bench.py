@@ -166,7 +166,9 @@ def build_engine(name: str, base: nn.Module, world: int):
 
         report = opt.plan_report()
         loads = report["buckets"][0]["ns_cost_per_rank"]
-        return model, opt.step, lambda p: p.full_tensor(), lambda p: p.grad.full_tensor(), loads, report["modes"]
+        # Sharded parameters and their gradients are RaggedTensors: full_tensor() gathers the whole value.
+        return (model, opt.step, lambda p: p.detach().full_tensor(), lambda p: p.grad.full_tensor(), loads,
+                report["modes"])
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as fsdp_fully_shard

@@ -60,8 +60,13 @@ def main() -> None:
     transitions = torch.softmax(torch.randn(config.vocab_size, config.vocab_size, generator=torch.Generator().manual_seed(1)) * 4, dim=-1)
     data_gen = torch.Generator().manual_seed(1000 + rank)
     if rank == 0:
-        print(f"Llama-{args.model}: {sum(p.to_local().numel() for p in model.parameters())} local elements on rank 0, "
-              f"{world} ranks, backend {backend}")
+        # Sharded parameters report the global shape; to_local() is this rank's piece, local_range where it
+        # sits in the flattened global tensor, placement its RaggedShard.
+        wq = model.layers[0].attention.wq.weight
+        print(f"Llama-{args.model}: {sum(p.numel() for p in model.parameters())} parameters, "
+              f"{sum(p.to_local().numel() for p in model.parameters())} on rank 0, {world} ranks, backend {backend}; "
+              f"layers.0.attention.wq.weight {tuple(wq.shape)}: rank 0 holds elements {wq.local_range} "
+              f"({wq.placement})")
     for step in range(1, args.steps + 1):
         start = time.perf_counter()
         tokens = markov_batch(data_gen, transitions, args.batch, args.seq).to(device)

@@ -29,7 +29,7 @@ from lightning_vescale.dbuffer import BufferState, DBuffer
 from lightning_vescale.planner import (
     BufferPlan,
     TensorSpec,
-    granularity_numel,
+    granule,
     plan_buffer,
 )
 from lightning_vescale.tensor import RaggedLayout, RaggedTensor
@@ -66,12 +66,16 @@ class _ManagedParam:
     original: Optional[weakref.ref] = None  # the parameter before sharding, to detect ties across groups
 
 
-def _owner_cost(param: torch.Tensor, granularity_numel: int) -> float:
-    """Newton-Schulz cost of a matrix kept whole on one rank (the planner balances it across ranks)."""
-    if param.dim() != 2 or granularity_numel != param.numel():
+def _owner_cost(shape: tuple[int, ...], granularity_numel: int) -> float:
+    """Newton-Schulz cost of the matrices (2-D, or each expert of a 3-D stack) a granule keeps whole on one rank
+    (the planner balances it across ranks); 0 when the granule does not hold whole matrices."""
+    if len(shape) not in (2, 3):
         return 0.0
-    s, l = sorted(param.shape)
-    return float(5 * s * s * (2 * l + s))
+    rows, cols = shape[-2:]
+    if granularity_numel % max(rows * cols, 1):
+        return 0.0
+    short, long = sorted((rows, cols))
+    return float(5 * short * short * (2 * long + short)) * (shape[0] if len(shape) == 3 else 1)
 
 
 SHARDED_ORIGINALS: "weakref.WeakKeyDictionary[torch.Tensor, str]" = weakref.WeakKeyDictionary()
@@ -136,12 +140,12 @@ class ParamGroup:
                     f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1."
                 )
             key = (param.dtype, param.requires_grad)
-            g = granularity_fn(fqn, param)
+            shape = tuple(param.shape)
             try:
-                g_numel = granularity_numel(tuple(param.shape), g)
+                g_numel, period = granule(shape, granularity_fn(fqn, param))
             except ValueError as e:
                 raise ValueError(f"parameter {fqn}: {e}") from None
-            specs.setdefault(key, []).append(TensorSpec(fqn, tuple(param.shape), g_numel, _owner_cost(param, g_numel)))
+            specs.setdefault(key, []).append(TensorSpec(fqn, shape, g_numel, _owner_cost(shape, g_numel), period))
             self.managed.append(_ManagedParam(fqn, uses, key))
             originals[fqn] = param
         for key, key_specs in specs.items():

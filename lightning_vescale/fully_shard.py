@@ -43,7 +43,7 @@ from lightning_vescale.tensor import is_ragged
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fully_shard", "VeScaleModule", "get_state", "sharded_groups"]
+__all__ = ["GranularityByPattern", "VeScaleModule", "fully_shard", "get_state", "granularity_by_pattern", "sharded_groups"]
 
 GranularityArg = Union[None, Granularity, Mapping[str, Granularity], Callable[[str, nn.Parameter], Granularity]]
 
@@ -97,22 +97,131 @@ def _resolve_mesh(mesh: Optional[DeviceMesh]) -> tuple[DeviceMesh, dist.ProcessG
 # Granularity
 
 
+def _default_granularity(p: nn.Parameter) -> Granularity:
+    return getattr(p, "_vescale_granularity", "element")
+
+
+class ParameterNames:
+    """The names ``model.named_parameters()`` gives, looked up by parameter object (every name of a tied one).
+
+    A parameter replaced on its module after this was built (expert parallelism swaps each expert stack for
+    this rank's block) is found by the module attribute that holds it now.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.by_id: dict[int, tuple[str, ...]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            self.by_id[id(p)] = self.by_id.get(id(p), ()) + (n,)
+        self.modules = list(model.named_modules(remove_duplicate=False))
+
+    def all(self, p: nn.Parameter, name: str) -> tuple[str, ...]:
+        """Every model-level name of ``p``; ``(name,)`` (its name inside the sharded module) when ``p`` is not there."""
+        full = self.by_id.get(id(p))
+        if full is None:
+            attr = name.rsplit(".", 1)[-1]
+            found = tuple(f"{module_name}.{attr}" if module_name else attr for module_name, module in self.modules
+                          if module._parameters.get(attr) is p)
+            if found:
+                self.by_id[id(p)] = full = found
+        return (name,) if full is None else full
+
+    def get(self, p: nn.Parameter, name: str) -> str:
+        """The model-level name of ``p`` (the first, as ``named_parameters()`` gives it)."""
+        return self.all(p, name)[0]
+
+    def values(self) -> list[str]:
+        return [n for names in self.by_id.values() for n in names]
+
+
+class GranularityByPattern:
+    """``{name glob: granularity}`` as a ``granularity`` callable, remembering which globs matched a parameter.
+
+    The first glob matching a parameter's name gives its granularity; parameters no glob matches keep their
+    ``_vescale_granularity`` attribute, or ``"element"``. Build it with :func:`granularity_by_pattern` to match
+    the names ``model.named_parameters()`` gives (checked at once); a plain mapping passed to ``fully_shard``
+    matches names relative to the module each call shards, and is checked at the first forward.
+    """
+
+    def __init__(self, patterns: Mapping[str, Granularity], names: Optional[ParameterNames] = None) -> None:
+        bad = [k for k in patterns if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"granularity mapping keys must be name globs (str), got {bad}")
+        self.patterns = dict(patterns)
+        self.names = names
+        self.matched: set[str] = set()
+
+    @property
+    def key(self) -> tuple:
+        """Equal for equal mappings (a mapping passed anew to each ``fully_shard`` call is still one mapping)."""
+        return tuple((k, repr(v)) for k, v in self.patterns.items()), self.names is None
+
+    def __call__(self, name: str, p: nn.Parameter) -> Granularity:
+        names = self.names.all(p, name) if self.names is not None else (name,)
+        chosen = None
+        for pattern, g in self.patterns.items():
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                self.matched.add(pattern)
+                if chosen is None:
+                    chosen = (g,)
+        return chosen[0] if chosen is not None else _default_granularity(p)
+
+    def unmatched(self) -> list[str]:
+        return [k for k in self.patterns if k not in self.matched]
+
+
+def granularity_by_pattern(model: nn.Module, patterns: Mapping[str, Granularity]) -> GranularityByPattern:
+    """A ``granularity`` for every ``fully_shard`` call on ``model`` that matches ``patterns`` (globs, first match
+    wins) against the names ``model.named_parameters()`` gives, e.g. ``{"layers.*.feed_forward.*": 128}``.
+
+    Call it on the model before sharding it. A glob that matches no parameter of ``model`` raises ``ValueError``
+    naming it (a typo would otherwise leave the default granularity in place silently).
+    """
+    names = ParameterNames(model)
+    by_pattern = GranularityByPattern(patterns, names)
+    for name in names.values():
+        by_pattern.matched.update(k for k in by_pattern.patterns if fnmatch.fnmatchcase(name, k))
+    missing = by_pattern.unmatched()
+    if missing:
+        examples = names.values()[:4]
+        raise ValueError(
+            f"granularity pattern(s) {missing} match no parameter of {type(model).__name__}; patterns match the "
+            f"names model.named_parameters() gives (e.g. {examples}). Fix or remove them."
+        )
+    by_pattern.matched.clear()  # count again what the fully_shard calls match
+    return by_pattern
+
+
 def _granularity_fn(granularity: GranularityArg) -> Callable[[str, nn.Parameter], Granularity]:
     if granularity is None:
-        return lambda name, p: getattr(p, "_vescale_granularity", "element")
+        return lambda name, p: _default_granularity(p)
+    if isinstance(granularity, GranularityByPattern):
+        return granularity
     if callable(granularity):
         return granularity
     if isinstance(granularity, Mapping):
-        patterns = dict(granularity)
-
-        def by_pattern(name: str, p: nn.Parameter) -> Granularity:
-            for pattern, g in patterns.items():
-                if fnmatch.fnmatchcase(name, pattern):
-                    return g
-            return getattr(p, "_vescale_granularity", "element")
-
-        return by_pattern
+        return GranularityByPattern(granularity)
     return lambda name, p: granularity
+
+
+def _check_patterns_matched(states: list[_VeScaleState]) -> None:
+    """Every glob of a granularity mapping must have matched a parameter in some ``fully_shard`` call using it."""
+    by_key: dict[tuple, list[GranularityByPattern]] = {}
+    for state in states:
+        if isinstance(state.granularity_fn, GranularityByPattern):
+            by_key.setdefault(state.granularity_fn.key, []).append(state.granularity_fn)
+    for fns in by_key.values():
+        matched = set().union(*(fn.matched for fn in fns))
+        missing = [k for k in fns[0].patterns if k not in matched]
+        if missing:
+            relative = fns[0].names is None
+            raise ValueError(
+                f"granularity pattern(s) {missing} matched no parameter in the {len(fns)} fully_shard call(s) given "
+                f"the mapping {fns[0].patterns}. "
+                + ("A mapping passed to fully_shard matches names relative to the module each call shards (e.g. "
+                   "'feed_forward.w1.weight' in a block); lightning_vescale.granularity_by_pattern(model, mapping) "
+                   "matches the model's own names. " if relative else "")
+                + "Fix or remove the pattern(s)."
+            )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -122,8 +231,10 @@ def _granularity_fn(granularity: GranularityArg) -> Callable[[str, nn.Parameter]
 class _VeScaleState:
     """Per-module state: its group, its hooks, and for the root the whole model's bookkeeping."""
 
-    def __init__(self, module: nn.Module, group: Optional[ParamGroup], mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy):
+    def __init__(self, module: nn.Module, group: Optional[ParamGroup], mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+                 granularity_fn: Optional[Callable] = None):
         self.module = module
+        self.granularity_fn = granularity_fn  # checked at the root's lazy init (every glob matched something)
         self.group = group
         self.mesh = mesh
         self.mp_policy = mp_policy
@@ -157,6 +268,7 @@ class _VeScaleState:
             if state.group is not None:
                 state.group.reduce_queue = self.reduce_queue
             self.states.append(state)
+        _check_patterns_matched(self.states)
         _verify_plans_agree(self.states, self.mesh)
         logger.debug("lightning_vescale: root %s with %d groups", type(self.module).__name__, len(self.states))
 
@@ -433,9 +545,15 @@ def fully_shard(
             (ZeRO-3). False keeps them until backward ends (ZeRO-2-like: more memory, one AllGather less).
             The root module's parameters are never freed between its forward and backward.
         mp_policy: mixed precision; the local pieces keep the original dtype (fp32 master weights).
-        granularity: the cut granularity per parameter: ``"element"`` (default, least padding), ``"row"``,
-            an int number of rows (e.g. 128 for 128x128 quantization blocks), ``"tensor"`` (whole matrix on
-            one rank, as Muon wants); or a mapping of name glob patterns to those, or a callable
+        granularity: the cut granularity per parameter, a unit no rank boundary may split (see
+            :func:`~lightning_vescale.planner.granule`): ``"element"`` (default, least padding); for matrices,
+            ``"row"`` (a row), an int ``k`` (blocks of ``k`` rows, the last block of a matrix holding what
+            remains: 128 keeps 128x128 quantization blocks whole) or ``"matrix"`` (a whole matrix, as Muon
+            wants); ``"tensor"`` (the whole tensor). A 3-D ``(E, rows, cols)`` parameter is a stack of ``E``
+            matrices (fused experts): ``"row"``, ``k`` and ``"matrix"`` apply to each expert's matrix. 1-D
+            parameters have no rows and stay element-granular unless given ``"tensor"``. Also a mapping of name
+            globs to those (names relative to ``module``; every glob must match some parameter, checked at the
+            first forward; :func:`granularity_by_pattern` matches model-level names), or a callable
             ``(name, param) -> granularity``. A parameter attribute ``_vescale_granularity`` is the default.
         gradient_divide_factor: the group's reduced gradient is the sum over the mesh's ranks divided by this.
             ``None`` (default) divides by the number of ranks summed over (the mean over data-parallel
@@ -486,10 +604,11 @@ def fully_shard(
                     f"to the mesh's device type (or to CPU / meta) before fully_shard"
                 )
     group = None
+    granularity_fn = _granularity_fn(granularity)
     if params:
         group = ParamGroup(
             module, params, shard_group=shard_group, replicate_group=replicate_group, device=device,
-            mp_policy=mp_policy, granularity_fn=_granularity_fn(granularity),
+            mp_policy=mp_policy, granularity_fn=granularity_fn,
             reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,
             norm_group=norm_group,
         )
@@ -500,7 +619,7 @@ def fully_shard(
         for name, buf in list(sub._buffers.items()):
             if buf is not None and not buf.is_meta and buf.device != device:
                 sub._buffers[name] = buf.to(device)
-    state = _VeScaleState(module, group, mesh, mp_policy)
+    state = _VeScaleState(module, group, mesh, mp_policy, granularity_fn)
     module.__dict__["_vescale_state"] = state
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward, prepend=False, with_kwargs=True, always_call=False)

@@ -5,6 +5,10 @@ The problem (DESIGN.md, "Planner problem"): place each tensor ``t`` (``e_t`` ele
 ``[k*S, (k+1)*S)``, and minimize ``S`` subject to: no rank boundary falls strictly inside a granule of
 a tensor, tensors are contiguous (padding only between tensors), every rank's piece has size ``S``.
 
+Granules (:func:`granule`) are runs of ``g`` elements that restart every ``period`` elements: a block of
+``k`` rows of each matrix of an ``(E, rows, cols)`` expert stack restarts at every expert, and when ``k`` does
+not divide ``rows`` the last block of each matrix is shorter. A cut may fall only where a granule starts.
+
 The planner is pure and deterministic: every rank computes the same plan from the same inputs with no
 communication, and :meth:`BufferPlan.fingerprint` lets ranks check that they agree.
 
@@ -15,10 +19,13 @@ Four facts make the search cheap:
    that order (a later start never helps the tensors after it), and that offset is a closed formula
    (:func:`_earliest_offset`): a tensor either fits before the next boundary, or crosses boundaries at
    granule edges. If ``g | S`` a crossing tensor needs ``l = 0 (mod g)``; if not, it can hold only
-   one boundary ``b`` and needs ``l = b (mod g)``.
+   one boundary ``b`` and needs ``l = b (mod g)``. Granules that restart with a shorter last one
+   (``g`` not dividing the period) take a short walk over the granule edges instead
+   (:func:`_earliest_periodic_offset`).
 2. A lower bound (:func:`shard_size_lower_bound`): ``S >= ceil(total / N)``, ``S >= g_t``, whole
    tensors need ``ceil(n / N)`` slots of their size per shard, and a tensor longer than ``2S`` holds
-   two consecutive boundaries, so ``g_t`` must divide ``S``. Only such ``S`` are ever tried
+   two consecutive boundaries, so ``g_t`` must divide ``S`` (restarting granules: ``S`` must be close to a
+   multiple of the period, :func:`_periodic_size_ok`). Only such ``S`` are ever tried
    (:class:`_ValidSizes`); realistic groups often sit exactly on this bound.
 3. Phase 1 starts at the bound. When a try at ``S`` ends at ``E > N*S``, the padding it needed says
    where to look next: ``ceil(E / N)``. Phase 2 then tries, within a work budget, sizes the jump
@@ -49,45 +56,75 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 __all__ = [
+    "GRANULARITY_NAMES",
+    "BufferPlan",
     "Granularity",
     "TensorSpec",
-    "BufferPlan",
     "granularity_numel",
+    "granule",
     "plan_buffer",
     "shard_size_lower_bound",
 ]
 
-# "element" | "row" | "tensor" | int (a block of that many rows)
+# "element" | "row" | "matrix" | "tensor" | int (a block of that many rows)
 Granularity = Union[str, int]
+GRANULARITY_NAMES = ("element", "row", "matrix", "tensor")
+"""The named granularities; an int ``k`` is a block of ``k`` rows."""
+
+
+def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """``(num_matrices, rows, cols)`` of the matrices a tensor holds, or ``None`` for a vector.
+
+    A 3-D tensor ``(E, rows, cols)`` is a stack of ``E`` matrices (fused expert weights); any other tensor of
+    two or more dimensions is one matrix of ``shape[0]`` rows of ``prod(shape[1:])`` elements.
+    """
+    if len(shape) < 2:
+        return None
+    if len(shape) == 3:
+        return shape[0], shape[1], shape[2]
+    return 1, shape[0], math.prod(shape[1:])
+
+
+def granule(shape: Sequence[int], granularity: Granularity) -> tuple[int, int]:
+    """``(granularity_numel, period)``: the elements that must stay on one rank, and how often the granules restart.
+
+    Granules are consecutive runs of ``granularity_numel`` elements that start again at every multiple of
+    ``period``, the last run of each period being shorter when ``granularity_numel`` does not divide it:
+    a cut may fall only where a granule starts. Meanings, per matrix (see :func:`granularity_numel`):
+
+    * ``"element"``: ``(1, numel)``; ``"tensor"``: ``(numel, numel)``, the whole tensor on one rank;
+    * ``"row"``: one row of each matrix; ``k`` (int): blocks of ``k`` rows of each matrix, the last block of a
+      matrix holding the rows that remain (128 keeps every 128x128 quantization block whole); ``"matrix"``: a
+      whole matrix (one expert of a 3-D stack, what Muon orthogonalizes);
+    * a 1-D tensor has no rows: ``"row"``, ``k`` and ``"matrix"`` leave it element-granular.
+    """
+    shape = tuple(int(s) for s in shape)
+    numel = math.prod(shape)
+    if granularity == "element" or granularity == "tensor":
+        return (max(numel, 1) if granularity == "tensor" else 1), numel
+    is_rows = isinstance(granularity, int) and not isinstance(granularity, bool)
+    if not (granularity in ("row", "matrix") or (is_rows and granularity > 0)):
+        raise ValueError(
+            f"unknown granularity {granularity!r}: expected one of {', '.join(map(repr, GRANULARITY_NAMES))} or a "
+            f"positive int number of rows"
+        )
+    matrices = _matrix_shape(shape)
+    if matrices is None or numel == 0:
+        return 1, numel
+    _, rows, cols = matrices
+    block_rows = {"row": 1, "matrix": rows}.get(granularity, granularity)  # type: ignore[arg-type]
+    return min(block_rows, rows) * cols, rows * cols
 
 
 def granularity_numel(shape: Sequence[int], granularity: Granularity) -> int:
     """Number of contiguous elements that must stay on one rank for ``granularity`` on ``shape``.
 
-    ``"element"`` -> 1, ``"row"`` -> ``prod(shape[1:])``, ``k`` (int) -> ``k * prod(shape[1:])`` (a block
-    of ``k`` rows, e.g. 128 for 128x128 quantization blocks), ``"tensor"`` -> ``numel``.
+    ``"element"`` -> 1; ``"row"`` -> one row of a matrix (``prod(shape[1:])``; ``cols`` of an ``(E, rows,
+    cols)`` expert stack); ``k`` (int) -> ``k`` rows of a matrix, at most all of them (the last block of
+    each matrix may be shorter, see :func:`granule`); ``"matrix"`` -> a whole matrix (one expert of a
+    stack); ``"tensor"`` -> ``numel``. 1-D tensors are element-granular except for ``"tensor"``.
     """
-    shape = tuple(int(s) for s in shape)
-    numel = math.prod(shape)
-    row = math.prod(shape[1:]) if len(shape) > 1 else 1
-    if granularity == "element":
-        return 1
-    if granularity == "row":
-        return max(row, 1) if numel else 1
-    if granularity == "tensor":
-        return max(numel, 1)
-    if isinstance(granularity, int) and not isinstance(granularity, bool) and granularity > 0:
-        if len(shape) == 0 or shape[0] % granularity != 0:
-            raise ValueError(
-                f"granularity of {granularity} rows does not divide the {shape[0] if shape else 0} rows of a "
-                f"tensor of shape {shape}. Use a block size that divides the first dimension, "
-                f"or 'row' / 'tensor'."
-            )
-        return max(granularity * row, 1)
-    raise ValueError(
-        f"unknown granularity {granularity!r}: expected 'element', 'row', 'tensor' or a positive int "
-        f"number of rows"
-    )
+    return granule(shape, granularity)[0]
 
 
 @dataclass(frozen=True)
@@ -99,9 +136,12 @@ class TensorSpec:
     shape: tuple[int, ...]
     """Global (unsharded) shape."""
     granularity: int = 1
-    """Contiguous elements that must stay on one rank; must divide ``numel`` (see granularity_numel)."""
+    """Contiguous elements that must stay on one rank (a granule; see :func:`granule`). Clamped to ``period``."""
     cost: float = 0.0
     """Optional optimizer cost of the tensor (e.g. Newton-Schulz flops); used only to break ties."""
+    period: int = 0
+    """Granules restart every ``period`` elements (one matrix of a stack); must divide ``numel``. ``0``: the
+    whole tensor. Normalized to ``numel`` whenever ``granularity`` divides it (the granules are then uniform)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -109,16 +149,33 @@ class TensorSpec:
             raise ValueError(f"{self.name}: shape {self.shape} has a negative dimension")
         if self.granularity < 1:
             raise ValueError(f"{self.name}: granularity must be >= 1, got {self.granularity}")
-        if self.numel % self.granularity != 0:
+        numel = self.numel
+        period = self.period or numel
+        if self.period < 0 or (numel and numel % period):
             raise ValueError(
-                f"{self.name}: granularity {self.granularity} does not divide numel {self.numel} of shape "
-                f"{self.shape}. Choose a granularity that divides the tensor (element, row, a block of rows "
-                f"dividing dim 0, or the whole tensor)."
+                f"{self.name}: period {self.period} does not divide numel {numel} of shape {self.shape}; the period "
+                f"is the size of one matrix of a stack (or 0 for the whole tensor)"
             )
+        if numel:
+            object.__setattr__(self, "granularity", min(self.granularity, period))
+            if period % self.granularity == 0:
+                period = numel
+        object.__setattr__(self, "period", period)
+
+    @classmethod
+    def from_granularity(cls, name: str, shape: Sequence[int], granularity: Granularity,
+                         cost: float = 0.0) -> TensorSpec:
+        """The spec of a tensor of ``shape`` under a named or block-of-rows ``granularity`` (see :func:`granule`)."""
+        g, period = granule(shape, granularity)
+        return cls(name, tuple(shape), g, cost, period)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def is_granule_edge(self, offset: int) -> bool:
+        """Whether a cut ``offset`` elements into the tensor falls between two granules."""
+        return offset % self.period % self.granularity == 0 if self.period else True
 
 
 @dataclass(frozen=True)
@@ -197,7 +254,7 @@ class BufferPlan:
     def fingerprint(self) -> str:
         """A short hash of the whole layout, equal on ranks that computed the same plan."""
         text = repr((self.world_size, self.shard_size, self.alignment, self.offsets,
-                     [(s.name, s.shape, s.granularity) for s in self.specs]))
+                     [(s.name, s.shape, s.granularity, s.period) for s in self.specs]))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def summary(self) -> dict:
@@ -235,8 +292,9 @@ class BufferPlan:
                 b = k * S
                 if b >= hi:
                     break
-                assert (b - lo) % spec.granularity == 0, (
+                assert spec.is_granule_edge(b - lo), (
                     f"rank boundary {b} cuts {spec.name} inside a granule of {spec.granularity}"
+                    + (f" (granules restart every {spec.period})" if spec.period != spec.numel else "")
                 )
             prev_end = max(prev_end, hi)
 
@@ -268,16 +326,20 @@ def _lcm(x: int, y: int) -> int:
     return x // math.gcd(x, y) * y
 
 
-def _earliest_offset(c: int, e: int, g: int, L: int, S: int, a: int) -> Optional[int]:
+def _earliest_offset(c: int, e: int, g: int, L: int, S: int, a: int, P: int = 0) -> int | None:
     """Earliest ``l >= c`` (a multiple of ``a``) where ``e`` elements of granularity ``g`` can start.
 
     ``L = lcm(g, a)``; ``S`` is a positive multiple of ``a``. Boundaries are all multiples of ``S``
     (the caller checks the end against ``N * S``). Returns ``None`` if no offset works for this ``S``.
+    ``P``: the period of granules that restart every ``P`` elements with ``g`` not dividing ``P`` (0: uniform
+    granules, at every multiple of ``g``).
     """
     c0 = -(-c // a) * a
     nb = (c0 // S + 1) * S  # first boundary strictly after c0
     if c0 + e <= nb:  # fits before the boundary
         return c0
+    if P:
+        return _earliest_periodic_offset(c0, e, g, P, S, a)
     if S % g == 0:  # every boundary is a granule edge once l = 0 (mod g)
         r = c0 % L
         return c0 if r == 0 else c0 + L - r
@@ -292,15 +354,114 @@ def _earliest_offset(c: int, e: int, g: int, L: int, S: int, a: int) -> Optional
     return l if l + e <= nb + 2 * S else None
 
 
-class _Item:
-    """A non-empty tensor in the search: input index, size, granularity, lcm(g, alignment)."""
+def _earliest_periodic_offset(c0: int, e: int, g: int, P: int, S: int, a: int) -> int | None:
+    """:func:`_earliest_offset` for granules of ``g`` that restart every ``P`` elements (``g`` not dividing
+    ``P``), for an aligned ``c0`` the tensor cannot start at without crossing a boundary.
 
-    __slots__ = ("index", "name", "e", "g", "L", "cost")
+    Whether a start works depends only on its position ``u`` inside its shard (every boundary inside the
+    tensor must be a granule edge, and they sit at ``S - u``, ``2S - u``, ... into it), so the earliest start
+    is the first feasible ``u`` at or after ``c0``'s, else the first one in the next shard.
+    """
+    base = c0 // S * S
+    u0 = c0 - base
+    u = _first_feasible_start(u0, S, e, g, P, S, a)
+    if u is not None:
+        return base + u
+    if e <= S:
+        return base + S
+    u = _first_feasible_start(0, u0, e, g, P, S, a)
+    return None if u is None else base + S + u
+
+
+def _first_feasible_start(u_lo: int, u_hi: int, e: int, g: int, P: int, S: int, a: int) -> int | None:
+    """The smallest aligned ``u`` in ``[u_lo, u_hi)`` where a tensor starting ``u`` into a shard holds a
+    boundary and has every boundary inside it on a granule edge.
+
+    The first boundary lies ``x = S - u`` into the tensor: walk the granule edges ``x`` downward. An ``x`` with
+    one boundary inside works. With ``K`` more boundaries, their phases ``x mod P`` step by ``s = S mod P``:
+    either no step wraps past ``P`` (needs ``g | s`` and ``x mod P + K*s < P``) or every step does (needs
+    ``g | s - P mod g`` and ``x mod P >= K * (P - s)``), see :func:`_periodic_size_ok`; the walk jumps to the
+    next edge that can satisfy it. Two ``x`` that differ by ``lcm(P, a)`` have the same phase and the smaller
+    holds more boundaries, so after one such window of multi-boundary candidates nothing further down works.
+    """
+    x_hi, x_lo = S - u_lo, S - u_hi  # x in (x_lo, x_hi]
+    m, rem = divmod(x_hi, P)
+    x = m * P + rem // g * g  # the largest granule edge <= x_hi
+    last_gap = P - (P - 1) // g * g  # the short last granule of a period
+    s = S % P
+    no_wrap, all_wrap = s % g == 0, (s - P % g) % g == 0
+    stop = None
+    while x > x_lo and x > 0:
+        if x + S >= e:  # one boundary inside
+            if x % a == 0:
+                return S - x
+        else:
+            if stop is None:
+                if not (no_wrap or all_wrap):
+                    return None  # the step to the next boundary shifts the phase off the granule edges
+                stop = x - _lcm(P, a)
+            elif x <= stop:
+                return None
+            K = -(-(e - x) // S) - 1  # boundaries after the first
+            phase = x % P
+            if no_wrap and phase + K * s >= P:
+                top = P - 1 - K * s  # the highest phase whose run of K steps stays below P
+                x = x - phase + top // g * g if top >= 0 else x - phase - last_gap
+                continue
+            if all_wrap and not no_wrap and phase < K * (P - s):
+                x = x - phase - last_gap  # no lower phase of this period works: the previous period's top
+                continue
+            if x % a == 0:
+                return S - x
+        x -= g if x % P else last_gap
+    return None
+
+
+def _periodic_size_ok(S: int, e: int, g: int, P: int) -> bool:
+    """Whether a shard size ``S`` passes the necessary condition for a tensor of ``e`` elements whose granules
+    of ``g`` restart every ``P`` (``g`` not dividing ``P``).
+
+    Consecutive boundaries inside the tensor sit at phases ``p, p + s, p + 2s, ... (mod P)`` with
+    ``s = S mod P``, each a multiple of ``g``. A step that wraps past ``P`` shifts the phase by ``P mod g``
+    (not a multiple of ``g``), so either no step wraps (``g | s``, ``K * s < P``) or every step does
+    (``g | P - s``, ``K * (P - s) < P``), over the ``K >= ceil(e / S) - 2`` steps any placement holds; or
+    ``s = 0``.
+    """
+    K = -(-e // S) - 2
+    if K < 1:
+        return True
+    s = S % P
+    if s == 0:
+        return True
+    if s % g == 0 and K * s < P:
+        return True
+    return (P - s) % g == 0 and K * (P - s) < P
+
+
+def _next_periodic_size(S: int, e: int, g: int, P: int) -> int:
+    """A size ``> S`` below which no size passes :func:`_periodic_size_ok` (a safe jump, not always to a
+    passing size)."""
+    base, s = S - S % P, S % P
+    K_min = -(-e // (base + P)) - 2  # the fewest steps at any size of this period
+    if K_min >= 1 and s * K_min >= P:  # past the sizes that never wrap: jump to those that always do
+        s = max(s, P - (P - 1) // K_min - 1)
+    up = _align_up(s + 1, g)  # the next size that never wraps ...
+    down = P - (P - s - 1) // g * g  # ... or always wraps
+    return base + min(up, down, P)
+
+
+class _Item:
+    """A non-empty tensor in the search: input index, size, granularity, lcm(g, alignment), the period of
+    granules that restart (0 when uniform) and the modulus that makes every crossing free (``M``)."""
+
+    __slots__ = ("L", "M", "P", "cost", "e", "g", "index", "name")
 
     def __init__(self, index: int, spec: TensorSpec, alignment: int) -> None:
         self.index, self.name = index, spec.name
         self.e, self.g, self.cost = spec.numel, spec.granularity, spec.cost
         self.L = _lcm(spec.granularity, alignment)
+        self.P = spec.period if spec.period != spec.numel else 0
+        self.M = _lcm(self.P, alignment) if self.P else self.L
 
 
 class _Search:
@@ -312,9 +473,9 @@ class _Search:
         by_gran = sorted(items, key=lambda it: (-it.g, -it.e, it.name))
         self.fixed = [("module", items), ("granularity", by_gran)]
         # Classes of identical (size, granularity); members keep module order.
-        groups: dict[tuple[int, int], list[_Item]] = {}
+        groups: dict[tuple[int, int, int], list[_Item]] = {}
         for it in items:
-            groups.setdefault((it.e, it.g), []).append(it)
+            groups.setdefault((it.e, it.g, it.P), []).append(it)
         self.classes = classes = list(groups.values())
 
         def by(key):  # class indices sorted by key(first member)
@@ -343,7 +504,7 @@ class _Search:
     def place_fixed(self, order: list[_Item], S: int, stop: float) -> tuple[Optional[list], float]:
         a, c, out = self.a, 0, []
         for it in order:
-            l = _earliest_offset(c, it.e, it.g, it.L, S, a)
+            l = _earliest_offset(c, it.e, it.g, it.L, S, a, it.P)
             if l is None or l > stop:
                 self.work += len(out) + 1
                 return None, _INF
@@ -366,7 +527,7 @@ class _Search:
             best, best_l = -1, None
             for k in active:
                 it = classes[k][ptr[k]]
-                l = _earliest_offset(c, it.e, it.g, it.L, S, a)
+                l = _earliest_offset(c, it.e, it.g, it.L, S, a, it.P)
                 work += 1
                 if l is not None and (best_l is None or l < best_l):
                     best, best_l = k, l
@@ -384,7 +545,7 @@ class _Search:
                         continue
                     while ptr[k] < len(members):
                         it = members[ptr[k]]
-                        l = _earliest_offset(c, it.e, it.g, it.L, S, a)
+                        l = _earliest_offset(c, it.e, it.g, it.L, S, a, it.P)
                         work += 1
                         if l is None or l + it.e > best_l:
                             break
@@ -494,7 +655,8 @@ class _ValidSizes:
     """Shard sizes a plan can use (``N > 1``): multiples of ``a`` and of the granularity of each tensor
     longer than ``2S`` (it holds two consecutive boundaries, so both must be granule edges); and a
     tensor with ``S < e <= 2S`` whose granularity does not divide ``S`` holds exactly one boundary
-    ``b`` and starts at ``l = b (mod L)``, ``l >= b - S``, so it needs ``e <= 2S - (S mod L)``."""
+    ``b`` and starts at ``l = b (mod L)``, ``l >= b - S``, so it needs ``e <= 2S - (S mod L)``. Granules
+    that restart every ``P`` (``g`` not dividing ``P``) need :func:`_periodic_size_ok` instead of ``g | S``."""
 
     def __init__(self, items: Sequence[_Item], a: int) -> None:
         self.by_size = sorted(items, key=lambda it: it.e)
@@ -504,7 +666,8 @@ class _ValidSizes:
         self.thresholds = [(it.e + 1) // 2 for it in by_threshold]
         self.suffix_lcm = [a] * (len(by_threshold) + 1)
         for k in range(len(by_threshold) - 1, -1, -1):
-            self.suffix_lcm[k] = _lcm(self.suffix_lcm[k + 1], by_threshold[k].g)
+            self.suffix_lcm[k] = _lcm(self.suffix_lcm[k + 1], 1 if by_threshold[k].P else by_threshold[k].g)
+        self.periodic = [it for it in items if it.P]
         self.a = a
 
     def next(self, S: int) -> int:
@@ -521,10 +684,13 @@ class _ValidSizes:
             lo, hi = bisect.bisect_right(self.sizes, S), bisect.bisect_right(self.sizes, 2 * S)
             for it in self.by_size[lo:hi]:
                 short = it.e + S % it.L - 2 * S
-                if short > 0 and S % it.g:
+                if short > 0 and S % it.g and not it.P:
                     # Each step of a (within one period of L) gains a: step until it fits, or to the
                     # next multiple of L, whichever comes first.
                     bump = max(bump, min(S + _align_up(short, self.a), _align_up(S + 1, it.L)))
+            for it in self.periodic:
+                if it.e > 2 * S and not _periodic_size_ok(S, it.e, it.g, it.P):
+                    bump = max(bump, _next_periodic_size(S, it.e, it.g, it.P))
             if bump == S:
                 return S
             S = bump
@@ -648,11 +814,11 @@ def _search_shard_size(search: _Search, items: list[_Item], N: int, a: int) -> t
     # range is small.
     volume: dict[tuple[int, int], int] = {}
     for it in items:
-        volume[(it.e, it.L)] = volume.get((it.e, it.L), 0) + it.e
+        volume[(it.e, it.M)] = volume.get((it.e, it.M), 0) + it.e
     big = sorted(volume, key=lambda k: (-volume[k], k))[:_BIG_CLASSES]
     total_lcm = a
     for it in items:
-        total_lcm = _lcm(total_lcm, it.L)
+        total_lcm = _lcm(total_lcm, it.M)
     structural = {valid.next(_align_up(lb, total_lcm))}
     for e, _ in big:
         structural.add(valid.next(_align_up(max(lb, _align_up(e, a)), _align_up(e, a))))

@@ -16,7 +16,7 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -40,6 +40,7 @@ from lightning_vescale.fully_shard import (
     VeScaleModule,
     fully_shard,
     get_state,
+    granularity_by_pattern,
     sharded_groups,
 )
 from lightning_vescale.tensor import is_ragged
@@ -321,11 +322,14 @@ def register_vescale_names(cls: type, strategy_registry: Any) -> None:
 
 
 def resolve_granularity(module: nn.Module, granularity: GranularityArg) -> GranularityArg:
-    """``"muon"``: whole matrices for what Muon steps, so it orthogonalizes them where they live."""
+    """``"muon"``: whole matrices for what Muon steps, so it orthogonalizes them where they live. A mapping of
+    globs matches the names ``module.named_parameters()`` gives; a glob matching none is an error now."""
     if granularity == "muon":
         from lightning_vescale.optim.routing import muon_granularity
 
         return muon_granularity(module)
+    if isinstance(granularity, Mapping):
+        return granularity_by_pattern(module, granularity)
     return granularity
 
 

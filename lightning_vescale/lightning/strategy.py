@@ -115,8 +115,10 @@ class VeScaleStrategy(ParallelStrategy):
             weights) or ``"bf16-true"`` (everything bf16). Giving both an ``mp_policy`` and a precision other than
             ``"32-true"`` is an error.
         granularity: the cut granularity per parameter, as ``fully_shard`` takes it (``"element"``, ``"row"``,
-            a number of rows, ``"tensor"``, a mapping of name globs to those, or a callable), or ``"muon"``:
-            whole matrices for the parameters :func:`~lightning_vescale.optim.build_optimizer` routes to Muon.
+            a number of rows, ``"matrix"``, ``"tensor"``, or a callable), a mapping of name globs to those (matched
+            against the LightningModule's ``named_parameters()`` names; a glob matching none is an error), or
+            ``"muon"``: whole matrices for the parameters :func:`~lightning_vescale.optim.build_optimizer` routes
+            to Muon.
         replicate_size: ``None`` shards over every rank (1-D mesh ``("shard",)``). An int ``R`` or ``"auto"``
             (the number of nodes) builds a 2-D ``("replicate", "shard")`` mesh for HSDP: parameters are sharded
             within groups of ``world_size // R`` ranks and gradients averaged across the ``R`` replicas.

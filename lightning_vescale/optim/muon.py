@@ -9,8 +9,8 @@ momentum buffer exists only for that piece, invariant 3). ``NS`` needs the whole
 its *owner*. Each matrix (each 2-D parameter, and each ``[e]`` slice of a declared 3-D expert stack)
 takes one of two paths:
 
-* **local**: the planner put the whole matrix on one rank (granularity ``"tensor"`` for matrices,
-  ``"row"`` for expert stacks, see :func:`lightning_vescale.optim.muon_granularity`). That rank is the
+* **local**: the planner put the whole matrix on one rank (granularity ``"matrix"``: a whole 2-D matrix,
+  each expert of a stack whole, see :func:`lightning_vescale.optim.muon_granularity`). That rank is the
   owner and runs ``NS`` on its piece with no communication at all.
 * **gather**: the matrix is split over ranks (or moved for balance). Its owner is chosen by
   longest-processing-time-first on Newton–Schulz cost (:mod:`lightning_vescale.optim.owner`), every
@@ -325,8 +325,8 @@ class Muon(Optimizer):
                     if len(holders) > 1:
                         raise ValueError(
                             f"Muon mode='local' needs every matrix whole on one rank, but {name} (matrix at element "
-                            f"{start}, shape {shape}) is split over ranks {holders}. Shard with granularity 'tensor' "
-                            f"(or 'row' for an expert stack), e.g. fully_shard(..., granularity="
+                            f"{start}, shape {shape}) is split over ranks {holders}. Shard with granularity 'matrix' "
+                            f"(a whole matrix, or each expert matrix of a stack), e.g. fully_shard(..., granularity="
                             f"muon_granularity(model)); or use mode='auto' / 'gather'."
                         )
 

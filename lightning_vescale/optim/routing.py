@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 from torch.optim.adam import Adam, adam
 
+from lightning_vescale.fully_shard import ParameterNames
 from lightning_vescale.optim.muon import (
     Mode,
     Muon,
@@ -112,10 +113,11 @@ def muon_granularity(
     """A ``granularity`` for :func:`lightning_vescale.fully_shard` that puts Muon's matrices whole on one rank.
 
     Call it on the *unsharded* model, before any ``fully_shard``, and pass the result to every
-    ``fully_shard`` call. Muon matrices get ``"tensor"`` and expert stacks ``"row"`` (one row of dim 0 is
-    one expert's matrix), so :class:`~lightning_vescale.optim.Muon` orthogonalizes them with no
-    communication (its "local" path); the AdamW-routed parameters get ``other``. The routing is the one
-    :func:`build_optimizer` uses with the same patterns.
+    ``fully_shard`` call. The parameters Muon steps get ``"matrix"``: a hidden matrix whole, and each expert
+    matrix of a 3-D expert stack whole (the stack itself may be cut between experts), so
+    :class:`~lightning_vescale.optim.Muon` orthogonalizes them with no communication (its "local" path); the
+    AdamW-routed parameters get ``other``. The routing is the one :func:`build_optimizer` uses with the same
+    patterns.
 
     Example::
 
@@ -126,15 +128,15 @@ def muon_granularity(
         optimizer = build_optimizer(model, lr=3e-4, muon_lr=0.02, weight_decay=0.1)
     """
     embeddings = _embedding_params(model)
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names = ParameterNames(model)
 
     def granularity(name: str, p: nn.Parameter) -> Union[str, int]:
-        full = names.get(id(p), name)  # fully_shard passes the name inside the sharded module
+        full = names.get(p, name)  # fully_shard passes the name inside the sharded module
         route = _route(full, p, embeddings=embeddings, muon_patterns=muon_patterns,
                        adamw_patterns=adamw_patterns, expert_patterns=expert_patterns)
         if route == "adamw" or not p.requires_grad:
             return other
-        return "tensor" if p.dim() == 2 else "row"
+        return "matrix"
 
     return granularity
 

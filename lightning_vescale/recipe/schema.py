@@ -441,8 +441,8 @@ class VeScaleStrategyConfig(StrategyConfig):
     reshard_after_forward: bool = True
     """Free gathered parameters after forward and gather again in backward (ZeRO-3); False keeps them."""
     granularity: Any = None
-    """Cut granularity: ``null`` (element), ``"row"``, ``"tensor"``, a number of rows, or a mapping of name
-    globs to those."""
+    """Cut granularity: ``null`` (element), ``"row"``, a number of rows, ``"matrix"``, ``"tensor"``, ``"muon"``,
+    or a mapping of name globs (as ``named_parameters()`` of the LightningModule names them) to those."""
     replicate_size: Any = None
     """``null``: shard over every rank. An int or ``"auto"`` (the number of nodes): HSDP replicas."""
     expert_parallel_size: int = 1
@@ -475,9 +475,10 @@ class VeScaleStrategyConfig(StrategyConfig):
         )
         g = self.granularity
         _check(
-            g is None or g in ("element", "row", "tensor", "muon") or (isinstance(g, int) and g >= 1) or isinstance(g, dict),
-            f"strategy.granularity must be null, 'element', 'row', 'tensor', 'muon', a positive number of rows or a mapping "
-            f"of name globs to those, got {g!r}",
+            g is None or g in ("element", "row", "matrix", "tensor", "muon") or (isinstance(g, int) and g >= 1)
+            or isinstance(g, dict),
+            f"strategy.granularity must be null, 'element', 'row', 'matrix', 'tensor', 'muon', a positive number of rows "
+            f"or a mapping of name globs to those, got {g!r}",
         )
 
 

@@ -235,8 +235,8 @@ def _structure_checks(rank: int, world: int) -> None:
     # Errors that name the problem.
     with pytest.raises(ValueError, match="already sharded"):
         lv.fully_shard(model)
-    with pytest.raises(ValueError, match="does not divide"):
-        lv.fully_shard(nn.Linear(6, 5), granularity=4)
+    with pytest.raises(ValueError, match="parameter weight: unknown granularity 'rows'"):
+        lv.fully_shard(nn.Linear(6, 5), granularity="rows")
     with pytest.raises(ValueError, match="3-D mesh"):
         lv.fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (1, 1, world)))
     if world > 1:

@@ -104,8 +104,8 @@ def test_routing_and_granularity() -> None:
         route_parameters(model, muon_patterns=["proj.*"], adamw_patterns=["proj.weight"])
     gran = muon_granularity(model)
     by_name = dict(model.named_parameters())
-    assert gran("proj.weight", by_name["proj.weight"]) == "tensor"
-    assert gran("w1", by_name["experts.w1"]) == "row"  # the full name is found from the parameter
+    assert gran("proj.weight", by_name["proj.weight"]) == "matrix"
+    assert gran("w1", by_name["experts.w1"]) == "matrix"  # each expert whole; the full name is found from the parameter
     assert gran("tok.weight", by_name["tok.weight"]) == "element"
     assert gran("norm.weight", by_name["norm.weight"]) == "element"
 

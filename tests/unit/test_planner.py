@@ -32,19 +32,23 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], der
 
 # -- helpers ----------------------------------------------------------------------------------------
 def make_spec(name: str, shape: tuple, granularity, cost: float = 0.0) -> TensorSpec:
-    return TensorSpec(name, shape, granularity_numel(shape, granularity), cost)
+    return TensorSpec.from_granularity(name, shape, granularity, cost)
+
+
+def is_edge(spec: TensorSpec, x: int) -> bool:
+    """Whether a cut x elements into the tensor is allowed: granules of g restart every period."""
+    return x % spec.period % spec.granularity == 0
 
 
 @st.composite
 def groups(draw, max_tensors: int = 7, max_dim: int = 9):
-    """A list of TensorSpecs with mixed ranks, zero-size tensors and every kind of granularity."""
+    """A list of TensorSpecs with mixed ranks, zero-size tensors and every kind of granularity, including
+    blocks of rows that do not divide the rows (a shorter last block, per matrix of a 3-D stack)."""
     specs = []
     for i in range(draw(st.integers(0, max_tensors))):
         ndim = draw(st.integers(0, 3))
         shape = tuple(draw(st.integers(0, max_dim)) for _ in range(ndim))
-        kinds = ["element", "row", "tensor"]
-        if ndim and shape[0]:
-            kinds += [d for d in range(1, shape[0] + 1) if shape[0] % d == 0]
+        kinds = ["element", "row", "matrix", "tensor"] + list(range(1, max_dim + 2))
         gran = draw(st.sampled_from(kinds))
         cost = draw(st.sampled_from([0.0, 0.0, float(math.prod(shape))]))
         specs.append(make_spec(f"layers.{i}.w", shape, gran, cost))
@@ -57,7 +61,10 @@ def moe_groups(draw):
     specs = []
     for t in range(draw(st.integers(1, 3))):
         rows, cols = draw(st.integers(1, 64)), draw(st.integers(1, 64))
-        gran = draw(st.sampled_from(["row", "tensor"] + [d for d in (2, 4, 8, 16) if rows % d == 0]))
+        gran = draw(st.sampled_from(["row", "matrix", "tensor", 2, 4, 8, 16]))
+        if draw(st.booleans()):  # one fused (E, rows, cols) stack instead of E matrices
+            specs.append(make_spec(f"experts.w{t}", (draw(st.integers(1, 40)), rows, cols), gran))
+            continue
         for e in range(draw(st.integers(1, 40))):
             specs.append(make_spec(f"experts.{e}.w{t}", (rows, cols), gran))
     for v in range(draw(st.integers(0, 3))):
@@ -78,7 +85,7 @@ def check_plan(plan: BufferPlan, specs: list[TensorSpec], world_size: int, align
     spans = []
     for i, spec in enumerate(plan.specs):
         assert plan.index_of(spec.name) == i
-        off, e, g = plan.offsets[i], spec.numel, spec.granularity
+        off, e = plan.offsets[i], spec.numel
         if e == 0:
             assert all(plan.piece(i, r) == (0, 0) for r in range(N))
             continue
@@ -90,7 +97,7 @@ def check_plan(plan: BufferPlan, specs: list[TensorSpec], world_size: int, align
             if lo == hi:
                 continue
             assert lo == cursor, (spec.name, r, lo, cursor)
-            assert lo == 0 or lo % g == 0, f"{spec.name}: rank {r} starts inside a granule ({lo} % {g})"
+            assert is_edge(spec, lo), f"{spec.name}: rank {r} starts inside a granule at {lo}"
             # The piece sits in rank r's shard, at local_offset.
             local = plan.local_offset(i, r)
             assert off + lo == r * S + local and 0 <= local and local + (hi - lo) <= S
@@ -109,33 +116,30 @@ def check_plan(plan: BufferPlan, specs: list[TensorSpec], world_size: int, align
 
 
 # -- brute force ------------------------------------------------------------------------------------
-def _first_bad_boundary(l: int, e: int, g: int, S: int, N: int):
-    """The first rank boundary strictly inside [l, l + e) that is not a granule edge, or None."""
-    return next((k * S for k in range(l // S + 1, N) if k * S < l + e and (k * S - l) % g), None)
+def _first_bad_boundary(start: int, e: int, g: int, P: int, S: int, N: int):
+    """The first rank boundary strictly inside [start, start + e) that is not a granule edge, or None."""
+    return next((k * S for k in range(start // S + 1, N) if k * S < start + e and (k * S - start) % P % g), None)
 
 
 def _fits_in_order(order: tuple, S: int, N: int, a: int) -> bool:
-    """Earliest placement, one aligned offset at a time (optimal for a fixed order). While a boundary
-    b cuts a granule, offsets below b with the same wrong phase are skipped: they all cut it too."""
+    """Earliest placement, one aligned offset at a time (optimal for a fixed order)."""
     c = 0
-    for e, g in order:
-        l = -(-c // a) * a
-        while l + e <= N * S and (b := _first_bad_boundary(l, e, g, S, N)) is not None:
-            l += a
-            while l < b and (b - l) % g:
-                l += a
-        if l + e > N * S:
+    for e, g, P in order:
+        start = -(-c // a) * a
+        while start + e <= N * S and _first_bad_boundary(start, e, g, P, S, N) is not None:
+            start += a
+        if start + e > N * S:
             return False
-        c = l + e
+        c = start + e
     return True
 
 
 def brute_force_shard_size(specs: list[TensorSpec], N: int, a: int) -> int:
     """The optimal S: every order, every aligned S from ceil(total / N) upward."""
-    items = [(s.numel, s.granularity) for s in specs if s.numel]
+    items = [(s.numel, s.granularity, s.period) for s in specs if s.numel]
     if not items:
         return 0
-    S = max(a, -(-(-(-sum(e for e, _ in items) // N)) // a) * a)
+    S = max(a, -(-(-(-sum(e for e, _, _ in items) // N)) // a) * a)
     orders = sorted(set(itertools.permutations(items)))
     while not any(_fits_in_order(o, S, N, a) for o in orders):
         S += a
@@ -146,7 +150,7 @@ def random_small_case(rng: random.Random) -> tuple[list[TensorSpec], int, int]:
     specs = []
     for i in range(rng.randint(2, 4)):
         shape = tuple(rng.randint(1, 8) for _ in range(rng.randint(1, 3)))
-        kinds = ["element", "row", "tensor"] + [d for d in range(2, shape[0] + 1) if shape[0] % d == 0]
+        kinds = ["element", "row", "matrix", "tensor", 2, 3, 5]
         specs.append(make_spec(f"t{i}", shape, rng.choice(kinds)))
     return specs, rng.randint(2, 6), rng.choice([1, 1, 2, 3])
 
@@ -213,7 +217,7 @@ def test_whole_tensors_fewer_than_ranks_leave_ranks_empty():
 @given(specs=groups(), world_size=st.integers(1, 9), alignment=st.sampled_from([1, 2, 4]))
 def test_same_input_same_plan(specs, world_size, alignment):
     a = plan_buffer(specs, world_size, alignment=alignment)
-    rebuilt = [TensorSpec(s.name, tuple(s.shape), s.granularity, s.cost) for s in specs]
+    rebuilt = [TensorSpec(s.name, tuple(s.shape), s.granularity, s.cost, s.period) for s in specs]
     b = plan_buffer(rebuilt, world_size, alignment=alignment)
     assert a.fingerprint() == b.fingerprint()
     assert (a.offsets, a.specs, a.shard_size) == (b.offsets, b.specs, b.shard_size)
@@ -303,8 +307,8 @@ def test_heuristic_within_factor_of_optimum(data):
 @settings(max_examples=40, **SETTINGS)
 @given(specs=groups(max_tensors=10), world_size=st.integers(2, 8))
 def test_cost_only_breaks_ties(specs, world_size):
-    costed = [TensorSpec(s.name, s.shape, s.granularity, float(s.numel) ** 1.5) for s in specs]
-    free = [TensorSpec(s.name, s.shape, s.granularity) for s in specs]
+    costed = [TensorSpec(s.name, s.shape, s.granularity, float(s.numel) ** 1.5, s.period) for s in specs]
+    free = [TensorSpec(s.name, s.shape, s.granularity, 0.0, s.period) for s in specs]
     with_cost, without = plan_buffer(costed, world_size), plan_buffer(free, world_size)
     assert with_cost.shard_size == without.shard_size
     check_plan(with_cost, costed, world_size, 1)
@@ -359,14 +363,84 @@ def test_moe_layer_with_many_experts_pads_little():
     assert plan.padding_ratio < 0.01
 
 
+# -- granularity meanings ---------------------------------------------------------------------------
+def test_granule_per_matrix():
+    """(granularity_numel, period) for every kind, on a vector, a matrix, an expert stack and a conv weight."""
+    cases = {
+        ((10,), "element"): (1, 10), ((10,), "row"): (1, 10), ((10,), 128): (1, 10), ((10,), "matrix"): (1, 10),
+        ((10,), "tensor"): (10, 10),
+        ((576, 7), "row"): (7, 4032), ((576, 7), 128): (128 * 7, 4032), ((8, 7), 128): (56, 56),
+        ((576, 7), "matrix"): (4032, 4032), ((576, 7), "tensor"): (4032, 4032),
+        # (E, rows, cols): a row of an expert matrix, k rows of each expert, one whole expert.
+        ((4, 6, 5), "row"): (5, 30), ((4, 6, 5), 4): (20, 30), ((4, 6, 5), 16): (30, 30),
+        ((4, 6, 5), "matrix"): (30, 30), ((4, 6, 5), "tensor"): (120, 120), ((4, 6, 5), "element"): (1, 120),
+        ((3, 2, 2, 2), "row"): (8, 24), ((0, 7), "row"): (1, 0), ((0, 5, 3), 2): (1, 0),
+    }
+    for (shape, gran), expected in cases.items():
+        assert planner.granule(shape, gran) == expected, (shape, gran)
+        assert granularity_numel(shape, gran) == expected[0]
+
+
+def test_spec_normalizes_uniform_granules():
+    # Blocks that divide the matrix repeat uniformly over the whole stack: one period, the tensor.
+    assert make_spec("w", (4, 6, 5), 3).period == 120 and make_spec("w", (4, 6, 5), "row").period == 120
+    # A shorter last block per expert keeps the per-expert period; a 2-D tensor has one period.
+    assert (make_spec("w", (4, 6, 5), 4).granularity, make_spec("w", (4, 6, 5), 4).period) == (20, 30)
+    assert make_spec("w", (576, 7), 128).period == 4032
+    # A granule longer than the period is the period (a block of more rows than the matrix has).
+    assert TensorSpec("w", (8, 7), 128 * 7).granularity == 56
+
+
+def test_shorter_last_block_of_rows():
+    """576 rows in blocks of 128: cuts only every 128 rows; the last block (64 rows) stays whole."""
+    spec = make_spec("kv_a", (576, 4), 128)
+    for N in (2, 3, 4, 5, 8):
+        plan = plan_buffer([spec], N)
+        check_plan(plan, [spec], N, 1)
+        cuts = {lo for lo, hi in plan.pieces(0) if hi > lo}
+        assert cuts <= {r * 128 * 4 for r in range(5)}, (N, cuts)
+    assert plan_buffer([spec], 5).shard_size == 128 * 4  # 5 blocks of 128 rows (the last one 64) on 5 ranks
+
+
+def test_expert_stack_blocks_restart_at_every_expert():
+    """(E=3, rows=6, cols=2) in blocks of 4 rows: per expert, blocks [0, 4) and [4, 6); never 4 rows across
+    two experts. A cut at row 8 of the stack (row 2 of expert 1) would split a block."""
+    spec = make_spec("experts.w", (3, 6, 2), 4)
+    edges = {r * 2 for e in range(3) for r in (6 * e, 6 * e + 4)} | {36}
+    for N in range(2, 7):
+        for a in (1, 2, 4):
+            plan = plan_buffer([spec], N, alignment=a)
+            check_plan(plan, [spec], N, a)
+            assert {lo for lo, hi in plan.pieces(0) if hi > lo} <= edges
+            assert plan.shard_size == brute_force_shard_size([spec], N, a)
+    with pytest.raises(AssertionError, match=r"cuts experts.w inside a granule of 8 \(granules restart every 12\)"):
+        BufferPlan((spec,), (0,), world_size=3, shard_size=16)  # a cut at 16: row 2 of expert 1
+
+
+def test_periodic_lower_bound_is_sound():
+    """Restarting granules on many ranks: every S the brute force finds passes the bound's conditions."""
+    rng = random.Random(7)
+    for _ in range(150):
+        E, rows, cols = rng.randint(2, 6), rng.randint(3, 9), rng.randint(1, 3)
+        k = rng.choice([d for d in range(2, rows) if rows % d] or [rows])
+        specs = [make_spec("experts.w", (E, rows, cols), k)]
+        if rng.random() < 0.5:
+            specs.append(make_spec("norm", (rng.randint(1, 9),), "element"))
+        N, a = rng.randint(2, 7), rng.choice([1, 2])
+        opt = brute_force_shard_size(specs, N, a)
+        plan = plan_buffer(specs, N, alignment=a)
+        check_plan(plan, specs, N, a)
+        assert shard_size_lower_bound(specs, N, alignment=a) <= opt <= plan.shard_size
+        assert plan.shard_size == opt, (specs, N, a)
+
+
 # -- errors and the negative control ----------------------------------------------------------------
 def test_errors_name_the_problem():
-    with pytest.raises(ValueError, match="does not divide the 6 rows"):
-        granularity_numel((6, 4), 4)
-    with pytest.raises(ValueError, match="unknown granularity"):
-        granularity_numel((6, 4), "block")
-    with pytest.raises(ValueError, match="granularity 5 does not divide numel 24"):
-        TensorSpec("w", (6, 4), 5)
+    for bad in ("block", 0, -128, 2.0, True):
+        with pytest.raises(ValueError, match=r"unknown granularity .*'element', 'row', 'matrix', 'tensor'"):
+            granularity_numel((6, 4), bad)
+    with pytest.raises(ValueError, match="period 5 does not divide numel 24"):
+        TensorSpec("w", (6, 4), 4, period=5)
     with pytest.raises(ValueError, match="granularity must be >= 1"):
         TensorSpec("w", (6, 4), 0)
     with pytest.raises(ValueError, match="negative dimension"):

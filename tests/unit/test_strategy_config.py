@@ -187,6 +187,16 @@ def test_errors_on_one_rank(single_process_pg) -> None:
         shard_module(tied, mesh=build_mesh(torch.device("cpu"), 1), roots=top_level_roots(tied))
 
 
+def test_granularity_mapping_uses_model_names(single_process_pg) -> None:
+    # A strategy's glob mapping matches the LightningModule's own names, for blocks and roots alike.
+    lm = BoringModel()
+    mesh = build_mesh(torch.device("cpu"), 1)
+    with pytest.raises(ValueError, match=r"pattern\(s\) \['layers\.\*'\] match no parameter of BoringModel"):
+        shard_module(lm, mesh=mesh, roots=top_level_roots(lm), granularity={"layer.weight": 4, "layers.*": "row"})
+    shard_module(lm, mesh=mesh, roots=top_level_roots(lm), granularity={"layer.weight": 4})
+    lm(torch.randn(2, 32))  # the first forward checks the mapping again, across every group
+
+
 def test_single_rank_fit(single_process_pg, tmp_path) -> None:
     """The whole Trainer path on one rank: fit, a sharded checkpoint directory, resume."""
     model = BoringModel()

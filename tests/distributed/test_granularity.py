@@ -1,0 +1,154 @@
+"""Granularity on shapes real checkpoints have, on 3 gloo ranks (one process group).
+
+* Blocks of 16 rows on matrices whose rows 16 does not divide (a 36-row projection: blocks of 16, 16, 4; a
+  4-row router: one block) and on ``(E, rows, cols)`` expert stacks, where the blocks restart at every expert
+  (20 rows: 16 + 4 per expert); 1-D tensors stay element-granular. Every cut, read from the public
+  ``p.layout_info.ranges``, is checked against the per-matrix definition, and training equals one process.
+* ``"matrix"``: every expert matrix of a stack whole on one rank.
+* Glob mappings: a glob that matches no parameter is an error naming it (at the first forward for a mapping
+  given to ``fully_shard``, at once for ``granularity_by_pattern``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import lightning_vescale as lv
+from lightning_vescale.fully_shard import granularity_by_pattern
+from tests.dist_utils import run_distributed
+
+
+class ExpertBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(8))
+        self.router = nn.Linear(8, 4)  # (4, 8): fewer rows than one block
+        self.kv = nn.Linear(8, 36, bias=False)  # (36, 8): blocks of 16, 16 and 4 rows
+        self.back = nn.Linear(36, 8)
+        self.experts = nn.Module()
+        self.experts.w1 = nn.Parameter(torch.randn(3, 8, 20) * 0.3)  # (E, in, out): 8 rows per expert
+        self.experts.w2 = nn.Parameter(torch.randn(3, 20, 8) * 0.3)  # 20 rows per expert: 16 + 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.norm
+        gates = F.softmax(self.router(h), dim=-1)
+        y = sum(gates[:, e : e + 1] * (F.silu(h @ self.experts.w1[e]) @ self.experts.w2[e]) for e in range(3))
+        return x + y + self.back(F.silu(self.kv(h)))
+
+
+class ExpertNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ExpertBlock() for _ in range(2))
+        self.head = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def shard(model: ExpertNet, granularity) -> ExpertNet:
+    for block in model.blocks:
+        lv.fully_shard(block, granularity=granularity)
+    return lv.fully_shard(model, granularity=granularity)
+
+
+def cut_allowed(shape: tuple, x: int, block_rows) -> bool:
+    """Whether a cut x elements into a tensor keeps blocks of ``block_rows`` rows of each matrix whole
+    ("matrix": all its rows). Written from the definition, independently of the planner."""
+    if len(shape) == 1:
+        return True
+    rows, cols = shape[-2:]
+    within = x % (rows * cols) if len(shape) == 3 else x
+    row, col = divmod(within, cols)
+    step = rows if block_rows == "matrix" else block_rows
+    return col == 0 and row % step == 0
+
+
+def check_cuts(model: nn.Module, block_rows) -> int:
+    """Every rank boundary inside every parameter is allowed; returns how many boundaries fall inside a tensor."""
+    inner = 0
+    for name, p in model.named_parameters():
+        numel = p.numel()
+        for start, end in p.layout_info.ranges:
+            if end > start and 0 < start < numel:
+                assert cut_allowed(tuple(p.shape), start, block_rows), (name, tuple(p.shape), start, block_rows)
+                inner += 1
+    return inner
+
+
+def train_and_compare(model: nn.Module, ref: nn.Module, rank: int, world: int) -> float:
+    """Two AdamW steps sharded and on one process (a copy of ``ref``); the largest parameter difference."""
+    ref = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        x = torch.randn(4 * world, 8)
+        mine = x[rank * 4 : (rank + 1) * 4]
+        model(mine).square().mean().backward()
+        ref(x).square().mean().backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    worst = torch.zeros(())
+    for name, p in model.named_parameters():
+        start, end = p.local_range
+        if end > start:
+            full = ref_params[name].detach().reshape(-1)[start:end]
+            worst = torch.maximum(worst, (p.to_local().reshape(-1) - full).abs().max())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def _run(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = ExpertNet()
+
+    # Blocks of 16 rows: no shape is refused, every cut is on a block edge of its matrix, training is exact.
+    model = shard(copy.deepcopy(ref), 16)
+    assert check_cuts(model, 16) > 0
+    assert train_and_compare(model, ref, rank, world) < 1e-5
+
+    # Whole matrices (Muon's unit): every expert of a stack on one rank, the stack cut only between experts.
+    model = shard(copy.deepcopy(ref), "matrix")
+    check_cuts(model, "matrix")
+    for p in (model.blocks[0].experts.w1, model.blocks[1].experts.w2):
+        size = p.shape[1] * p.shape[2]
+        for e in range(p.shape[0]):
+            holders = [q for q, (s, t) in enumerate(p.layout_info.ranges) if s < (e + 1) * size and t > e * size]
+            assert len(holders) == 1, (e, p.layout_info.ranges)
+
+    # A glob mapping matches names relative to the module each call shards, and applies where it matches.
+    mapping = {"experts.*": 16, "head.weight": "matrix"}
+    model = shard(copy.deepcopy(ref), mapping)
+    model(torch.randn(2, 8))
+    stack = model.blocks[0].experts.w2
+    assert all(cut_allowed(tuple(stack.shape), s, 16) for s, t in stack.layout_info.ranges if t > s)
+    # A glob that matches nothing (a typo) is an error naming it, at the first forward: the mapping is shared
+    # by every call, and only all of them together tell whether it matched.
+    model = shard(copy.deepcopy(ref), {**mapping, "blocks.*.kv.weight": "row"})
+    with pytest.raises(ValueError, match=r"pattern\(s\) \['blocks\.\*\.kv\.weight'\] matched no parameter"):
+        model(torch.randn(2, 8))
+    # granularity_by_pattern matches the model's own names and checks them at once.
+    plain = copy.deepcopy(ref)
+    with pytest.raises(ValueError, match=r"pattern\(s\) \['blocks\.\*\.experts\.w3'\] match no parameter"):
+        granularity_by_pattern(plain, {"blocks.*.experts.*": 16, "blocks.*.experts.w3": "row"})
+    by_name = granularity_by_pattern(plain, {"blocks.*.experts.*": 16, "blocks.1.kv.weight": "row"})
+    assert by_name("w2", plain.blocks[1].experts.w2) == 16 and by_name("kv.weight", plain.blocks[1].kv.weight) == "row"
+    assert by_name("kv.weight", plain.blocks[0].kv.weight) == "element"
+    model = shard(plain, by_name)
+    assert train_and_compare(model, ref, rank, world) < 1e-5
+
+
+def test_granularity_on_real_shapes() -> None:
+    run_distributed(_run, 3)
