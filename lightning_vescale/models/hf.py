@@ -43,7 +43,7 @@ from lightning_vescale.quant.hf_fp8 import fold_fp8_state, fp8_format
 from lightning_vescale.quant.tensor import is_quantized, set_quantized_parameter
 from lightning_vescale.state_dict_report import listing, mismatch_report
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "from_pretrained", "read_pretrained_config", "save_pretrained"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "from_pretrained", "hf_parameter_names", "read_pretrained_config", "save_pretrained"]
 
 # Families with an adapter module of their own (models/hf_<model_type>.py; see hf_adapter.py).
 _ADAPTERS = {adapter.model_type: adapter for adapter in (QWEN3_MOE_ADAPTER, DEEPSEEK_V3_ADAPTER)}
@@ -654,6 +654,27 @@ def _config_to_hf(config: ModelConfig, model_type: str, dtype: torch.dtype) -> d
             router_aux_loss_coef=config.aux_loss_coef,
         )
     return hf
+
+
+def hf_parameter_names(
+    config: ModelConfig, names: list[str], *, model_type: Optional[str] = None
+) -> dict[str, str]:
+    """The Hugging Face names of our (non-expert) parameters ``names``, as :func:`save_pretrained` writes them
+    (``layers.0.attention.wq.weight`` -> ``model.layers.0.self_attn.q_proj.weight``)."""
+    adapter = next((a for a in _ADAPTERS.values() if isinstance(config, a.config_class)), None)
+    if adapter is None:
+        if isinstance(config, LlamaConfig):
+            model_type = model_type or "llama"
+        else:
+            model_type = model_type or ("qwen2_moe" if config.shared_expert_hidden > 0 else "mixtral")
+    out = {}
+    for name in names:
+        probe = {name: torch.zeros(1)}
+        hf = adapter.state_to_hf(probe, None) if adapter else _state_to_hf(probe, model_type, None)
+        if len(hf) != 1:
+            raise ValueError(f"{name} has no one-to-one Hugging Face name (an expert stack?)")
+        out[name] = next(iter(hf))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

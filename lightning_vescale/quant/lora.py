@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["LoRAConfig", "LoRALinear", "apply_lora", "lora_modules", "merged_weight"]
+__all__ = ["LoRAConfig", "LoRALinear", "apply_lora", "load_base_state_dict", "lora_modules", "merged_weight"]
 
 
 @dataclass(frozen=True)
@@ -112,3 +112,48 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 def merged_weight(module: LoRALinear, base_weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``W + scaling * B @ A`` in fp32 (full tensors: ``base_weight`` dequantized, ``a``/``b`` the adapters)."""
     return base_weight.float() + module.scaling * (b.float() @ a.float())
+
+
+@torch.no_grad()
+def load_base_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict of the model *without* adapters (e.g. ``from_pretrained(...).state_dict()``) into
+    the adapted, possibly quantized and sharded, model; the adapters keep their values.
+
+    ``X.weight`` of a wrapped Linear goes to ``X.base_layer.weight``. A quantized parameter takes a
+    :class:`~lightning_vescale.quant.tensor.QuantizedTensor` of its format as it is (codes and scales copied,
+    e.g. from an FP8 checkpoint loaded with ``quantized_weights="keep"``) and quantizes anything else (each rank
+    its own tiles). Every other entry loads as a full state dict (each rank its own pieces).
+
+    Raises:
+        ValueError: names missing from or unexpected in ``state`` (all listed), or a shape mismatch; nothing is
+            changed then.
+    """
+    from lightning_vescale.checkpoint import load_full_state_dict
+    from lightning_vescale.quant.tensor import SCALE_SUFFIX, is_quantized
+    from lightning_vescale.state_dict_report import mismatch_report
+
+    wrapped = lora_modules(model)
+    renamed = {}
+    for name, value in state.items():
+        module, _, leaf = name.rpartition(".")
+        renamed[f"{module}.base_layer.{leaf}" if module in wrapped else name] = value
+    adapters = {f"{m}.{part}.weight" for m in wrapped for part in ("lora_A", "lora_B")}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    quantized = {n: p for n, p in params.items() if is_quantized(p)}
+    expected = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if name in adapters or (name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in quantized):
+            continue
+        if isinstance(value, torch.Tensor):
+            expected[name] = tuple(params[name].shape if name in params else value.shape)
+    report = mismatch_report(expected, {n: tuple(v.shape) for n, v in renamed.items()}, ours="model",
+                             theirs="state dict")
+    if report:
+        raise ValueError(f"the base weights do not match the adapted model:\n{report}")
+    for name, p in quantized.items():
+        value = renamed[name]
+        if is_quantized(value) and value.fmt != p.fmt:
+            value = value.dequantize(torch.float32)  # another format: re-quantize (the user chose the format)
+        p.detach().copy_(value)
+    rest = {n: (v.dequantize() if is_quantized(v) else v) for n, v in renamed.items() if n not in quantized}
+    load_full_state_dict(model, rest, strict=False)

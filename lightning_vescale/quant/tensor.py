@@ -41,7 +41,10 @@ from lightning_vescale.quant.blocks import (
 from lightning_vescale.quant.formats import BlockFormat
 from lightning_vescale.tensor import RaggedTensor, UnsupportedRaggedOp
 
-__all__ = ["SCALE_SUFFIX", "QuantizedTensor", "install_state_dict_hooks", "is_quantized"]
+__all__ = [
+    "SCALE_SUFFIX", "QuantizedTensor", "install_state_dict_hooks", "is_quantized", "set_quantized_parameter",
+    "weights_state_dict",
+]
 
 aten = torch.ops.aten
 SCALE_SUFFIX = "_scale_inv"
@@ -347,6 +350,18 @@ def install_state_dict_hooks(module: nn.Module) -> None:
     if not module.__dict__.get("_vescale_quant_hooked", False):
         module.register_state_dict_post_hook(_expand_quantized)
         module.__dict__["_vescale_quant_hooked"] = True
+
+
+def weights_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with each quantized weight as its QuantizedTensor (not as codes + scales)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if name.endswith(SCALE_SUFFIX) and is_quantized(params.get(name[: -len(SCALE_SUFFIX)])):
+            continue
+        p = params.get(name)
+        out[name] = p.detach() if is_quantized(p) else value.detach() if isinstance(value, torch.Tensor) else value
+    return out
 
 
 def dequantized_full(t: torch.Tensor) -> torch.Tensor:

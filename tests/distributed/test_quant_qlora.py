@@ -169,3 +169,55 @@ def _frozen_before_trainable(rank: int, world: int) -> None:
 
 def test_frozen_parameters_stay_gathered_until_backward_used_them():
     run_distributed(_frozen_before_trainable, 2)
+
+
+def _lora_values(model) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {n: torch.randn(p.shape, generator=g) * 0.05 for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _qlora_from_fp8(rank: int, world: int, path: str, tmp: str) -> None:
+    from lightning_vescale import init_sharded_weights
+    from lightning_vescale.checkpoint import load_full_state_dict
+    from lightning_vescale.models import from_pretrained
+    from lightning_vescale.quant.lora import load_base_state_dict
+    from lightning_vescale.quant.peft import save_peft_adapter
+    from lightning_vescale.quant.tensor import rowmajor_codes, weights_state_dict
+
+    fmt = BlockFormat("fp8_e4m3", 32)
+    hf_model, config = from_pretrained(path, quantized_weights="keep")
+    state = weights_state_dict(hf_model)
+    assert isinstance(state["layers.0.attention.wq.weight"], QuantizedTensor)
+    # The one-process reference: the checkpoint's model with adapters.
+    ref = hf_model
+    apply_lora(ref, LORA)
+    load_full_state_dict(ref, _lora_values(ref), strict=False)
+    # The sharded run: built on meta, base quantized in storage, filled from the checkpoint's codes.
+    model = shard(build(fmt, meta=True))
+    init_sharded_weights(model)
+    load_base_state_dict(model, state)
+    load_full_state_dict(model, _lora_values(model), strict=False)
+    stored = hf_model.layers[1].feed_forward.w2.base_layer.weight
+    got = model.layers[1].feed_forward.w2.base_layer.weight
+    assert torch.equal(got.codes.full_tensor().view(torch.uint8), stored.codes.view(torch.uint8))  # no re-quantizing
+    assert torch.equal(got.scale_inv.full_tensor(), rowmajor_codes(stored)[1])
+    torch.testing.assert_close(torch.tensor(train(model)), torch.tensor(train(ref)), rtol=1e-5, atol=1e-5)
+    # Adapters exported from the sharded run = from the one-process run.
+    save_peft_adapter(model, config, os.path.join(tmp, "sharded"), write=rank == 0)
+    if rank == 0:
+        save_peft_adapter(ref, config, os.path.join(tmp, "single"))
+        from safetensors.torch import load_file
+
+        a = load_file(os.path.join(tmp, "sharded", "adapter_model.safetensors"))
+        b = load_file(os.path.join(tmp, "single", "adapter_model.safetensors"))
+        assert a.keys() == b.keys() and len(a) == 2 * 7 * CONFIG.n_layers  # A and B of 7 Linears per layer
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_qlora_from_an_fp8_checkpoint_keeps_its_codes(tmp_path):
+    from tests.unit.test_quant_hf_import import _write_fp8
+
+    torch.manual_seed(0)
+    _write_fp8(Llama(CONFIG), CONFIG, tmp_path / "hf")
+    run_distributed(_qlora_from_fp8, 2, str(tmp_path / "hf"), str(tmp_path))
