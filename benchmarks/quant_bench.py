@@ -418,37 +418,46 @@ def memory_markdown(result: dict) -> list[str]:
 
 
 # -- curves: llama_tiny 300 steps, bf16 gather vs FP8 gather ----------------------------------------------
-def curves_records(quick: bool = False) -> dict:
+CURVE_SEEDS = (1234, 1, 2)  # 1234 is the recipes' default seed; the others show how much one run's gap varies
+
+
+def _recipe_run(tmp: str, name: str, steps: int, seed: int, extra: list[str]) -> dict:
     import csv
     import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    run = Path(tmp) / name
+    overrides = ["model=llama_tiny", "precision=bf16_mixed", f"trainer.max_steps={steps}", f"seed={seed}", *extra]
+    cmd = [sys.executable, str(root / "recipes" / "train.py"), *overrides, "trainer.enable_progress_bar=false",
+           "trainer.checkpoint_every_n_steps=0", f"output_root={tmp}", f"hydra.run.dir={run}"]
+    subprocess.run(cmd, cwd=root, check=True, capture_output=True, text=True,
+                   env=dict(os.environ, PYTHONPATH=str(root), PYTHONWARNINGS="ignore"))
+    summary = json.loads((run / "summary.json").read_text())
+    with open(run / "csv" / "metrics.csv") as f:
+        losses = {int(float(r["step"])): float(r["loss"]) for r in csv.DictReader(f) if r.get("loss")}
+    gather = sum(v for k, v in (summary["comm_bytes_per_step_by_kind"] or {}).items() if k.startswith("all_gather"))
+    return {"command": "python recipes/train.py " + " ".join(overrides), "seed": seed,
+            "final_loss": summary["final_loss"], "final_loss_mean_last_10": summary["final_loss_mean_last_10"],
+            "val_loss": summary["val_loss"], "all_gather_bytes_per_step": gather,
+            "step_time_s": summary["step_time_s"], "losses": sorted(losses.items())}
+
+
+def curves_records(quick: bool = False) -> dict:
     import tempfile
 
     steps = 20 if quick else 300
-    root = Path(__file__).resolve().parents[1]
-    runs = {}
+    seeds = CURVE_SEEDS[:1] if quick else CURVE_SEEDS
+    pairs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("bf16", []), ("fp8_gather", ["quant=fp8_gather"])):
-            run = Path(tmp) / name
-            cmd = [sys.executable, str(root / "recipes" / "train.py"), "model=llama_tiny", "precision=bf16_mixed",
-                   f"trainer.max_steps={steps}", "trainer.enable_progress_bar=false", "trainer.checkpoint_every_n_steps=0",
-                   f"output_root={tmp}", f"hydra.run.dir={run}", *extra]
-            subprocess.run(cmd, cwd=root, check=True, capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONPATH=str(root), PYTHONWARNINGS="ignore"))
-            summary = json.loads((run / "summary.json").read_text())
-            with open(run / "csv" / "metrics.csv") as f:
-                losses = {int(float(r["step"])): float(r["loss"]) for r in csv.DictReader(f) if r.get("loss")}
-            gather = sum(v for k, v in (summary["comm_bytes_per_step_by_kind"] or {}).items()
-                         if k.startswith("all_gather"))
-            runs[name] = {"command": " ".join(["python recipes/train.py", *cmd[3:4], *cmd[4:6], *extra]),
-                          "final_loss": summary["final_loss"], "final_loss_mean_last_10": summary[
-                              "final_loss_mean_last_10"], "val_loss": summary["val_loss"],
-                          "all_gather_bytes_per_step": gather, "step_time_s": summary["step_time_s"],
-                          "losses": sorted(losses.items())}
-    a, b = runs["bf16"], runs["fp8_gather"]
-    result = {"steps": steps, "runs": runs,
-              "final_loss_rel_diff": abs(b["final_loss_mean_last_10"] - a["final_loss_mean_last_10"]) / a[
-                  "final_loss_mean_last_10"],
-              "all_gather_ratio": b["all_gather_bytes_per_step"] / a["all_gather_bytes_per_step"]}
+        for seed in seeds:
+            a = _recipe_run(tmp, f"bf16_{seed}", steps, seed, [])
+            b = _recipe_run(tmp, f"fp8_{seed}", steps, seed, ["quant=fp8_gather"])
+            pairs.append({"seed": seed, "bf16": a, "fp8_gather": b,
+                          "final_loss_rel_diff": (b["final_loss_mean_last_10"] - a["final_loss_mean_last_10"])
+                          / a["final_loss_mean_last_10"],
+                          "all_gather_ratio": b["all_gather_bytes_per_step"] / a["all_gather_bytes_per_step"]})
+    result = {"steps": steps, "pairs": pairs,
+              "mean_final_loss_rel_diff": sum(p["final_loss_rel_diff"] for p in pairs) / len(pairs)}
     if not quick:
         import matplotlib
 
@@ -456,12 +465,15 @@ def curves_records(quick: bool = False) -> dict:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        for name, label in (("bf16", "bf16 AllGather"), ("fp8_gather", "FP8 e4m3 block AllGather")):
-            xs, ys = zip(*runs[name]["losses"])
-            ax.plot(xs, ys, label=label, linewidth=1)
+        for i, pair in enumerate(pairs):
+            for name, label, color in (("bf16", "bf16 AllGather", "tab:blue"),
+                                       ("fp8_gather", "FP8 e4m3 block AllGather", "tab:orange")):
+                xs, ys = zip(*pair[name]["losses"])
+                ax.plot(xs, ys, color=color, linewidth=1 if i == 0 else 0.6, alpha=1 if i == 0 else 0.35,
+                        label=f"{label} (seed {pair['seed']})" if i == 0 else None)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("training loss")
-        ax.set_title(f"llama_tiny, 2 ranks, bf16-mixed: {steps} steps")
+        ax.set_title(f"llama_tiny, 2 ranks, bf16-mixed, {steps} steps (faint: seeds {', '.join(map(str, seeds[1:]))})")
         ax.legend()
         fig.tight_layout()
         RESULTS.mkdir(parents=True, exist_ok=True)
@@ -470,20 +482,27 @@ def curves_records(quick: bool = False) -> dict:
 
 
 def curves_markdown(result: dict) -> list[str]:
-    a, b = result["runs"]["bf16"], result["runs"]["fp8_gather"]
-    met = result["final_loss_rel_diff"] <= 0.02
-    return ["## llama_tiny: FP8 AllGather vs bf16 AllGather over the same run", "",
-            f"Measured by `python benchmarks/quant_bench.py --only curves`: `{a['command']}` and `{b['command']}` "
-            f"(2 CPU ranks, {result['steps']} steps, the same seed and data). Both curves: "
-            "`benchmarks/results/quant_loss.png`. Final loss = mean of the last 10 logged training losses.", "",
-            "| AllGather | final loss | last logged loss | val loss | AllGather bytes / step | step (s) |",
-            "|---|---:|---:|---:|---:|---:|",
-            f"| bf16 | {a['final_loss_mean_last_10']:.4f} | {a['final_loss']:.4f} | {a['val_loss']:.4f} | "
-            f"{a['all_gather_bytes_per_step'] / 2**10:.1f} KiB | {a['step_time_s']:.3f} |",
-            f"| fp8 e4m3 / 128 | {b['final_loss_mean_last_10']:.4f} | {b['final_loss']:.4f} | {b['val_loss']:.4f} | "
-            f"{b['all_gather_bytes_per_step'] / 2**10:.1f} KiB | {b['step_time_s']:.3f} |", "",
-            f"Goal final loss within 2% of bf16: **{'met' if met else 'NOT met'}** ({result['final_loss_rel_diff']:.2%} "
-            f"apart); AllGather bytes {result['all_gather_ratio']:.3f}x of bf16's.", ""]
+    first = result["pairs"][0]
+    out = ["## llama_tiny: FP8 AllGather vs bf16 AllGather over the same run", "",
+           f"Measured by `python benchmarks/quant_bench.py --only curves`: `{first['bf16']['command']}` and the same "
+           f"with `quant=fp8_gather` (2 CPU ranks, {result['steps']} steps, the same seed and data for both), for "
+           f"{len(result['pairs'])} seeds. Curves: `benchmarks/results/quant_loss.png`. Final loss = the recipe "
+           "summary's mean of the last 10 training losses; gap = (FP8 - bf16) / bf16. The recipe's `quant.exclude` "
+           "keeps the embedding and the head in bf16 on the wire: they are 44% of llama_tiny's weights, hence the "
+           "bytes ratio above 0.5 here (0.500x on the gather section's model, where everything 2-D is quantized).", "",
+           "| seed | bf16 final | FP8 final | gap | bf16 val | FP8 val | AllGather bytes / step (bf16 -> FP8) |",
+           "|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in result["pairs"]:
+        a, b = p["bf16"], p["fp8_gather"]
+        out.append(f"| {p['seed']} | {a['final_loss_mean_last_10']:.4f} | {b['final_loss_mean_last_10']:.4f} | "
+                   f"{p['final_loss_rel_diff']:+.2%} | {a['val_loss']:.4f} | {b['val_loss']:.4f} | "
+                   f"{a['all_gather_bytes_per_step'] / 2**10:.1f} -> {b['all_gather_bytes_per_step'] / 2**10:.1f} KiB "
+                   f"({p['all_gather_ratio']:.3f}x) |")
+    worst = max(abs(p["final_loss_rel_diff"]) for p in result["pairs"])
+    out += ["", f"Goal final loss within 2% of bf16: default seed {first['seed']}: "
+            f"**{'met' if abs(first['final_loss_rel_diff']) <= 0.02 else 'NOT met'}** ({first['final_loss_rel_diff']:+.2%}); "
+            f"mean over the seeds {result['mean_final_loss_rel_diff']:+.2%}, worst {worst:.2%}.", ""]
+    return out
 
 
 # -- driver -------------------------------------------------------------------------------------------------

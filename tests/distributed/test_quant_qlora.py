@@ -221,3 +221,30 @@ def test_qlora_from_an_fp8_checkpoint_keeps_its_codes(tmp_path):
     torch.manual_seed(0)
     _write_fp8(Llama(CONFIG), CONFIG, tmp_path / "hf")
     run_distributed(_qlora_from_fp8, 2, str(tmp_path / "hf"), str(tmp_path))
+
+
+def _moe_qlora(rank: int, world: int) -> None:
+    from lightning_vescale.models import DeepSeekV3, deepseek_v3_config
+
+    # Expert stacks (3-D) stored as codes + scales per expert matrix, MLA attention with adapters.
+    torch.manual_seed(0)
+    ref = DeepSeekV3(deepseek_v3_config("tiny"))
+    apply_lora(ref, LoRAConfig(rank=4, alpha=8.0, targets=("*attention.wq_b", "*attention.wo")))
+    names = quantize_frozen_weights(ref, BlockFormat("int8", 32), exclude=("tok_embeddings.*", "output.*",
+                                                                          "*.router.*"))
+    assert "layers.1.feed_forward.experts.w1_EDF" in names
+    for name, p in ref.named_parameters():
+        if name.endswith("lora_B.weight"):
+            torch.nn.init.normal_(p, std=0.02)
+    model = shard(copy.deepcopy(ref))
+    stack = model.layers[1].feed_forward.experts.w1_EDF
+    assert isinstance(stack, QuantizedTensor) and stack.is_sharded and stack.dim() == 3
+    torch.testing.assert_close(torch.tensor(train(model)), torch.tensor(train(ref)), rtol=1e-5, atol=1e-5)
+    # Codes cannot train: unfreezing a quantized weight is refused by name at the next forward.
+    stack.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"block-quantized frozen weight .* was set to requires_grad=True"):
+        model(batch(0)[0])
+
+
+def test_qlora_over_quantized_expert_stacks():
+    run_distributed(_moe_qlora, 2)
