@@ -16,6 +16,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_vescale.quant.tensor import SCALE_SUFFIX, is_quantized
+
 __all__ = ["check_dtype_kinds", "dtype_kind", "dtype_kind_mismatches"]
 
 
@@ -60,7 +62,13 @@ def check_dtype_kinds(model: nn.Module, state_dict: Mapping[str, Any], *, what: 
         what: what ``state_dict`` is, for the message (e.g. ``"full state dict"``).
     """
     entries = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
-    lines = dtype_kind_mismatches({name: t.dtype for name, t in entries}, state_dict)
+    expected = {}
+    for name, t in entries:
+        if is_quantized(t):  # stored as codes + scales (see lightning_vescale.quant.tensor)
+            expected[name], expected[name + SCALE_SUFFIX] = t.codes.dtype, torch.float32
+        else:
+            expected[name] = t.dtype
+    lines = dtype_kind_mismatches(expected, state_dict)
     if lines:
         raise ValueError(
             f"the {what} holds tensors of another kind than the model's (a cast would load garbage: integers "

@@ -13,6 +13,7 @@ AllGather and one ReduceScatter per group. Each original parameter becomes
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ from lightning_vescale.planner import (
     granule,
     plan_buffer,
 )
+from lightning_vescale.quant import _sharding as quant_sharding
+from lightning_vescale.quant._gather import QuantizedGatherBuffer
+from lightning_vescale.quant._storage import QuantizedStorage
+from lightning_vescale.quant.tensor import install_state_dict_hooks
 from lightning_vescale.tensor import RaggedLayout, RaggedTensor
 
 logger = logging.getLogger(__name__)
@@ -129,6 +134,9 @@ class ParamGroup:
         # buffers of finished groups are freed during backward, not at its end.
         self.reduce_queue: list[ParamGroup] = []
         self._build(params, granularity_fn)
+        self._frozen_in_use = False  # frozen buffers stay gathered until backward has used them (see below)
+        if any(not mp.requires_grad for mp in self.managed):
+            module.register_forward_pre_hook(self._watch_inputs_for_backward, with_kwargs=True)
 
     # -- construction -----------------------------------------------------------------------------------
     def _build(self, params, granularity_fn: GranularityFn) -> None:
@@ -139,18 +147,28 @@ class ParamGroup:
                 raise ValueError(
                     f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1."
                 )
-            key = (param.dtype, param.requires_grad)
+            quant = quant_sharding.group_key_suffix(fqn, param)  # () unless block-quantized (its own buffer)
+            key = (param.dtype, param.requires_grad, *quant)
             shape = tuple(param.shape)
             try:
                 g_numel, period = granule(shape, granularity_fn(fqn, param))
             except ValueError as e:
                 raise ValueError(f"parameter {fqn}: {e}") from None
+            if quant and quant[0] == quant_sharding.GATHER:
+                # Whole row bands of the quantization blocks: uniform over the tensor.
+                g_numel, period = quant_sharding.gather_granularity(fqn, param, quant[1], g_numel), 0
             specs.setdefault(key, []).append(TensorSpec(fqn, shape, g_numel, _owner_cost(shape, g_numel), period))
             self.managed.append(_ManagedParam(fqn, uses, key))
             originals[fqn] = param
         for key, key_specs in specs.items():
-            dtype, requires_grad = key
+            dtype, requires_grad = key[:2]
             param_dtype = self.mp_policy.param_dtype if dtype.is_floating_point else None
+            if key[2:] and key[2] == quant_sharding.STORAGE:
+                self.buffers[key] = QuantizedStorage(
+                    [sp.name for sp in key_specs], [sp.shape for sp in key_specs], fmt=key[3], group=self.shard_group,
+                    world_size=self.world_size, device=self.device, param_dtype=param_dtype or dtype,
+                )
+                continue
             if param_dtype is not None and param_dtype == dtype:
                 param_dtype = None
             reduce_dtype = self.mp_policy.reduce_dtype if dtype.is_floating_point else None
@@ -161,7 +179,8 @@ class ParamGroup:
                 plan = plan_buffer(key_specs, self.world_size, alignment=alignment)
             except ValueError as e:
                 raise ValueError(f"cannot plan the parameters of {type(self.module).__name__}: {e}") from None
-            self.buffers[key] = DBuffer(
+            buffer_cls = functools.partial(QuantizedGatherBuffer, fmt=key[3]) if key[2:] else DBuffer
+            self.buffers[key] = buffer_cls(
                 plan, group=self.shard_group, device=self.device, dtype=dtype,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                 requires_grad=requires_grad and dtype.is_floating_point,
@@ -175,6 +194,9 @@ class ParamGroup:
             orig = originals[mp.fqn]
             mp.original = weakref.ref(orig)
             SHARDED_ORIGINALS[orig] = f"{mp.fqn} of the {type(self.module).__name__} sharded by an earlier fully_shard"
+            if isinstance(buf, QuantizedStorage):
+                self._build_quantized(mp, buf, orig)
+                continue
             local = buf.local_view(mp.index)
             if orig.is_meta:
                 self.needs_init = True
@@ -194,6 +216,21 @@ class ParamGroup:
             self._use_sharded(mp)
         self._grad_expected = sum(mp.unsharded.requires_grad for mp in self.managed)
 
+    def _build_quantized(self, mp: _ManagedParam, buf: QuantizedStorage, orig: nn.Parameter) -> None:
+        """A frozen block-quantized weight: its sharded parameter is a QuantizedTensor on ``buf``'s codes and scales
+        (filled from ``orig``'s codes, or by quantizing its values; a meta ``orig`` is filled by init)."""
+        sharded = buf.sharded_tensor(mp.index, buf.param_dtype if orig.is_meta else orig.dtype)
+        if orig.is_meta:
+            self.needs_init = True
+        else:
+            sharded.copy_(orig.detach())
+        mp.sharded = nn.Parameter(sharded, requires_grad=False)
+        mp.unsharded = nn.Parameter(buf.unsharded_view(mp.index), requires_grad=False)
+        mp.requires_grad = False
+        for module, _ in mp.uses:
+            install_state_dict_hooks(module)
+        self._use_sharded(mp)
+
     def _layouts(self, originals: dict[str, nn.Parameter]) -> dict[str, RaggedLayout]:
         """Each parameter's :class:`RaggedLayout`: its pieces over the shard group.
 
@@ -206,6 +243,8 @@ class ParamGroup:
         blocks = []
         for mp in self.managed:
             buf = self.buffers[mp.key]
+            if isinstance(buf, QuantizedStorage):
+                continue  # its codes and scales carry their own layouts
             extent = getattr(originals[mp.fqn], "_vescale_global_extent", None)
             if extent is None:
                 shape = tuple(originals[mp.fqn].shape)
@@ -332,6 +371,28 @@ class ParamGroup:
         if self._grad_count == self._grad_expected and self.training_state is TrainingState.PRE_BACKWARD:
             self.post_backward()
 
+    # [Note: frozen parameters in backward]
+    # The last gradient of a group's trainable parameters can arrive before backward is done with its frozen
+    # ones (a LoRA adapter's weight gradient before the input gradient through the frozen base weight, which
+    # needs that weight). So a group with frozen parameters watches its forward inputs: once backward has
+    # produced their gradients, nothing of the module is left to run, and the frozen buffers are freed then (or
+    # at the end of backward when no input needs a gradient). Trainable buffers are freed as before.
+    def _watch_inputs_for_backward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:
+            self._frozen_in_use = True
+            torch.autograd.graph.register_multi_grad_hook(inputs, self._inputs_done, mode="all")
+
+    def _inputs_done(self, *unused) -> None:
+        self._frozen_in_use = False
+        if self.training_state is TrainingState.POST_BACKWARD or self._grad_expected == 0:
+            for buf in self.buffers.values():
+                if not buf.requires_grad:
+                    buf.reshard()
+
     def post_backward(self) -> None:
         """Every gradient arrived: free the parameters and issue the ReduceScatter (unless no-sync)."""
         if self.training_state is not TrainingState.PRE_BACKWARD:
@@ -339,7 +400,14 @@ class ParamGroup:
         self.training_state = TrainingState.POST_BACKWARD
         for mp in self.managed:
             mp.unsharded.grad = None  # the buffer stays; only the views are dropped
-        self.reshard()
+        if self._frozen_in_use:  # frozen buffers are freed once backward has used them (see the note above)
+            for mp in self.managed:
+                self._use_sharded(mp)
+            for buf in self.buffers.values():
+                if buf.requires_grad:
+                    buf.reshard()
+        else:
+            self.reshard()
         if not self.requires_grad_sync:
             return
         issued = False

@@ -39,9 +39,11 @@ from lightning_vescale.models.hf_deepseek_v3 import DEEPSEEK_V3_ADAPTER
 from lightning_vescale.models.hf_qwen3_moe import QWEN3_MOE_ADAPTER
 from lightning_vescale.models.llama import Llama, LlamaConfig, RopeScaling
 from lightning_vescale.models.moe import GroupedExperts, MoE, MoEConfig
+from lightning_vescale.quant.hf_fp8 import fold_fp8_state, fp8_format
+from lightning_vescale.quant.tensor import is_quantized, set_quantized_parameter
 from lightning_vescale.state_dict_report import listing, mismatch_report
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "from_pretrained", "read_pretrained_config", "save_pretrained"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "from_pretrained", "hf_parameter_names", "read_pretrained_config", "save_pretrained"]
 
 # Families with an adapter module of their own (models/hf_<model_type>.py; see hf_adapter.py).
 _ADAPTERS = {adapter.model_type: adapter for adapter in (QWEN3_MOE_ADAPTER, DEEPSEEK_V3_ADAPTER)}
@@ -87,6 +89,7 @@ def from_pretrained(
     model_type: Optional[str] = None,
     dtype: torch.dtype = torch.float32,
     device: Union[str, torch.device] = "cpu",
+    quantized_weights: Optional[str] = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Load a local transformers checkpoint directory into a :class:`Llama` or :class:`MoE`.
 
@@ -101,6 +104,12 @@ def from_pretrained(
             default: ``config.json``'s ``model_type``.
         dtype: dtype of the returned model's parameters and buffers.
         device: where the model is materialized.
+        quantized_weights: for an FP8 block checkpoint (``quantization_config`` with ``weight_block_size``, each
+            quantized weight stored as ``float8_e4m3fn`` codes plus ``weight_scale_inv``, as DeepSeek-V3 and
+            Qwen3-FP8 ship them): ``"dequantize"`` loads plain weights in ``dtype``; ``"keep"`` makes each quantized
+            weight a frozen :class:`~lightning_vescale.quant.QuantizedTensor` holding the checkpoint's codes and
+            scales (nothing is re-quantized; the model runs by dequantizing them, and ``fully_shard`` shards them
+            as codes + scales). A quantized checkpoint without this argument raises.
 
     Returns:
         ``(model, config)``.
@@ -122,6 +131,7 @@ def from_pretrained(
         raise FileNotFoundError(f"no config.json in {str(path)!r} (found: {sorted(p.name for p in path.iterdir())})")
     hf_config = json.loads(config_file.read_text())
     model_type = _resolve_model_type(model_type or hf_config.get("model_type"), config_file)
+    fp8 = fp8_format(hf_config, quantized_weights, config_file)
     adapter = _ADAPTERS.get(model_type)
     config = adapter.config_from_hf(hf_config) if adapter else _CONFIG_FROM_HF[model_type](hf_config)
     files = _safetensors_files(path)
@@ -131,12 +141,22 @@ def from_pretrained(
     with torch.device("meta"):
         build = adapter.model_class if adapter else Llama if isinstance(config, LlamaConfig) else MoE
         model: nn.Module = build(config)
-    _check_state(model, *_our_state(_read_headers(files), config, adapter), path)
+    headers = _read_headers(files)
+    if fp8 is not None:
+        headers = fold_fp8_state(headers, fp8, quantized_weights, dtype, path)
+    _check_state(model, *_our_state(headers, config, adapter), path)
     model.to_empty(device=device)
     model.init_buffers()
-    state, _, _ = _our_state(_read_tensors(files), config, adapter)
-    model.load_state_dict(state, strict=False)
-    return model.to(dtype), config
+    tensors = _read_tensors(files)
+    if fp8 is not None:
+        tensors = fold_fp8_state(tensors, fp8, quantized_weights, dtype, path)
+    state, origin, _ = _our_state(tensors, config, adapter)
+    quantized = {name: t for name, t in state.items() if is_quantized(t)}
+    model.load_state_dict({n: t for n, t in state.items() if n not in quantized}, strict=False)
+    model.to(dtype)
+    for name, t in quantized.items():
+        set_quantized_parameter(model, name, t.to(device=device, dtype=dtype))
+    return model, config
 
 
 def _resolve_model_type(model_type: Optional[str], config_file: Path) -> str:
@@ -634,6 +654,27 @@ def _config_to_hf(config: ModelConfig, model_type: str, dtype: torch.dtype) -> d
             router_aux_loss_coef=config.aux_loss_coef,
         )
     return hf
+
+
+def hf_parameter_names(
+    config: ModelConfig, names: list[str], *, model_type: Optional[str] = None
+) -> dict[str, str]:
+    """The Hugging Face names of our (non-expert) parameters ``names``, as :func:`save_pretrained` writes them
+    (``layers.0.attention.wq.weight`` -> ``model.layers.0.self_attn.q_proj.weight``)."""
+    adapter = next((a for a in _ADAPTERS.values() if isinstance(config, a.config_class)), None)
+    if adapter is None:
+        if isinstance(config, LlamaConfig):
+            model_type = model_type or "llama"
+        else:
+            model_type = model_type or ("qwen2_moe" if config.shared_expert_hidden > 0 else "mixtral")
+    out = {}
+    for name in names:
+        probe = {name: torch.zeros(1)}
+        hf = adapter.state_to_hf(probe, None) if adapter else _state_to_hf(probe, model_type, None)
+        if len(hf) != 1:
+            raise ValueError(f"{name} has no one-to-one Hugging Face name (an expert stack?)")
+        out[name] = next(iter(hf))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 The router's ``e_score_correction_bias`` is our ``expert_bias`` (the auxiliary-loss-free balancing bias), so
 it is loaded and saved (in float32, as transformers keeps it). The multi-token-prediction layers of the
 released checkpoint (``model.layers.61.*``, ``num_nextn_predict_layers``) are skipped on load, as
-transformers does. FP8 checkpoints (a ``quantization_config``) are refused: load a bf16 copy.
+transformers does. FP8 block checkpoints (a ``quantization_config``) load through
+``from_pretrained(..., quantized_weights="dequantize" | "keep")``.
 """
 
 from __future__ import annotations
@@ -43,13 +44,6 @@ _LAYER_NAMES = (
 
 def _config_from_hf(hf: dict[str, Any]) -> DeepSeekV3Config:
     check_silu(hf)
-    quantization = hf.get("quantization_config")
-    if quantization:
-        raise ValueError(
-            f"config.json has a quantization_config ({quantization.get('quant_method', '?')}, "
-            f"{quantization.get('fmt', '')}): quantized checkpoints are not supported; load a bf16 copy "
-            "(DeepSeek's inference/fp8_cast_bf16.py writes one)"
-        )
     if hf.get("attention_bias", False):
         raise ValueError("config.json: attention_bias=true is not supported for deepseek_v3")
     if hf.get("scoring_func", "sigmoid") != "sigmoid":

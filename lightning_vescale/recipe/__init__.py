@@ -19,6 +19,7 @@ saves it (``trainer.save_on_signal``) and exits with code 143.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -52,6 +53,7 @@ from lightning_vescale.lightning import VeScalePrecision, VeScaleStrategy
 from lightning_vescale.lightning._common import describe_precision
 from lightning_vescale.models import from_pretrained, num_params
 from lightning_vescale.models.hf import read_pretrained_config
+from lightning_vescale.quant.tensor import weights_state_dict
 from lightning_vescale.recipe.callbacks import (
     LineProgress,
     RecipeProgressBar,
@@ -68,6 +70,7 @@ from lightning_vescale.recipe.checks import (
     preflight,
 )
 from lightning_vescale.recipe.module import CausalLMModule, build_optimizer_from_config, lr_multiplier
+from lightning_vescale.recipe.quant import AdapterExport, quantized_weights_mode
 from lightning_vescale.recipe.schema import (
     CheckpointModelConfig,
     DataConfig,
@@ -75,6 +78,7 @@ from lightning_vescale.recipe.schema import (
     ModelConfig,
     ModelParallelStrategyConfig,
     MuonConfig,
+    QuantConfig,
     TrainConfig,
     register_configs,
     validate,
@@ -141,7 +145,9 @@ def _processes_per_node(config: TrainConfig) -> int:
     return 1
 
 
-def load_initial_weights(init_from: Union[str, Path], model: ModelConfig) -> dict[str, torch.Tensor]:
+def load_initial_weights(
+    init_from: Union[str, Path], model: ModelConfig, *, quant: Optional[QuantConfig] = None
+) -> dict[str, torch.Tensor]:
     """The full state dict a fine-tuning run starts from, checked against the chosen ``model``.
 
     ``init_from`` is one of:
@@ -155,7 +161,9 @@ def load_initial_weights(init_from: Union[str, Path], model: ModelConfig) -> dic
       file's ``state_dict`` is accepted too).
 
     With ``model=from_checkpoint`` the model config is the checkpoint's own (plus the user's overrides), so
-    only the tensors' names and shapes are checked.
+    only the tensors' names and shapes are checked. An FP8 block checkpoint (``quantization_config``) is
+    dequantized, except for a QLoRA run (``quant``) in its own format and block size, which gets its codes and
+    scales as they are (:class:`~lightning_vescale.quant.QuantizedTensor` entries).
 
     Raises:
         FileNotFoundError: the path does not exist, or a directory is none of the above.
@@ -169,10 +177,11 @@ def load_initial_weights(init_from: Union[str, Path], model: ModelConfig) -> dic
     chosen = f"model={model.family}_{model.preset}" + (f" with {model.overrides()}" if model.overrides() else "")
     from_checkpoint = isinstance(model, CheckpointModelConfig)
     if path.is_dir() and (path / "config.json").is_file():
-        hf_model, hf_arch = from_pretrained(path)
+        mode = quantized_weights_mode(quant, json.loads((path / "config.json").read_text()))
+        hf_model, hf_arch = from_pretrained(path, quantized_weights=mode)
         if not from_checkpoint:
             check_same_architecture(hf_arch, arch, path, chosen)
-        state = hf_model.state_dict()
+        state = weights_state_dict(hf_model) if mode == "keep" else hf_model.state_dict()
     elif path.exists():
         try:
             checkpoint, _ = locate_checkpoint(path)
@@ -330,7 +339,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     ckpt_path = str(resume.checkpoint) if resume is not None else None
     init_state = None
     if isinstance(config, FinetuneConfig) and ckpt_path is None:
-        init_state = load_initial_weights(_absolute(config.init_from), config.model)
+        init_state = load_initial_weights(_absolute(config.init_from), config.model, quant=config.quant)
     if (_get_rank() or 0) == 0:
         _record_run(config, run_dir, resume)
     seed_everything(config.seed, workers=True, verbose=False)
@@ -339,7 +348,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     t = config.trainer
     module = CausalLMModule(
         config.model, config.optimizer, config.scheduler, max_steps=t.max_steps,
-        expert_bias_rate=config.expert_bias_rate, init_state_dict=init_state,
+        expert_bias_rate=config.expert_bias_rate, init_state_dict=init_state, quant=config.quant,
     )
     stats = StepStats(tokens_per_batch=config.data.batch_size * config.data.seq_len)
     with torch.device("meta"):
@@ -363,6 +372,10 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     if t.enable_progress_bar:
         callbacks.append(RecipeProgressBar() if sys.stdout.isatty() else LineProgress(t.log_every_n_steps))
     export = isinstance(config, FinetuneConfig) and config.export_hf
+    if config.quant is not None and config.quant.mode == "qlora":
+        # The checkpoints hold codes + adapters: the adapters (PEFT) and the merged model come from the live model.
+        callbacks.append(AdapterExport(run_dir, config.model.build_config(), _hf_model_type(config, resume),
+                                       merged=export, base_model_name_or_path=str(_absolute(config.init_from))))
     if t.checkpoint_every_n_steps > 0 or t.save_on_signal or export:
         callbacks.append(
             StepCheckpoint(
@@ -411,7 +424,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
                 else " (no checkpoint saved: trainer.save_on_signal=false)",
             )
         raise SystemExit(SIGTERM_EXIT_CODE) from None
-    if export and trainer.is_global_zero:
+    if export and trainer.is_global_zero and not any(isinstance(c, AdapterExport) for c in callbacks):
         out = export_hf(run_dir, run_dir / "hf")
         logger.info("wrote the Hugging Face model to %s (python -m lightning_vescale.export does the same)", out)
     return summary.summary

@@ -42,6 +42,7 @@ from lightning_vescale.models.moe import MoE, TopKRouter
 from lightning_vescale.recipe.schema import (
     ModelConfig,
     OptimizerConfig,
+    QuantConfig,
     SchedulerConfig,
 )
 
@@ -102,6 +103,8 @@ class CausalLMModule(LightningModule):
         expert_bias_rate: MoE auxiliary-loss-free balancing step; 0 disables.
         init_state_dict: a full (unsharded) state dict to start from (fine-tuning); loaded in
             :meth:`on_fit_start`, after the strategy has sharded and materialized the model.
+        quant: block-quantized weights (:mod:`lightning_vescale.recipe.quant`): LoRA adapters over a frozen
+            quantized base (``qlora``; ``init_state_dict`` is then the base's), or a quantized AllGather.
 
     The training loss (``loss``, averaged over ranks) and ``lr`` go to the progress bar and loggers,
     ``val_loss`` after each validation. Every row is logged at ``step`` = the number of optimizer steps done
@@ -119,8 +122,10 @@ class CausalLMModule(LightningModule):
         max_steps: int,
         expert_bias_rate: float = 1e-3,
         init_state_dict: Optional[Mapping[str, torch.Tensor]] = None,
+        quant: Optional[QuantConfig] = None,
     ) -> None:
         super().__init__()
+        self.quant = quant
         self.model_config = model
         self.optimizer_config = optimizer
         self.scheduler_config = scheduler
@@ -136,6 +141,7 @@ class CausalLMModule(LightningModule):
                 "scheduler": {k: getattr(scheduler, k) for k in scheduler.__dataclass_fields__},
                 "max_steps": max_steps,
                 "expert_bias_rate": expert_bias_rate,
+                **({"quant": {k: getattr(quant, k) for k in quant.__dataclass_fields__}} if quant else {}),
             }
         )
 
@@ -149,6 +155,10 @@ class CausalLMModule(LightningModule):
         # VeScaleStrategy opens its own meta-device context around this hook; ModelParallelStrategy does not.
         with torch.device("meta") if fsdp2 else nullcontext():
             model = self.model_config.build_model()
+            if self.quant is not None:
+                from lightning_vescale.recipe.quant import apply_quantization
+
+                apply_quantization(model, self.quant)  # adapters / declarations before the strategy shards
         if fsdp2:
             _apply_fsdp2(model, self.device_mesh)
         self.model = model
@@ -236,7 +246,12 @@ class CausalLMModule(LightningModule):
     def on_fit_start(self) -> None:
         if self._init_state_dict is None:
             return
-        load_full_state_dict_into(self.model, self._init_state_dict)
+        if self.quant is not None and self.quant.mode == "qlora":
+            from lightning_vescale.quant.lora import load_base_state_dict
+
+            load_base_state_dict(self.model, dict(self._init_state_dict))  # the base under its adapters
+        else:
+            load_full_state_dict_into(self.model, self._init_state_dict)
         self._init_state_dict = None
         logger.info("loaded the initial weights into the %s model", type(self.model).__name__)
 

@@ -16,6 +16,7 @@ field, what it got and what is allowed. The YAML files only pick and override.
       strategy   StrategyConfig    VeScaleStrategyConfig | DDPStrategyConfig | ModelParallelStrategyConfig
       data       DataConfig        corpus, tokenizer, windows
       trainer    TrainerConfig     Lightning Trainer settings (+ ``precision``, set by the precision group)
+      quant      QuantConfig       block-quantized weights (QLoRA base or quantized AllGather), or null
       notes      dict              free-form: whatever the user wants kept with the run (``+notes.<key>=...``)
 
 Components that carry ``_target_`` are built with ``hydra.utils.instantiate``, so a new optimizer or
@@ -57,6 +58,7 @@ __all__ = [
     "MuonConfig",
     "OptimizerConfig",
     "PRECISIONS",
+    "QuantConfig",
     "Qwen3MoEModelConfig",
     "SchedulerConfig",
     "StrategyConfig",
@@ -632,6 +634,49 @@ class TrainerConfig:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Block-quantized weights
+# ----------------------------------------------------------------------------------------------------
+
+QUANT_MODES = ("qlora", "gather")
+
+
+@dataclass
+class QuantConfig:
+    """Block-quantized weights (group ``quant``; see :mod:`lightning_vescale.quant`). Needs ``strategy=vescale``."""
+
+    mode: str = MISSING
+    """``qlora`` (``recipes/finetune.py``): the base model is frozen and stored sharded as codes + scales, LoRA
+    adapters train. ``gather``: every weight trains as usual, but the AllGather moves codes + scales."""
+    format: str = "fp8_e4m3"
+    """``fp8_e4m3`` (scale = amax / 448, as DeepSeek-V3) or ``int8`` (symmetric absmax)."""
+    block_size: int = 128
+    """One fp32 scale per ``block_size x block_size`` tile (e.g. 64 or 128)."""
+    targets: List[str] = field(default_factory=lambda: ["*"])
+    """Globs over parameter names: the 2-D / 3-D weights to quantize (1-D tensors never are)."""
+    exclude: List[str] = field(default_factory=lambda: ["tok_embeddings.*", "output.*", "*.router.*"])
+    """Globs over parameter names left unquantized (embeddings, the head and MoE routers by default, as
+    DeepSeek-V3's FP8 checkpoints keep them)."""
+    lora_rank: int = 8
+    """``qlora``: rank of each adapter."""
+    lora_alpha: float = 16.0
+    """``qlora``: adapter outputs are scaled by ``lora_alpha / lora_rank``."""
+    lora_targets: List[str] = field(default_factory=lambda: ["*attention.w*", "*feed_forward.w*"])
+    """``qlora``: globs over module names of the ``nn.Linear`` layers that get adapters (each must match one)."""
+
+    def __post_init__(self) -> None:
+        _check(self.mode in QUANT_MODES, f"quant.mode must be one of {', '.join(QUANT_MODES)}, got {self.mode!r} "
+                                         f"(pick it with quant=fp8_block, int8_block, fp8_gather or int8_gather)")
+        _check(self.format in ("fp8_e4m3", "int8"), f"quant.format must be fp8_e4m3 or int8, got {self.format!r}")
+        _check(isinstance(self.block_size, int) and self.block_size > 0,
+               f"quant.block_size must be a positive int (e.g. 128), got {self.block_size!r}")
+        _check(self.lora_rank > 0, f"quant.lora_rank must be > 0, got {self.lora_rank}")
+        _check(self.lora_alpha > 0, f"quant.lora_alpha must be > 0, got {self.lora_alpha}")
+        _check(bool(self.targets), "quant.targets is empty: give parameter-name globs, e.g. ['*']")
+        if self.mode == "qlora":
+            _check(bool(self.lora_targets), "quant.lora_targets is empty: give module-name globs, e.g. ['*attention.w*']")
+
+
+# ----------------------------------------------------------------------------------------------------
 # The whole run
 # ----------------------------------------------------------------------------------------------------
 
@@ -674,6 +719,10 @@ class TrainConfig:
     ``lightning_vescale`` and Lightning's strategies); see :mod:`lightning_vescale.recipe.targets`."""
     allow_any_target: bool = False
     """Let ``_target_`` name anything importable (Hydra's own blocklist still applies): trusted configs only."""
+
+    quant: Optional[QuantConfig] = None
+    """Block-quantized weights (group ``quant``: ``fp8_block`` / ``int8_block`` for QLoRA-style fine-tuning,
+    ``fp8_gather`` / ``int8_gather`` for a quantized AllGather); null: none."""
 
     notes: Dict[str, Any] = field(default_factory=dict)
     """Free-form: anything to keep with the run (``+notes.purpose=lr_sweep``); stored in ``config.yaml`` and
@@ -724,6 +773,13 @@ class TrainConfig:
                 f"strategy.expert_parallel_size={ep} does not divide the {arch.num_experts} experts of {where}",
             )
         _check(bool(self.name) and "/" not in self.name, f"name must be a non-empty directory name, got {self.name!r}")
+        if self.quant is not None:
+            _check(isinstance(self.strategy, VeScaleStrategyConfig),
+                   f"quant={self.quant.format} ({self.quant.mode}) needs strategy=vescale (block-quantized weights are "
+                   f"stored and gathered by its engine), got {type(self.strategy).__name__}")
+            _check(self.quant.mode != "qlora" or isinstance(self, FinetuneConfig),
+                   "quant mode qlora trains adapters on frozen weights: run recipes/finetune.py init_from=... (use "
+                   "quant=fp8_gather or int8_gather for a quantized AllGather while pre-training)")
 
 
 @dataclass
@@ -775,6 +831,7 @@ def register_configs() -> None:
     cs.store(group="schema/strategy", name="model_parallel", node=ModelParallelStrategyConfig)
     cs.store(group="schema/data", name="data", node=DataConfig)
     cs.store(group="schema/trainer", name="trainer", node=TrainerConfig)
+    cs.store(group="schema/quant", name="quant", node=QuantConfig)
 
 
 FREE_FORM_SECTIONS = ("notes",)

@@ -1,0 +1,220 @@
+"""Block quantization formats and layouts: error bounds, idempotence, shard-local = whole, negative controls."""
+
+import itertools
+
+import pytest
+import torch
+
+from lightning_vescale.quant import (
+    BlockCutError,
+    BlockFormat,
+    dequantize_block_major,
+    dequantize_rowmajor,
+    quantize_block_major,
+    quantize_rowmajor,
+    rowmajor_to_block_major,
+)
+from lightning_vescale.quant.blocks import (
+    dequantize_band_piece,
+    quantize_band_piece,
+    quantize_tile_range,
+    tile_range_of,
+    to_tiles,
+)
+
+FORMATS = [BlockFormat("fp8_e4m3", 128), BlockFormat("fp8_e4m3", 64), BlockFormat("int8", 128), BlockFormat("int8", 64)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _inputs(kind: str, shape: tuple) -> torch.Tensor:
+    with torch.random.fork_rng():
+        torch.manual_seed(len(kind) * 1000 + sum(shape))
+        if kind == "normal":
+            return torch.randn(shape)
+        # Heavy tails: Student-t with 1.5 degrees of freedom (infinite variance) plus a few huge outliers, so one
+        # element dominates its block's amax and most of the block lands on small and subnormal codes.
+        x = torch.distributions.StudentT(torch.tensor(1.5)).sample(shape)
+        idx = torch.randint(0, x.numel(), (8,))
+        x.view(-1)[idx] *= 1e4
+        return x
+
+
+def _bound(w: torch.Tensor, scales_full: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """DESIGN.md's bound per element (with a hair of fp32 rounding in x / scale and code * scale)."""
+    if fmt.kind == "fp8_e4m3":
+        bound = torch.maximum(w.abs() * 2.0**-4, scales_full * 2.0**-10)
+    else:
+        bound = scales_full / 2
+    return bound * (1 + 1e-4) + 1e-30
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("kind", ["normal", "heavy_tailed"])
+@pytest.mark.parametrize("shape", [(512, 384), (300, 200), (3, 130, 250)])
+def test_error_bound(fmt, kind, shape):
+    w = _inputs(kind, shape)
+    codes, scales = quantize_rowmajor(w, fmt)
+    back = dequantize_rowmajor(codes, scales, fmt)
+    b = fmt.block_size
+    scales_full = scales.repeat_interleave(b, -2).repeat_interleave(b, -1)[..., : shape[-2], : shape[-1]]
+    err = (back - w).abs()
+    assert torch.all(err <= _bound(w, scales_full, fmt)), float((err / _bound(w, scales_full, fmt)).max())
+    # The bound is tight enough to mean something: the error is not zero, and a bound 8x smaller fails.
+    assert err.max() > 0
+    assert not torch.all(err <= _bound(w, scales_full, fmt) / 8)
+    # Block-major storage holds the same values.
+    assert torch.equal(dequantize_block_major(*quantize_block_major(w, fmt), shape, fmt), back)
+
+
+def test_scale_is_amax_over_qmax():
+    w = torch.zeros(128, 256)
+    w[5, 7], w[100, 200] = -3.5, 0.25
+    for fmt, qmax in ((BlockFormat("fp8_e4m3"), 448.0), (BlockFormat("int8"), 127.0)):
+        _, scales = quantize_rowmajor(w, fmt)
+        assert scales.dtype == torch.float32
+        assert scales.tolist() == [[torch.tensor(3.5 / qmax).item(), torch.tensor(0.25 / qmax).item()]]
+    _, scales = quantize_rowmajor(torch.zeros(128, 128), BlockFormat())
+    assert scales.tolist() == [[1.0]]  # an all-zero block: no division by zero
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_requantization_is_idempotent(fmt):
+    w = _inputs("heavy_tailed", (2, 256, 320))
+    codes, scales = quantize_block_major(w, fmt)
+    again = quantize_block_major(dequantize_block_major(codes, scales, w.shape, fmt), fmt)
+    assert torch.equal(_bits(again[0]), _bits(codes)) and torch.equal(again[1], scales)
+    # and through bf16 (what a bf16 model would hand back) for fp8 codes: e4m3 values are exact in bf16
+    if fmt.kind == "fp8_e4m3":
+        bf16 = dequantize_block_major(codes, scales, w.shape, fmt, torch.float32)
+        assert torch.equal(quantize_block_major(bf16, fmt)[1], scales)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_tile_ranges_equal_whole_tensor(fmt):
+    w = _inputs("normal", (2, 300, 200))
+    codes, scales = quantize_block_major(w, fmt)
+    flat_codes, flat_scales = codes.reshape(-1, fmt.block_size, fmt.block_size), scales.reshape(-1)
+    n = flat_scales.numel()
+    for start, end in ((0, 1), (1, n - 2), (n - 3, n), (0, n), (4, 4)):
+        c, s = quantize_tile_range(w, fmt, start, end)
+        assert torch.equal(_bits(c), _bits(flat_codes[start:end])) and torch.equal(s, flat_scales[start:end])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_block_aligned_row_shards_equal_whole_tensor(fmt):
+    b = fmt.block_size
+    w = _inputs("heavy_tailed", (4 * b, 3 * b + 17))
+    codes, scales = quantize_rowmajor(w, fmt)
+    for lo, hi in ((0, b), (b, 3 * b), (3 * b, 4 * b)):
+        c, s = quantize_rowmajor(w[lo:hi], fmt)
+        assert torch.equal(_bits(c), _bits(codes[lo:hi])) and torch.equal(s, scales[lo // b: hi // b])
+    # The check can fail: a shard cut inside a block (half a block of rows) gets other scales.
+    c, s = quantize_rowmajor(w[b // 2: b // 2 + b], fmt)
+    assert not torch.equal(s, scales[0:1])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_band_pieces_equal_whole_tensor(fmt):
+    shape = (3, 2 * fmt.block_size, 150)  # an expert stack, columns not a multiple of the block
+    w = _inputs("normal", shape)
+    flat = w.reshape(-1)
+    band = fmt.block_size * 150
+    whole_c, whole_s = quantize_band_piece(flat, shape, 0, flat.numel(), fmt)
+    assert torch.equal(_bits(whole_c.view(shape)), _bits(quantize_rowmajor(w, fmt)[0]))
+    assert torch.equal(whole_s, quantize_rowmajor(w, fmt)[1].reshape(-1))
+    cuts = [0, band, 4 * band, 6 * band]
+    per_band_scales = -(-150 // fmt.block_size)
+    for lo, hi in itertools.pairwise(cuts):
+        c, s = quantize_band_piece(flat[lo:hi], shape, lo, hi, fmt)
+        assert torch.equal(_bits(c), _bits(whole_c[lo:hi]))
+        assert torch.equal(s, whole_s[lo // band * per_band_scales: hi // band * per_band_scales])
+        back = dequantize_band_piece(c, s, shape, lo, hi, fmt, torch.float32)
+        assert torch.equal(back, dequantize_rowmajor(*quantize_rowmajor(w, fmt), fmt).reshape(-1)[lo:hi])
+
+
+def test_band_rows_follow_gcd_of_rows_and_block():
+    # 96 rows with 64-blocks: bands of gcd(96, 64) = 32 rows, never straddling two experts of the stack.
+    fmt = BlockFormat("int8", 64)
+    shape = (2, 96, 64)
+    w = _inputs("normal", shape)
+    _c, s = quantize_band_piece(w.reshape(-1), shape, 0, w.numel(), fmt)
+    assert s.numel() == 2 * 3
+    for e in range(2):
+        _ce, se = quantize_band_piece(w[e].reshape(-1), (1, 96, 64), 0, 96 * 64, fmt)
+        assert torch.equal(se, s[3 * e: 3 * e + 3])
+
+
+def test_rowmajor_to_block_major_moves_codes_without_requantizing():
+    fmt = BlockFormat("fp8_e4m3", 128)
+    w = _inputs("normal", (300, 260))
+    codes, scales = quantize_rowmajor(w, fmt)
+    # Scales that are not what quantization would give: a conversion that re-quantized would change codes.
+    odd_scales = scales * 2
+    block_codes, block_scales = rowmajor_to_block_major(codes, odd_scales, fmt)
+    assert torch.equal(block_scales, odd_scales)
+    assert torch.equal(_bits(block_codes), _bits(to_tiles(codes.view(torch.uint8), 128)))
+    assert torch.equal(
+        dequantize_block_major(block_codes, block_scales, w.shape, fmt), dequantize_rowmajor(codes, odd_scales, fmt)
+    )
+
+
+# -- negative controls and bad input ------------------------------------------------------------------------
+
+
+def test_a_piece_cutting_a_tile_is_refused():
+    fmt = BlockFormat("fp8_e4m3", 64)
+    with pytest.raises(BlockCutError, match="inside tile 1"):
+        tile_range_of(0, 64 * 64 + 64, fmt, "rank 1")
+    assert tile_range_of(64 * 64, 3 * 64 * 64, fmt, "ok") == (1, 3)
+
+
+def test_a_piece_cutting_a_band_is_refused():
+    fmt = BlockFormat("int8", 128)
+    shape = (256, 100)
+    w = torch.randn(shape)
+    with pytest.raises(BlockCutError, match="inside a band of 128 rows"):
+        quantize_band_piece(w.reshape(-1)[: 64 * 100], shape, 0, 64 * 100, fmt)
+    with pytest.raises(BlockCutError, match="between bands"):
+        dequantize_band_piece(torch.zeros(100, dtype=torch.int8), torch.ones(1), shape, 100, 200, fmt, torch.float32)
+
+
+@pytest.mark.parametrize("bad", ["transposed", "block_64", "float16"])
+def test_wrong_scale_layout_is_refused(bad):
+    fmt = BlockFormat("fp8_e4m3", 128)
+    codes, scales = quantize_rowmajor(torch.randn(384, 256), fmt)  # scales (3, 2)
+    wrong = {"transposed": scales.t().contiguous(), "block_64": torch.ones(6, 4),
+             "float16": scales.to(torch.float16)}[bad]
+    with pytest.raises(ValueError, match="scales"):
+        dequantize_rowmajor(codes, wrong, fmt)
+    with pytest.raises(ValueError, match="scales"):
+        rowmajor_to_block_major(codes, wrong, fmt)
+    block_codes, _ = rowmajor_to_block_major(codes, scales, fmt)
+    with pytest.raises(ValueError, match="scales"):
+        dequantize_block_major(block_codes, wrong, (384, 256), fmt)
+
+
+def test_unsupported_dtypes_and_shapes_are_refused():
+    fmt = BlockFormat("int8", 128)
+    with pytest.raises(TypeError, match="integer tensors are not weights"):
+        quantize_block_major(torch.ones(128, 128, dtype=torch.int32), fmt)
+    with pytest.raises(TypeError, match="float8 tensors are codes already"):
+        quantize_rowmajor(torch.ones(128, 128).to(torch.float8_e4m3fn), fmt)
+    with pytest.raises(ValueError, match="Leave 1-D tensors"):
+        quantize_block_major(torch.ones(128), fmt)
+    with pytest.raises(TypeError, match="must be torch.int8"):
+        dequantize_rowmajor(torch.zeros(128, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1), fmt)
+
+
+@pytest.mark.parametrize("block_size", [0, -128, 12.5, True])
+def test_bad_block_sizes_are_refused(block_size):
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        BlockFormat("fp8_e4m3", block_size)
+
+
+def test_unknown_format_is_refused():
+    with pytest.raises(ValueError, match="supported: 'fp8_e4m3'"):
+        BlockFormat("nf4")
+    assert BlockFormat("fp8_block").kind == "fp8_e4m3" and BlockFormat("int8_block").kind == "int8"
