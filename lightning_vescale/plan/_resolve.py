@@ -387,12 +387,19 @@ def resolve_plan(
     for pid, names in param_names.items():
         found = {owning_group(n) for n in names}
         if len(found) > 1:
-            where = ", ".join(f"{n} (group {group_ids[g]!r})" if g is not None else f"{n} (no group)"
+            where = ", ".join(f"{n} (group {group_ids[g] or '<root>'!r})" if g is not None else f"{n} (no group)"
                               for n, g in zip(names, [owning_group(n) for n in names]))
-            problems.append(
-                f"parameter {names[0]} is tied across groups: {where}. A tied parameter must live in one group "
-                f"holding every module that uses it: make their common parent the group, or untie"
-            )
+            root_ids = {id(r) for r in root_modules}
+            if len(root_ids) > 1 and found <= root_ids:
+                problems.append(
+                    f"parameter {names[0]} is shared by two top-level modules ({where}), which would be sharded as "
+                    f"separate roots. Put both in one submodule, or apply fully_shard yourself"
+                )
+            else:
+                problems.append(
+                    f"parameter {names[0]} is tied across groups: {where}. A tied parameter must live in one group "
+                    f"holding every module that uses it: make their common parent the group, or untie"
+                )
         owners[pid] = next(iter(found))
     if any(g is None for g in owners.values()) and id(model) not in group_ids:
         group_ids[id(model)] = ""  # parameters no root holds go to the model's own group (FSDP2's root)
