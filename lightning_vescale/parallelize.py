@@ -400,7 +400,7 @@ def resolve_for(
         if expert_parallel:
             # Expert parallelism shards each expert module over the "dp" ranks, in a group of its own.
             extra = plan_from_modules(model, _expert_modules(model), name="experts")
-            plan = Plan(rules=plan.rules + extra.rules, defaults=plan.defaults, name=plan.name or "default")
+            plan = Plan(rules=plan.rules + extra.rules, fallback=plan.fallback, name=plan.name or "default")
     caller: dict[str, Any] = dict(defaults or {})
     if mp_policy is not None:
         caller.setdefault("param_dtype", dtype_name(mp_policy.param_dtype))

@@ -4,7 +4,7 @@ A plan is ordered rules keyed by globs on full-model names (``layers.*``, ``**.e
 
     version: 1
     name: llama
-    defaults: {reshard_after_forward: true, prefetch: 1}
+    fallback: {reshard_after_forward: true, prefetch: 1}
     rules:
       - {match: "**.layers.*", group: true}                    # each transformer block is a group
       - {match: "**.tok_embeddings.weight", optimizer: adamw}

@@ -12,14 +12,18 @@ from lightning_vescale.plan._resolve import ParamPolicy
 
 __all__ = ["policy_of", "register_policy"]
 
-_POLICIES: "weakref.WeakKeyDictionary[torch.Tensor, ParamPolicy]" = weakref.WeakKeyDictionary()
+# Keyed by identity (a tensor's == is elementwise, so a WeakKeyDictionary cannot hold tensors); an entry goes
+# with its parameter.
+_POLICIES: dict[int, tuple[weakref.ref, ParamPolicy]] = {}
 
 
 def register_policy(param: torch.Tensor, policy: ParamPolicy) -> None:
-    _POLICIES[param] = policy
+    key = id(param)
+    _POLICIES[key] = (weakref.ref(param, lambda _: _POLICIES.pop(key, None)), policy)
 
 
 def policy_of(param: torch.Tensor) -> Optional[ParamPolicy]:
     """The :class:`~lightning_vescale.plan.ParamPolicy` :func:`~lightning_vescale.parallelize` gave ``param``
     (a sharded parameter), or None for a parameter no plan placed."""
-    return _POLICIES.get(param)
+    entry = _POLICIES.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None

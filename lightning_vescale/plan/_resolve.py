@@ -10,7 +10,7 @@ For each group and each parameter, and each field:
    plan order: the first sets the value; a later one with a *different* value is a conflict unless it says
    ``override: true``, which replaces it (an equal value is fine);
 2. else, for ``granularity`` only, the model's own declaration ``param._vescale_granularity``;
-3. else the plan's ``defaults``; else the caller's (a strategy's arguments, the Trainer's precision);
+3. else the plan's ``fallback``; else the caller's (a strategy's arguments, the Trainer's precision);
 4. else the library default (element granularity, ``auto`` routing, reshard after forward, prefetch 1).
 
 ``granularity: muon`` then becomes what :func:`~lightning_vescale.optim.muon_granularity` gives the
@@ -291,7 +291,7 @@ def resolve_plan(
         plan: a :class:`Plan` or its dict form; ``None``: :func:`default_plan`.
         roots: the modules that are groups besides those the rules name, outermost (default: ``[model]``). A
             parameter under none of them puts ``model`` itself in a group too (as FSDP2's root takes it).
-        defaults: the caller's values below the plan's ``defaults`` (e.g. ``{"param_dtype": "bfloat16"}``
+        defaults: the caller's values below the plan's ``fallback`` (e.g. ``{"param_dtype": "bfloat16"}``
             from the Trainer's precision).
         granularity_fallback: for parameters whose granularity nothing else sets (a strategy's legacy
             ``granularity`` mapping or callable).
@@ -430,8 +430,8 @@ def resolve_plan(
             declared = getattr(param_objs[pid], "_vescale_granularity", None)
             if declared is not None:
                 return declared, "parameter attribute _vescale_granularity"
-        if key in plan.defaults:
-            return plan.defaults[key], "plan defaults"
+        if key in plan.fallback:
+            return plan.fallback[key], "plan fallback"
         if key in caller:
             return caller[key], "caller"
         if key == "granularity" and pid is not None and granularity_fallback is not None:
@@ -472,7 +472,7 @@ def resolve_plan(
             problems.append(
                 f"plan requires every {'parameter' if key in PARAM_FIELDS else 'group'} to get {key} from a rule, "
                 f"but no rule covers {len(missing)}: {', '.join(missing[:_MAX_LISTED])}"
-                + (" ..." if len(missing) > _MAX_LISTED else "") + f"; add a rule for them (or a {key} default and drop "
+                + (" ..." if len(missing) > _MAX_LISTED else "") + f"; add a rule for them (or a {key} fallback and drop "
                 f"it from require)"
             )
 

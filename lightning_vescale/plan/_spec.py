@@ -1,4 +1,4 @@
-"""What a plan says: ordered rules keyed by globs on full-model names, plan-wide defaults, required fields.
+"""What a plan says: ordered rules keyed by globs on full-model names, fallback values, required fields.
 
 A plan is data (a dict / YAML file), validated here before anything else happens: an unknown key, an
 unknown value or a bad glob is a :class:`PlanError` naming the rule, with no model and no process group
@@ -196,9 +196,9 @@ class Rule:
         return out
 
 
-_PLAN_KEYS = ("version", "name", "description", "defaults", "rules", "require")
+_PLAN_KEYS = ("version", "name", "description", "fallback", "rules", "require")
 _RULE_KEYS = ("match",) + FIELDS + ("override",)
-_DEFAULT_KEYS = tuple(f for f in FIELDS if f != "group")
+_FALLBACK_KEYS = tuple(f for f in FIELDS if f != "group")
 
 
 @dataclass(frozen=True)
@@ -212,10 +212,11 @@ class Plan:
 
     rules: tuple[Rule, ...] = ()
     """Ordered rules; a later rule may replace an earlier one's values only with ``override: true``."""
-    defaults: dict = field(default_factory=dict)
-    """Values for every group / parameter that no rule sets (any field but ``group``)."""
+    fallback: dict = field(default_factory=dict)
+    """Values for every group / parameter that no rule sets (any field but ``group``). (Not named ``defaults``:
+    Hydra reads that key of a config file as its defaults list.)"""
     require: tuple[str, ...] = ()
-    """Fields every parameter must get from a rule (not from ``defaults``): an uncovered parameter is an error."""
+    """Fields every parameter must get from a rule (not from ``fallback``): an uncovered parameter is an error."""
     name: str = ""
     """A name for messages and the printed table."""
     description: str = ""
@@ -227,11 +228,11 @@ class Plan:
         what = f"plan {self.name!r}" if self.name else "plan"
         if self.version != PLAN_VERSION:
             raise PlanError(f"{what}: version {self.version!r} is not supported (this library reads version {PLAN_VERSION})")
-        if not isinstance(self.defaults, Mapping):
-            raise PlanError(f"{what}: defaults must be a mapping of field -> value, got {self.defaults!r}")
-        _unknown_keys(self.defaults, _DEFAULT_KEYS, f"{what} defaults")
-        defaults = {k: _check_value(k, v, f"{what} defaults") for k, v in self.defaults.items() if v is not None}
-        object.__setattr__(self, "defaults", defaults)
+        if not isinstance(self.fallback, Mapping):
+            raise PlanError(f"{what}: fallback must be a mapping of field -> value, got {self.fallback!r}")
+        _unknown_keys(self.fallback, _FALLBACK_KEYS, f"{what} fallback")
+        fallback = {k: _check_value(k, v, f"{what} fallback") for k, v in self.fallback.items() if v is not None}
+        object.__setattr__(self, "fallback", fallback)
         require = (self.require,) if isinstance(self.require, str) else tuple(self.require or ())
         _unknown_keys({r: None for r in require}, FIELDS, f"{what} require")
         object.__setattr__(self, "require", require)
@@ -257,7 +258,7 @@ class Plan:
         if not isinstance(rules, (list, tuple)):
             raise PlanError(f"plan: rules must be a list of rules, got {rules!r}")
         return cls(
-            rules=tuple(rules), defaults=dict(data.get("defaults") or {}), require=data.get("require") or (),
+            rules=tuple(rules), fallback=dict(data.get("fallback") or {}), require=data.get("require") or (),
             name=str(data.get("name") or ""), description=str(data.get("description") or ""),
             version=data.get("version", PLAN_VERSION),
         )
@@ -268,8 +269,8 @@ class Plan:
             out["name"] = self.name
         if self.description:
             out["description"] = self.description
-        if self.defaults:
-            out["defaults"] = dict(self.defaults)
+        if self.fallback:
+            out["fallback"] = dict(self.fallback)
         if self.require:
             out["require"] = list(self.require)
         out["rules"] = [r.to_dict() for r in self.rules]
@@ -279,12 +280,6 @@ class Plan:
         import yaml
 
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def with_defaults(self, **values: Any) -> "Plan":
-        """This plan with ``values`` as defaults where the plan has none (the plan's own defaults win)."""
-        merged = {k: v for k, v in values.items() if v is not None}
-        merged.update(self.defaults)
-        return dataclasses.replace(self, defaults=merged)
 
 
 def _rule_from_dict(data: Any, index: int) -> Rule:
