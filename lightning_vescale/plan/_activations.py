@@ -91,7 +91,8 @@ def activation_profile(
 
     Args:
         model: the unsharded model (a meta-device one is fine); counted on a meta copy.
-        groups: the module names to charge; the loss is charged to the first one (the root).
+        groups: the module names to charge; what runs outside all of them (and the loss) is charged to the
+            model's own name ``""`` if it is one of them, else to the first.
         compute_dtype: the dtype forward runs in (mixed precision's ``param_dtype``); None: the parameters'.
         tokens: the sequence length of the counting forward (the count is per token; a prime that is no model
             dimension, so the (T, T) attention matrices are told apart from activations).
@@ -106,8 +107,10 @@ def activation_profile(
     itemsize = (compute_dtype or next(meta.parameters()).dtype).itemsize
     skip = {_storage_key(t) for t in [*meta.parameters(), *meta.buffers()]}
     names = dict(meta.named_modules(remove_duplicate=False))
+    stand_ins = _count_each_kind_of_block_once(meta, set(groups))
     charged: dict[str, float] = {g: 0.0 for g in groups}
-    stack = [groups[0]]
+    base = "" if "" in charged else groups[0]
+    stack = [base]
     seen: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -141,8 +144,39 @@ def activation_profile(
         for h in handles:
             h.remove()
     if loss:
-        charged[groups[0]] += (out.shape[-1] * 4 + 16) * tokens
+        charged[base] += (out.shape[-1] * 4 + 16) * tokens
+    for g in groups:
+        for block, representative in stand_ins.items():
+            if g == block or g.startswith(block + "."):
+                charged[g] = charged.get(representative + g[len(block):], 0.0)
     return {g: v / tokens for g, v in charged.items()}
+
+
+def _signature(module: nn.Module) -> tuple:
+    return type(module).__name__, tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+
+
+def _count_each_kind_of_block_once(model: nn.Module, groups: set) -> dict[str, str]:
+    """Drop from ``model`` (a meta copy) the blocks of a block list that equal an earlier block (same class and
+    parameter shapes): identical blocks save identical tensors, so one of each kind is counted (a 61-layer
+    model runs 2 or 3). Returns each dropped block's name -> the name of the block counted for it."""
+    stand_ins: dict[str, str] = {}
+    for list_name, blocks in list(model.named_modules()):
+        if not isinstance(blocks, nn.ModuleList) or len(blocks) < 2:
+            continue
+        names = [f"{list_name}.{i}" if list_name else str(i) for i in range(len(blocks))]
+        if not all(n in groups for n in names):
+            continue  # only lists of blocks the plan shards one by one, which forward runs in sequence
+        first: dict[tuple, str] = {}
+        kept = []
+        for name, block in zip(names, blocks):
+            representative = first.setdefault(_signature(block), name)
+            if representative == name:
+                kept.append(block)
+            else:
+                stand_ins[name] = representative
+        blocks._modules = {str(i): b for i, b in enumerate(kept)}
+    return stand_ins
 
 
 def activation_bytes_per_token(

@@ -57,6 +57,9 @@ class Workload:
     """``adamw`` (two fp32 states per element) or ``muon`` (one for Muon's matrices, two for the rest)."""
     clip_grad: bool = True
     """Gradient clipping by the global norm (one small all-reduce)."""
+    checkpointing: bool = False
+    """Activation checkpointing of every group but the roots: each keeps only its input for backward and runs its
+    forward again there (one more forward's FLOPs for those groups)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -177,6 +180,7 @@ class _Group:
     reduce_extra: float  # a copy of the gradient in the reduce dtype, alive until the ReduceScatter completes
     activations: float
     largest_param: float = 0.0  # bytes of its largest parameter: autograd makes its gradient, then adds it in
+    recompute: float = 0.0  # checkpointing: the activations its backward makes again
     gather_transient: float = 0.0  # FSDP2: the AllGather output next to the unsharded parameters while copying out
     reduce_transient: float = 0.0  # FSDP2: the ReduceScatter input built from the gradients
 
@@ -185,7 +189,7 @@ def _backward_transient(g: _Group) -> float:
     """Gradients in flight inside one group's backward: about one group's activations (the gradient of each saved
     tensor is made and consumed while its neighbours are still alive), and a parameter's new gradient, which
     autograd makes whole before adding it into the gradient buffer's view."""
-    return g.activations + g.largest_param
+    return g.activations + g.recompute + g.largest_param
 
 
 def _simulate(order: list[_Group], persistent: float, logits_grad: float) -> tuple[float, float]:
@@ -269,9 +273,17 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float) -> tup
 # The dry run
 
 
-def _forward_order(model: nn.Module, groups: list[GroupPolicy]) -> list[GroupPolicy]:
-    position = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
-    return sorted(groups, key=lambda g: position.get(g.name, -1))
+_ORDERS: dict[tuple[int, int], list[GroupPolicy]] = {}
+
+
+def _forward_order(model: nn.Module, resolved: ResolvedPlan) -> list[GroupPolicy]:
+    """The groups in module order (the order their forwards start); computed once per model and plan."""
+    key = (id(model), id(resolved))
+    if key not in _ORDERS:
+        position = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
+        _ORDERS.clear()  # one model at a time: ids of collected objects must not be reused
+        _ORDERS[key] = sorted(resolved.groups, key=lambda g: position.get(g.name, -1))
+    return _ORDERS[key]
 
 
 def _matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -297,6 +309,17 @@ def _matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
     return 6 * weights + attention
 
 
+_FLOPS: dict[tuple[int, int], float] = {}
+
+
+def _flops_per_token(model: nn.Module, seq_len: int) -> float:
+    key = (id(model), seq_len)
+    if key not in _FLOPS:
+        _FLOPS.clear()
+        _FLOPS[key] = _matmul_flops_per_token(model, seq_len)
+    return _FLOPS[key]
+
+
 def dry_run(
     model: nn.Module,
     resolved: ResolvedPlan,
@@ -319,16 +342,18 @@ def dry_run(
     """
     N = world_size
     param_dtype, reduce_dtype = PRECISIONS[workload.precision]
-    groups = _forward_order(model, list(resolved.groups))
+    groups = _forward_order(model, resolved)
     compute_dtype = param_dtype or next(model.parameters()).dtype
     if activations is None:
         activations = activation_profile(model, [g.name for g in groups], compute_dtype=compute_dtype)
     tokens = workload.tokens
+    hidden = _hidden_size(model) * compute_dtype.itemsize
     out = DryRun(model=resolved.model_type, plan=resolved.plan.name or "unnamed", world_size=N, workload=workload,
                  hardware=hardware.name, num_params=sum(p.numel for p in resolved.params.values()))
     ve, fs = out.vescale, out.fsdp2
     ve_groups, fs_groups = [], []
     state_per_rank = torch.zeros(N, dtype=torch.float64)
+    per_rank_cache: dict[tuple, torch.Tensor] = {}
     total_real = total_padding = fs_padding = 0.0
     fs_state = fs_params = 0.0
     first_gather = last_reduce = fs_first_gather = fs_last_reduce = 0.0
@@ -357,24 +382,30 @@ def dry_run(
                     rs += (N - 1) * S * rb
                     rs_calls += 1
             routes = [resolved.params[(g.name + "." if g.name else "") + spec.name].optimizer for spec in lay.plan.specs]
-            weights = [_state_multiplier(workload.optimizer, r) * mb for r in routes]
-            state_per_rank += _per_rank_state_elements(lay, weights)
+            weights = tuple(_state_multiplier(workload.optimizer, r) * mb for r in routes)
+            key = (id(lay.plan), weights)  # identical groups share one BufferPlan (the planner's cache)
+            if key not in per_rank_cache:
+                per_rank_cache[key] = _per_rank_state_elements(lay, list(weights))
+            state_per_rank += per_rank_cache[key]
         ve.params += shard
         ve.collectives["all_gather"] = ve.collectives.get("all_gather", 0) + ag
         ve.collectives["reduce_scatter"] = ve.collectives.get("reduce_scatter", 0) + rs
         total_real += real
         total_padding += pad
         act = activations.get(g.name, 0.0) * tokens
+        recompute = 0.0
+        if workload.checkpointing and not g.is_root and act:
+            act, recompute = hidden * tokens, act  # only the group's input is kept
         largest_bytes = largest * (layouts[0].param_dtype.itemsize if layouts else 4)
         ve_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, gathered, grad, extra, act,
-                                largest_bytes))
+                                largest_bytes, recompute))
         t_ag = hardware.collective_seconds(ag / max(gathers, 1), N)
         t_rs = hardware.collective_seconds(rs, N)
         ve.comm_seconds += gathers * t_ag + t_rs
         first_gather = first_gather or t_ag
         last_reduce = t_rs or last_reduce
         # FSDP2: every parameter cut by rows into N equal pieces (dim 0 padded to a multiple of N).
-        f_shard = f_gathered = f_grad = f_ag = f_rs = f_real = f_elems = 0.0
+        f_shard = f_gathered = f_grad = f_ag = f_rs = f_real = f_elems = f_rs_input = 0.0
         for name in g.params:
             p = resolved.params[name]
             dtype = getattr(torch, p.dtype)
@@ -393,6 +424,7 @@ def dry_run(
             fs_state += _state_multiplier(workload.optimizer, p.optimizer) * piece * mb
             if p.requires_grad:
                 f_grad += N * piece * pb
+                f_rs_input += N * piece * rb
                 fs.grads += piece * mb
                 f_rs += (N - 1) * piece * rb if N > 1 else 0
             f_ag += gathers * (N - 1) * piece * pb if N > 1 else 0
@@ -400,9 +432,11 @@ def dry_run(
         fs_padding += f_elems - f_real
         fs.collectives["all_gather"] = fs.collectives.get("all_gather", 0) + f_ag
         fs.collectives["reduce_scatter"] = fs.collectives.get("reduce_scatter", 0) + f_rs
+        # FSDP2 copies the gradients into a ReduceScatter input (in the reduce dtype) and frees them: the input
+        # replaces them until the ReduceScatter completes, and both live during the copy.
         fs_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, f_gathered, f_grad,
-                                f_grad if reduce_dtype is not None and reduce_dtype != param_dtype else 0.0, act,
-                                largest_bytes, gather_transient=f_gathered, reduce_transient=f_grad))
+                                f_rs_input - f_grad, act, largest_bytes, recompute, gather_transient=f_gathered,
+                                reduce_transient=f_grad))
         ft_ag = hardware.collective_seconds(f_ag / max(gathers, 1), N)
         ft_rs = hardware.collective_seconds(f_rs, N)
         fs.comm_seconds += gathers * ft_ag + ft_rs
@@ -431,7 +465,9 @@ def dry_run(
         est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad)
     # Time: compute at the profile's rate; communication overlapped with it (prefetch) except the first gather
     # and the last reduce; the optimizer reads and writes its states once (memory bound).
-    flops = _matmul_flops_per_token(model, workload.seq_len) * tokens
+    flops = _flops_per_token(model, workload.seq_len) * tokens
+    if workload.checkpointing:
+        flops *= 4 / 3  # the checkpointed groups' forward again (nearly the whole model)
     compute = flops / hardware.flops_per_rank(compute_dtype, N)
     prefetching = any(g.prefetch > 0 for g in groups)
     for est, first, last in ((ve, first_gather, last_reduce), (fs, fs_first_gather, fs_last_reduce)):
@@ -446,6 +482,11 @@ def dry_run(
     if workload.optimizer == "muon":
         out.notes.append("Muon's own collectives (matrices not whole on one rank) are not counted")
     return out
+
+
+def _hidden_size(model: nn.Module) -> int:
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return emb.embedding_dim if emb is not None else 0
 
 
 def _vocab(model: nn.Module) -> int:

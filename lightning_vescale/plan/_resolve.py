@@ -455,7 +455,7 @@ def resolve_plan(
         value, source = param_values[pid].get("granularity") or fallback("granularity", pid)
         if value == "muon":
             if muon_gran is None:
-                muon_gran = _muon_granularity(model, param_names, explicit_routes)
+                muon_gran = _muon_granularity(model, param_names, routes, explicit_routes)
             value, source = muon_gran(param_names[pid][0], param_objs[pid]), f"{source} (muon)"
         param_values[pid]["granularity"] = (value, source)
 
@@ -545,22 +545,22 @@ def _routes(model: nn.Module, param_names: dict, param_objs: dict, explicit: dic
     """id(param) -> "muon" / "adamw" for trainable parameters: the plan's choice, else the routing defaults."""
     from lightning_vescale.optim.routing import route_parameters
 
-    muon = [param_names[pid][0] for pid, r in explicit.items() if r == "muon"]
-    adamw = [param_names[pid][0] for pid, r in explicit.items() if r == "adamw"]
-    routed = route_parameters(model, muon_patterns=[_escape(n) for n in muon], adamw_patterns=[_escape(n) for n in adamw])
-    out = {}
-    for route, pairs in routed.items():
-        for _, p in pairs:
-            if id(p) in param_objs:
-                out[id(p)] = route
+    out = {id(p): route for route, pairs in route_parameters(model).items() for _, p in pairs if id(p) in param_objs}
+    for pid, route in explicit.items():
+        if pid in out:
+            out[pid] = route
     return out
 
 
-def _muon_granularity(model: nn.Module, param_names: dict, explicit: dict[int, str]) -> Callable:
+def _muon_granularity(model: nn.Module, param_names: dict, routes: dict[int, str], explicit: dict[int, str]) -> Callable:
+    """``muon_granularity`` under the plan's routing: the routes the plan changes from the defaults are passed as
+    its patterns (only those: a pattern per parameter would make it quadratic in the number of parameters)."""
     from lightning_vescale.optim.routing import muon_granularity
 
-    muon = [_escape(param_names[pid][0]) for pid, r in explicit.items() if r == "muon"]
-    adamw = [_escape(param_names[pid][0]) for pid, r in explicit.items() if r == "adamw"]
+    defaults = _routes(model, param_names, {pid: None for pid in param_names}, {})
+    changed = {pid: r for pid, r in explicit.items() if defaults.get(pid) != r}
+    muon = [_escape(param_names[pid][0]) for pid, r in changed.items() if r == "muon"]
+    adamw = [_escape(param_names[pid][0]) for pid, r in changed.items() if r == "adamw"]
     return muon_granularity(model, muon_patterns=muon, adamw_patterns=adamw)
 
 

@@ -220,7 +220,7 @@ def test_plan_yaml_round_trip() -> None:
     resolved = resolve_plan(meta("moe", "tiny"), plan)
     data = yaml.safe_load(resolved.to_yaml())
     assert set(data["params"]) == set(resolved.params)
-    assert data["params"]["layers.0.feed_forward.experts.w1_EDF"]["granularity"] == "row"
+    assert data["params"]["layers.0.feed_forward.experts.w1_EDF"]["optimizer"] == "muon"
     assert data["groups"]["layers.0.feed_forward.experts"]["params"][0] == "layers.0.feed_forward.experts.w1_EDF"
     assert Plan.from_dict(data["plan"]) == plan
 
