@@ -6,10 +6,10 @@ from its own code (attention variants, norms in fp32, dense feed-forwards), at a
 
 Two things the meta device cannot do are handled by hand:
 
-* attention probabilities: off CUDA, scaled-dot-product attention on meta may take the math path, which
-  saves a ``T x T`` matrix per head; the fused kernels used in training on CPU and GPU (flash attention) keep
-  only the output and a log-sum-exp per row, so saved tensors ending in ``(T, T)`` are left out (the count is
-  linear in the number of tokens);
+* attention: on meta, scaled-dot-product attention takes the math path, which saves ``T x T`` probabilities
+  per head; the fused kernels used in training (flash attention, on CPU and GPU) keep the inputs, the output
+  and a log-sum-exp per row. During the count ``F.scaled_dot_product_attention`` is a stand-in that saves
+  exactly those (so the count is linear in the number of tokens);
 * routed experts: routing is data-dependent (``bincount``, ``tolist``) and cannot run on meta. Each
   :class:`~lightning_vescale.models.moe.MoEFeedForward` is replaced during the count by a stand-in that
   saves nothing, and its bytes are added from a formula of the same tensors (router scores and choices,
@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 __all__ = ["activation_bytes_per_token", "activation_profile", "moe_bytes_per_token"]
 
@@ -58,6 +59,38 @@ def moe_bytes_per_token(ffn: nn.Module, itemsize: int) -> float:
         if ffn.shared_gate is not None:
             nbytes += D * b + b  # the shared output and its gate, saved by their product
     return float(nbytes)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """What flash attention keeps for backward: q, k, v, the output and a float32 log-sum-exp per query row."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # (B, H, T, K) in (B, T, H, K) memory, as the kernels lay it out: the usual transpose-and-reshape for the
+        # output projection is then a view, not a copy.
+        *batch, heads, rows, _ = q.shape
+        out = q.new_empty((*batch, rows, heads, v.shape[-1])).transpose(-3, -2)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # pragma: no cover - the count never runs backward
+        raise RuntimeError("the attention stand-in of the activation count has no backward")
+
+
+@contextlib.contextmanager
+def _flash_attention() -> Iterator[None]:
+    original = F.scaled_dot_product_attention
+
+    def stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return _FlashAttention.apply(q, k, v)
+
+    F.scaled_dot_product_attention = stand_in
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 @contextlib.contextmanager
@@ -94,8 +127,7 @@ def activation_profile(
         groups: the module names to charge; what runs outside all of them (and the loss) is charged to the
             model's own name ``""`` if it is one of them, else to the first.
         compute_dtype: the dtype forward runs in (mixed precision's ``param_dtype``); None: the parameters'.
-        tokens: the sequence length of the counting forward (the count is per token; a prime that is no model
-            dimension, so the (T, T) attention matrices are told apart from activations).
+        tokens: the sequence length of the counting forward (the count is per token).
         loss: add the recipes' loss (fp32 log-probabilities over the vocabulary, and the targets).
     """
     with torch.device("meta"):
@@ -115,7 +147,7 @@ def activation_profile(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
-        if key not in skip and key not in seen and not (t.dim() >= 2 and t.shape[-1] == tokens == t.shape[-2]):
+        if key not in skip and key not in seen:
             seen.add(key)
             charged[stack[-1]] += t.untyped_storage().nbytes()
         return t
@@ -137,7 +169,7 @@ def activation_profile(
     counter = [0.0]
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     try:
-        with _experts_by_formula(meta, itemsize, counter, stack, charged), \
+        with _experts_by_formula(meta, itemsize, counter, stack, charged), _flash_attention(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = meta(ids)
     finally:
