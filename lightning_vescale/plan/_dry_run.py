@@ -234,14 +234,20 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float) -> tup
         activations += g.activations
         note()
         parents.append(g)
+    for done in parents:
+        if done.reshard and not done.is_root:
+            gathered.pop(done.name, None)
     # Backward starts at the loss: the gradients of the log-probabilities and of the logits, then the output
-    # head's weight gradient while the logits' is still alive (the roots' gradient buffers exist by then).
+    # head's weight gradient while the logits' is still alive (the roots' gradient buffers exist by then, and
+    # the roots have prefetched the last groups again).
     note(2 * logits_grad)
     reverse = order[::-1]
     roots = [g for g in order if g.is_root]
     for root in roots:
         gather(root)
         grad_buffers[root.name] = root.grad
+        for nxt in [g for g in reverse if not g.is_root][: root.prefetch]:
+            gather(nxt)
     note(logits_grad + max((r.largest_param for r in roots), default=0.0))
     for i, g in enumerate(reverse):
         if g.is_root:
