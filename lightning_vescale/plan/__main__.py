@@ -211,8 +211,9 @@ def _run(argv: list[str]) -> int:
     too_big = [str(r.world_size) for r in runs if r.vescale.peak > hardware.memory_bytes]
     if too_big:
         print(f"note: the predicted peak per rank exceeds the {hardware.memory_bytes / 2**30:.0f} GiB of a "
-              f"{hardware.name} device at {', '.join(too_big)} ranks (no activation checkpointing is assumed: "
-              f"use checkpointing=true, a smaller micro-batch or more ranks)")
+              f"{hardware.name} device at {', '.join(too_big)} ranks"
+              + (" (try a smaller micro-batch, more ranks, or fewer gathered bytes)" if workload.checkpointing else
+                 " (without activation checkpointing: try checkpointing=true, a smaller micro-batch or more ranks)"))
     for note in dict.fromkeys(n for run in runs for n in run.notes if "exceeds the device memory" not in n):
         print(f"note: {note}")
     print(f"(dry run of {len(sizes)} world size(s) in {elapsed:.2f} s)")
