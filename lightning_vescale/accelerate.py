@@ -35,17 +35,19 @@ from accelerate.utils import DistributedType
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.clip_grad import clip_grad_norm_
 from lightning_vescale.fully_shard import GranularityArg
-from lightning_vescale.lightning._common import (
+from lightning_vescale.parallelize import (
     AutoWrapPolicy,
+    PlanLike,
     build_mesh,
     is_sharded,
     materialize,
     mp_policy_for_precision,
+    parallelize,
     param_mapping,
-    prepare_sharded,
     remap_optimizer,
 )
-from lightning_vescale.tensor import is_ragged
+from lightning_vescale.plan import ResolvedPlan, load_plan
+from lightning_vescale.tensor import is_sharded_param
 
 __all__ = ["VeScaleAccelerator", "VeScaleConfig", "prepare_vescale"]
 
@@ -55,8 +57,11 @@ _CHECKPOINT_DIR = "vescale_model_{}"
 
 @dataclass(frozen=True)
 class VeScaleConfig:
-    """How :class:`VeScaleAccelerator` shards a model (the arguments of ``fully_shard`` plus the policy)."""
+    """How :class:`VeScaleAccelerator` shards a model: a plan, or the arguments of ``fully_shard`` plus the policy."""
 
+    plan: PlanLike = None
+    """A declarative plan (:mod:`lightning_vescale.plan`): a ``Plan``, its dict form, a YAML file or the name of a
+    plan in ``configs/plan/``; names are the model's. The fields below apply where it sets nothing."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward and gather again in backward (ZeRO-3)."""
     mp_policy: Optional[MixedPrecisionPolicy] = None
@@ -73,6 +78,10 @@ class VeScaleConfig:
     """Broadcast the main process's weights before sharding, so every rank cuts the same model."""
 
     def __post_init__(self) -> None:
+        if self.plan is not None and self.auto_wrap_policy is not None:
+            raise ValueError("VeScaleConfig got both plan and auto_wrap_policy: the plan's group rules decide the groups")
+        if self.plan is not None and not isinstance(self.plan, ResolvedPlan):
+            object.__setattr__(self, "plan", load_plan(self.plan))  # unknown keys and values fail here
         if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
             raise TypeError(f"VeScaleConfig.mp_policy must be a MixedPrecisionPolicy, got {type(self.mp_policy).__name__}")
         if self.replicate_size is not None and (not isinstance(self.replicate_size, int) or self.replicate_size < 1):
@@ -136,21 +145,15 @@ class VeScaleAccelerator(Accelerator):
         prepared. ``prepare`` calls this; call it yourself to build the optimizer after sharding."""
         if not self._vescale_active or getattr(model, "_is_accelerate_prepared", False):
             return model
-        if all(is_ragged(p) for p in model.parameters()):
+        if all(is_sharded_param(p) for p in model.parameters()):
             materialize(model)
         else:
             cfg = self.vescale_config
             mp_policy = cfg.mp_policy or mp_policy_for_precision("bf16-mixed" if self.mixed_precision == "bf16" else "32-true")
-            prepare_sharded(
-                model,
-                mesh=build_mesh(self.device, self.num_processes, cfg.replicate_size),
-                device=self.device,
-                roots=[model],
-                auto_wrap_policy=cfg.auto_wrap_policy,
-                reshard_after_forward=cfg.reshard_after_forward,
-                mp_policy=mp_policy,
-                granularity=cfg.granularity,
-                sync_module_states=cfg.sync_module_states,
+            parallelize(
+                model, cfg.plan, build_mesh(self.device, self.num_processes, cfg.replicate_size), mp_policy=mp_policy,
+                defaults={"reshard_after_forward": cfg.reshard_after_forward}, granularity=cfg.granularity,
+                auto_wrap_policy=cfg.auto_wrap_policy, sync_module_states=cfg.sync_module_states,
             )
         # Accelerate's prepare() now leaves the model alone (no DDP wrapper, no autocast) and still
         # registers it, so accumulate() finds its no_sync().
@@ -182,7 +185,7 @@ class VeScaleAccelerator(Accelerator):
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """Clip by the global norm of the (sharded) gradients, the same on every rank."""
         parameters = list(parameters)
-        if not any(is_ragged(p) for p in parameters):
+        if not any(is_sharded_param(p) for p in parameters):
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         self.unscale_gradients()
         return clip_grad_norm_(parameters, max_norm, norm_type=norm_type)

@@ -231,13 +231,16 @@ def _check_patterns_matched(states: list[_VeScaleState]) -> None:
 class _VeScaleState:
     """Per-module state: its group, its hooks, and for the root the whole model's bookkeeping."""
 
-    def __init__(self, module: nn.Module, group: Optional[ParamGroup], mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
-                 granularity_fn: Optional[Callable] = None):
+    def __init__(
+        self, module: nn.Module, group: Optional[ParamGroup], mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+        granularity_fn: Optional[Callable] = None, prefetch: int = 1,
+    ):
         self.module = module
         self.granularity_fn = granularity_fn  # checked at the root's lazy init (every glob matched something)
         self.group = group
         self.mesh = mesh
         self.mp_policy = mp_policy
+        self.prefetch = prefetch  # how many groups ahead this group's hooks issue AllGathers
         self.is_root: Optional[bool] = None
         self.root: Optional[_VeScaleState] = None
         # Root only:
@@ -293,9 +296,9 @@ class _VeScaleState:
         if not root.order_recorded:
             root.forward_order.append(self)
         else:
-            nxt = root._next_in(root.forward_order, self)
-            if nxt is not None and nxt.group is not None:
-                nxt.group.unshard(async_op=True)  # prefetch, overlapped with this group's compute
+            for nxt in root._next_in(root.forward_order, self, self.prefetch):
+                if nxt.group is not None:
+                    nxt.group.unshard(async_op=True)  # prefetch, overlapped with this group's compute
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
@@ -326,12 +329,12 @@ class _VeScaleState:
         self._finish_backward()
 
     @staticmethod
-    def _next_in(order: list, state: "_VeScaleState") -> Optional["_VeScaleState"]:
+    def _next_in(order: list, state: "_VeScaleState", count: int) -> list["_VeScaleState"]:
         try:
             i = order.index(state)
         except ValueError:
-            return None
-        return order[i + 1] if i + 1 < len(order) else None
+            return []
+        return order[i + 1 : i + 1 + count]
 
     # -- backward -------------------------------------------------------------------------------------------
     def _pre_backward_hook(self, *unused: Any) -> None:
@@ -343,9 +346,9 @@ class _VeScaleState:
             return
         self.group.pre_backward()
         if root.order_recorded:
-            nxt = root._next_in(root.forward_order[::-1], self)
-            if nxt is not None and nxt.group is not None and nxt.group.training_state is TrainingState.IDLE:
-                nxt.group.unshard(async_op=True)
+            for nxt in root._next_in(root.forward_order[::-1], self, self.prefetch):
+                if nxt.group is not None and nxt.group.training_state is TrainingState.IDLE:
+                    nxt.group.unshard(async_op=True)
 
     def _finish_backward(self) -> None:
         """End of backward: complete every group, wait for all ReduceScatters, reshard everything."""
@@ -378,25 +381,35 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 
 
 def _verify_plans_agree(states: list[_VeScaleState], mesh: DeviceMesh) -> None:
-    """Invariant 4: every rank must have computed the same plans; fail loudly before training."""
+    """Invariant 4: every rank must have computed the same plans; fail loudly before training.
+
+    The check runs over the mesh's own groups (each dimension in turn, so a 2-D mesh agrees as a whole), never
+    the default group: a model on a sub-mesh must not wait for ranks that do not hold it.
+    """
     text = "|".join(
         ",".join(p.fingerprint() for p in state.group.plans) if state.group is not None else "-" for state in states
     )
     digest = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized():
         return
     device = _mesh_device(mesh)
-    mine = torch.tensor([digest, len(states)], dtype=torch.int64, device=device)
-    everyone = torch.empty(dist.get_world_size() * 2, dtype=torch.int64, device=device)
-    collectives.all_gather_into_tensor(everyone, mine, kind="setup")
-    everyone = everyone.view(-1, 2).tolist()
-    if any(row != everyone[0] for row in everyone):
-        bad = [r for r, row in enumerate(everyone) if row != everyone[0]]
-        raise RuntimeError(
-            f"ranks computed different sharding plans (ranks {bad} differ from rank 0; [plan hash, number of "
-            f"groups] per rank: {everyone}). Every rank must build the same model (same shapes, dtypes and "
-            f"fully_shard calls in the same order) before the first forward."
-        )
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        n = dist.get_world_size(group)
+        if n == 1:
+            continue
+        mine = torch.tensor([digest, len(states)], dtype=torch.int64, device=device)
+        everyone = torch.empty(n * 2, dtype=torch.int64, device=device)
+        collectives.all_gather_into_tensor(everyone, mine, group, kind="setup")
+        rows = everyone.view(-1, 2).tolist()
+        if any(row != rows[0] for row in rows):
+            ranks = dist.get_process_group_ranks(group)
+            bad = [ranks[i] for i, row in enumerate(rows) if row != rows[0]]
+            raise RuntimeError(
+                f"ranks computed different sharding plans (ranks {bad} differ from rank {ranks[0]}; [plan hash, number "
+                f"of groups] per rank {ranks}: {rows}). Every rank must build the same model (same shapes, dtypes and "
+                f"fully_shard calls in the same order) before the first forward."
+            )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -525,6 +538,7 @@ def fully_shard(
     granularity: GranularityArg = None,
     gradient_divide_factor: Optional[float] = None,
     norm_group: Optional[Union[dist.ProcessGroup, DeviceMesh]] = None,
+    prefetch: int = 1,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` in one group, laid out by the planner into DBuffers.
 
@@ -566,6 +580,10 @@ def fully_shard(
             on exactly one of them. The sharded parameter is then laid out as the larger tensor over it (its
             shape, reductions such as :func:`~lightning_vescale.clip_grad_norm_`, ``full_tensor()`` and
             checkpoints see the whole tensor). ``None`` (default): every parameter is its own tensor.
+        prefetch: how many groups ahead (in forward order, and in reverse order during backward) this
+            module's hooks issue AllGathers, overlapping them with its compute. ``1`` (default) as FSDP2; ``0``
+            gathers each group only when it runs (least memory); more hides longer collectives behind short
+            groups at the cost of that many more gathered groups in memory.
 
     Returns:
         ``module``, sharded in place.
@@ -584,6 +602,8 @@ def fully_shard(
             f"(submodules first, then the root)"
         )
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be a number of groups >= 0 (0: no prefetch), got {prefetch!r}")
     if gradient_divide_factor is not None and not gradient_divide_factor > 0:
         raise ValueError(f"gradient_divide_factor must be > 0, got {gradient_divide_factor}")
     if isinstance(norm_group, DeviceMesh):
@@ -619,7 +639,7 @@ def fully_shard(
         for name, buf in list(sub._buffers.items()):
             if buf is not None and not buf.is_meta and buf.device != device:
                 sub._buffers[name] = buf.to(device)
-    state = _VeScaleState(module, group, mesh, mp_policy, granularity_fn)
+    state = _VeScaleState(module, group, mesh, mp_policy, granularity_fn, prefetch)
     module.__dict__["_vescale_state"] = state
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward, prepend=False, with_kwargs=True, always_call=False)

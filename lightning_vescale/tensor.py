@@ -45,7 +45,7 @@ from lightning_vescale import collectives
 from lightning_vescale.placement import RaggedShard, flat_range_to_boxes
 
 __all__ = [
-    "GlobalExtent", "RaggedLayout", "RaggedTensor", "UnsupportedRaggedOp", "block_layout", "is_ragged",
+    "GlobalExtent", "RaggedLayout", "RaggedTensor", "UnsupportedRaggedOp", "block_layout", "is_ragged", "is_sharded_param",
     "local_piece_shape",
 ]
 
@@ -170,6 +170,12 @@ class UnsupportedRaggedOp(RuntimeError):
 def is_ragged(t: Any) -> bool:
     """Whether ``t`` is a sharded :class:`RaggedTensor` (a parameter, its gradient or a state shaped like it)."""
     return isinstance(t, RaggedTensor)
+
+
+def is_sharded_param(t: Any) -> bool:
+    """Whether ``t`` is a parameter ``fully_shard`` sharded: a :class:`RaggedTensor`, or a tensor subclass built on
+    them that says so (``is_sharded_tensor``, e.g. a block-quantized weight whose codes and scales are sharded)."""
+    return isinstance(t, RaggedTensor) or bool(getattr(t, "is_sharded_tensor", False))
 
 
 class RaggedTensor(torch.Tensor):

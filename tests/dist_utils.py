@@ -9,18 +9,20 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
-from typing import Any, Callable
+from datetime import timedelta
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, errors) -> None:
+def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, errors, pg_timeout) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        kwargs = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, **kwargs)
         try:
             fn(rank, world_size, *args)
         finally:
@@ -30,10 +32,14 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
         raise SystemExit(1)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600) -> None:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600, pg_timeout: Optional[float] = None
+) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise if any rank fails.
 
-    ``fn`` must be a module-level function (it is pickled for the spawned processes).
+    ``fn`` must be a module-level function (it is pickled for the spawned processes). ``pg_timeout``: seconds a
+    collective of the default group waits for the other ranks (torch's default if None), so a test of something
+    that must not wait on the default group fails in that time instead of hanging.
     """
     # forkserver: ranks fork from a clean server process that imported torch and this package once, so
     # each rank starts in a fraction of a second instead of re-importing everything (as spawn does),
@@ -44,7 +50,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, errors), daemon=False)
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, errors, pg_timeout), daemon=False)
             for r in range(world_size)
         ]
         for p in procs:

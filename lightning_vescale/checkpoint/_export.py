@@ -33,22 +33,24 @@ __all__ = ["export_full_optimizer_state_dict", "export_full_state_dict", "load_f
 
 
 def _full(value: torch.Tensor, rank0_only: bool) -> Optional[torch.Tensor]:
-    """The whole tensor of ``value``: on global rank 0 only (one ``all_to_all_single`` over the layout's group,
-    that member receiving everything; groups without global rank 0 skip it), or on every rank."""
+    """The whole tensor of ``value``: on the model group's first rank only (one ``all_to_all_single`` over the
+    layout's group, that member receiving everything; groups without that rank skip it), or on every rank."""
     if not is_ragged(value):
         return value.detach().clone()
     layout = value.layout_info
     if not rank0_only:
         return value.full_tensor()
-    ranks = dist.get_process_group_ranks(layout.group) if layout.group is not None else [0]
-    if 0 not in ranks:
+    first = dist.get_global_rank(_dist.group(), 0) if _dist.group() is not None else 0
+    ranks = dist.get_process_group_ranks(layout.group) if layout.group is not None else [first]
+    if first not in ranks:
         return None
     numel = math.prod(layout.shape)
-    dst = [(0, numel) if q == ranks.index(0) else (0, 0) for q in range(len(ranks))]
+    dst = [(0, numel) if q == ranks.index(first) else (0, 0) for q in range(len(ranks))]
     full = redistribute_flat(value.to_local().detach().reshape(-1), layout.ranges, dst, layout.group)
     return full.view(layout.shape) if _dist.rank() == 0 else None
 
 
+@_dist.over_model
 def export_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, Any]:
     """The model's ordinary state dict of unsharded tensors, as ``model.state_dict()`` of the unsharded model.
 
@@ -74,6 +76,7 @@ def export_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict
     return out
 
 
+@_dist.over_model
 def export_full_optimizer_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True
 ) -> dict[str, Any]:
@@ -131,6 +134,7 @@ def _unshared(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
+@_dist.over_model
 def save_full(path: "os.PathLike | str", model: nn.Module, *, format: str = "safetensors") -> None:
     """Gather the full state dict onto rank 0 and write it as one ordinary file, atomically.
 
@@ -165,6 +169,7 @@ def save_full(path: "os.PathLike | str", model: nn.Module, *, format: str = "saf
     _dist.run_on_rank0(write)
 
 
+@_dist.over_model
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
     """Start sharded training from an ordinary full state dict: each rank copies its own pieces.
 

@@ -161,7 +161,8 @@ def _dcp_load(state: dict, directory: str, *, trust_pickle: bool = False) -> Non
     try:
         with warnings.catch_warnings():
             _quiet_dcp()
-            dcp.load(state, storage_reader=reader, planner=planner, no_dist=not _dist.dist_on())
+            dcp.load(state, storage_reader=reader, planner=planner, process_group=_dist.group(),
+                     no_dist=not _dist.dist_on())
     except (KeyboardInterrupt, SystemExit):
         raise
     except CheckpointError:
@@ -228,6 +229,7 @@ def _split_optimizer_state(optim: dict) -> tuple[dict, dict]:
     return tensors, {"param_groups": optim["param_groups"], "scalars": scalars, "order": order}
 
 
+@_dist.over_model
 def save(
     path: "os.PathLike | str",
     model: nn.Module,
@@ -292,7 +294,8 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
         try:
             with warnings.catch_warnings():
                 _quiet_dcp()
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _dist.dist_on())
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=_dist.group(),
+                         no_dist=not _dist.dist_on())
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
@@ -311,10 +314,7 @@ def _write_checksums(tmp: str) -> None:
     """Every rank checksums the items it wrote; rank 0 writes them all (see [Note: checksums] in ``_storage``)."""
     metadata = _storage.read_metadata(tmp)
     mine = _storage.written_items_crc(tmp, metadata, _dist.rank())
-    everyone = [mine]
-    if _dist.dist_on():
-        everyone = [None] * _dist.world_size()
-        torch.distributed.all_gather_object(everyone, mine)
+    everyone = _dist.all_gather_object(mine)
     merged = {k: v for part in everyone for k, v in part.items()}
     _dist.run_on_rank0(lambda: _storage.write_checksums(tmp, merged))
 
@@ -419,6 +419,7 @@ def _warn_replaced_hyperparameters(optimizer: torch.optim.Optimizer, saved_group
         logger.warning("%s restores the optimizer settings it was saved with, replacing: %s", where, "; ".join(changes))
 
 
+@_dist.over_model
 def load(
     path: "os.PathLike | str",
     model: nn.Module,

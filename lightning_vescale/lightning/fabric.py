@@ -45,22 +45,26 @@ from lightning_vescale.clip_grad import clip_grad_norm_
 from lightning_vescale.collectives import named_collective
 from lightning_vescale.fully_shard import GranularityArg
 from lightning_vescale.lightning._common import (
-    AutoWrapPolicy,
     ProcessGroupEnvironment,
     _VeScalePrecisionMixin,
-    build_mesh,
     check_accelerator,
+    precision_of_plugin,
+    register_vescale_names,
+)
+from lightning_vescale.parallelize import (
+    AutoWrapPolicy,
+    PlanLike,
+    build_mesh,
     is_sharded,
     materialize,
     no_gradient_sync,
+    parallelize,
     param_mapping,
-    precision_of_plugin,
-    prepare_sharded,
     process_group_timeout,
-    register_vescale_names,
     remap_optimizer,
 )
-from lightning_vescale.tensor import is_ragged
+from lightning_vescale.plan import ResolvedPlan, load_plan
+from lightning_vescale.tensor import is_sharded_param
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -94,7 +98,7 @@ class _VeScaleBackwardSyncControl(_BackwardSyncControl):
 class VeScaleFabricStrategy(ParallelStrategy):
     """ZeRO-3 sharded data parallelism on RaggedShard placements for Fabric.
 
-    Args: as :class:`~lightning_vescale.lightning.VeScaleStrategy` (``auto_wrap_policy``,
+    Args: as :class:`~lightning_vescale.lightning.VeScaleStrategy` (``plan``, ``auto_wrap_policy``,
     ``reshard_after_forward``, ``mp_policy``, ``granularity``, ``replicate_size``, ``sync_module_states``,
     ``process_group_backend``, ``timeout``). ``fabric.init_module(empty_init=True)`` builds the model on the
     meta device; ``setup_module`` initializes it piece by piece with each module's ``reset_parameters``.
@@ -105,6 +109,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
     def __init__(
         self,
         *,
+        plan: PlanLike = None,
         auto_wrap_policy: AutoWrapPolicy = None,
         reshard_after_forward: bool = True,
         mp_policy: Optional[MixedPrecisionPolicy] = None,
@@ -123,6 +128,10 @@ class VeScaleFabricStrategy(ParallelStrategy):
             raise TypeError(f"mp_policy must be a lightning_vescale.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
         if not (replicate_size is None or replicate_size == "auto" or (isinstance(replicate_size, int) and replicate_size >= 1)):
             raise ValueError(f"replicate_size must be None, 'auto' or a positive int, got {replicate_size!r}")
+        if plan is not None and auto_wrap_policy is not None:
+            raise ValueError("VeScaleFabricStrategy got both plan= and auto_wrap_policy=: the plan's group rules "
+                             "decide the groups; drop one of them")
+        self._plan = load_plan(plan) if plan is not None and not isinstance(plan, ResolvedPlan) else plan
         self._mp_policy = mp_policy
         self._auto_wrap_policy = auto_wrap_policy
         self._reshard_after_forward = reshard_after_forward
@@ -256,19 +265,13 @@ class VeScaleFabricStrategy(ParallelStrategy):
     # -- model and optimizers -----------------------------------------------------------------------------
     @override
     def setup_module(self, module: Module) -> Module:
-        if not all(is_ragged(p) for p in module.parameters()):
+        if not all(is_sharded_param(p) for p in module.parameters()):
             precision = self.precision
             assert isinstance(precision, VeScaleFabricPrecision)
-            prepare_sharded(
-                module,
-                mesh=self.device_mesh,
-                device=self.root_device,
-                roots=[module],
-                auto_wrap_policy=self._auto_wrap_policy,
-                reshard_after_forward=self._reshard_after_forward,
-                mp_policy=self._mp_policy or precision.mp_policy,
-                granularity=self._granularity,
-                sync_module_states=self._sync_module_states,
+            parallelize(
+                module, self._plan, self.device_mesh, roots=[module], mp_policy=self._mp_policy or precision.mp_policy,
+                defaults={"reshard_after_forward": self._reshard_after_forward}, granularity=self._granularity,
+                auto_wrap_policy=self._auto_wrap_policy, sync_module_states=self._sync_module_states,
             )
         else:
             materialize(module)  # sharded on the meta device by the user

@@ -47,26 +47,31 @@ from lightning_vescale.clip_grad import clip_grad_norm_
 from lightning_vescale.collectives import named_collective
 from lightning_vescale.fully_shard import GranularityArg, get_state, sharded_groups
 from lightning_vescale.lightning._common import (
-    AutoWrapPolicy,
     ProcessGroupEnvironment,
     _VeScalePrecisionMixin,
+    check_accelerator,
+    precision_of_plugin,
+    register_vescale_names,
+    warn_if_policy_ignored,
+)
+from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
+from lightning_vescale.parallelize import (
+    AutoWrapPolicy,
+    PlanLike,
     build_expert_parallel_mesh,
     build_mesh,
-    check_accelerator,
     check_expert_parallel_size,
     describe_precision,
     is_sharded,
     materialize,
     no_gradient_sync,
-    precision_of_plugin,
-    prepare_sharded,
+    parallelize,
     process_group_timeout,
-    register_vescale_names,
+    resolved_plan_of,
     top_level_roots,
-    warn_if_policy_ignored,
 )
-from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
-from lightning_vescale.tensor import is_ragged
+from lightning_vescale.plan import ResolvedPlan, load_plan
+from lightning_vescale.tensor import is_sharded_param
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -95,8 +100,9 @@ class VeScalePrecision(_VeScalePrecisionMixin, Precision):
 class VeScaleStrategy(ParallelStrategy):
     """ZeRO-3 sharded data parallelism on RaggedShard placements (``lightning_vescale.fully_shard``).
 
-    In ``setup`` the strategy shards the LightningModule: every element of an ``nn.ModuleList`` of
-    identical blocks (or what ``auto_wrap_policy`` selects) becomes a group, then each child of the
+    In ``setup`` the strategy shards the LightningModule with :func:`lightning_vescale.parallelize`: the
+    groups, granularities, precision, prefetch and optimizer routing come from ``plan`` (by default every
+    element of an ``nn.ModuleList`` of identical blocks becomes a group), and each child of the
     LightningModule that holds parameters becomes a root. A model sharded by the user in
     ``configure_model()`` (through ``self.device_mesh``) is kept as it is, and only its unsharded
     remainder is added. Meta-device weights (``configure_model`` runs on the meta device; or
@@ -105,9 +111,13 @@ class VeScaleStrategy(ParallelStrategy):
     sharding, so they hold and step only the local pieces.
 
     Args:
-        auto_wrap_policy: which submodules become groups: ``None`` (every element of an ``nn.ModuleList`` of
-            identical blocks), a set of module classes (or their import paths, e.g. for Hydra), or a callable
-            ``module -> bool``. Ignored if ``configure_model`` sharded the model.
+        plan: a declarative plan (:mod:`lightning_vescale.plan`): a ``Plan``, its dict form, a YAML file or the
+            name of a plan in ``configs/plan/``. Its names are the LightningModule's (``model.layers.0`` for a
+            module stored as ``self.model``; ``**.layers.*`` matches with or without the prefix). Its rules decide
+            what the other arguments below set; they apply where it sets nothing.
+        auto_wrap_policy: which submodules become groups when no ``plan`` is given: ``None`` (every element of an
+            ``nn.ModuleList`` of identical blocks), a set of module classes (or their import paths, e.g. for
+            Hydra), or a callable ``module -> bool``. Ignored if ``configure_model`` sharded the model.
         reshard_after_forward: free gathered parameters after forward and gather again in backward (ZeRO-3);
             ``False`` keeps them until backward ends (one AllGather less per group, more memory).
         mp_policy: an explicit :class:`~lightning_vescale.MixedPrecisionPolicy`. By default the Trainer's
@@ -151,6 +161,7 @@ class VeScaleStrategy(ParallelStrategy):
     def __init__(
         self,
         *,
+        plan: PlanLike = None,
         auto_wrap_policy: AutoWrapPolicy = None,
         reshard_after_forward: bool = True,
         mp_policy: Optional[MixedPrecisionPolicy] = None,
@@ -178,6 +189,11 @@ class VeScaleStrategy(ParallelStrategy):
                 f"expert_parallel_size={expert_parallel_size} with replicate_size={replicate_size!r} (HSDP) is not "
                 f"supported yet: use one of them"
             )
+        if plan is not None and auto_wrap_policy is not None:
+            raise ValueError("VeScaleStrategy got both plan= and auto_wrap_policy=: the plan's group rules decide the "
+                             "groups; drop one of them")
+        # A plan file or dict is read and checked now (unknown keys and values), before any process starts.
+        self._plan = load_plan(plan) if plan is not None and not isinstance(plan, ResolvedPlan) else plan
         self._expert_parallel_size = expert_parallel_size
         self._mp_policy = mp_policy
         self._auto_wrap_policy = auto_wrap_policy
@@ -288,6 +304,11 @@ class VeScaleStrategy(ParallelStrategy):
     def expert_parallel_size(self) -> int:
         return self._expert_parallel_size
 
+    @property
+    def resolved_plan(self) -> Optional[ResolvedPlan]:
+        """The plan the LightningModule was sharded with (after ``setup``): ``.table()``, ``.to_yaml()``."""
+        return resolved_plan_of(self.lightning_module) if self.lightning_module is not None else None
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -357,19 +378,13 @@ class VeScaleStrategy(ParallelStrategy):
         assert isinstance(precision, VeScalePrecision)
         user_sharded = is_sharded(module)
         expert_parallel = self._expert_parallel_size > 1
-        if expert_parallel or not all(is_ragged(p) for p in module.parameters()):
+        if expert_parallel or not all(is_sharded_param(p) for p in module.parameters()):
             module = precision.convert_module(module)
-            prepare_sharded(
-                module,
-                mesh=self.device_mesh,
-                device=self.root_device,
-                roots=top_level_roots(module),
-                auto_wrap_policy=self._auto_wrap_policy,
-                reshard_after_forward=self._reshard_after_forward,
+            parallelize(
+                module, self._plan, self.device_mesh, roots=top_level_roots(module),
                 mp_policy=self._mp_policy or precision.mp_policy,
-                granularity=self._granularity,
-                sync_module_states=self._sync_module_states,
-                expert_parallel=expert_parallel,
+                defaults={"reshard_after_forward": self._reshard_after_forward}, granularity=self._granularity,
+                auto_wrap_policy=self._auto_wrap_policy, sync_module_states=self._sync_module_states,
             )
             if expert_parallel:
                 mesh = self.device_mesh

@@ -3,6 +3,7 @@ Muon's matrices whole on one rank.
 
 Default routing, by the names ``model.named_parameters()`` gives:
 
+0. a parameter whose plan (:func:`lightning_vescale.parallelize`) sets ``optimizer: muon`` / ``adamw`` goes there;
 1. a name matching ``adamw_patterns`` goes to AdamW, one matching ``muon_patterns`` to Muon (matching
    both is an error);
 2. weights of ``nn.Embedding`` modules and names matching :data:`DEFAULT_ADAMW_PATTERNS` (the output
@@ -66,6 +67,11 @@ def _route(
     name: str, p: Tensor, *, embeddings: set[int], muon_patterns: Sequence[str], adamw_patterns: Sequence[str],
     expert_patterns: Sequence[str],
 ) -> Route:
+    from lightning_vescale.plan import policy_of
+
+    policy = policy_of(p)
+    if policy is not None and policy.route_is_explicit and policy.optimizer in ("muon", "adamw"):
+        return policy.optimizer  # the plan the model was parallelized with decided
     to_adamw, to_muon = _matches(name, adamw_patterns), _matches(name, muon_patterns)
     if to_adamw and to_muon:
         raise ValueError(

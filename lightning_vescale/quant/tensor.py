@@ -94,6 +94,11 @@ class QuantizedTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    @property
+    def is_sharded_tensor(self) -> bool:
+        """Whether the codes and scales are this rank's pieces (``fully_shard`` sharded the weight)."""
+        return isinstance(self._codes, RaggedTensor)
+
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt: BlockFormat, dtype: Optional[torch.dtype] = None) -> QuantizedTensor:

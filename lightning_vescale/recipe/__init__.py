@@ -56,6 +56,7 @@ from lightning_vescale.models.hf import read_pretrained_config
 from lightning_vescale.quant.tensor import weights_state_dict
 from lightning_vescale.recipe.callbacks import (
     LineProgress,
+    PlanReport,
     RecipeProgressBar,
     RunSummary,
     StepCheckpoint,
@@ -124,7 +125,10 @@ def build_strategy(config: TrainConfig) -> Strategy:
     """Instantiate ``config.strategy`` (``_target_`` plus its arguments)."""
     node = OmegaConf.to_container(OmegaConf.structured(config.strategy), resolve=True)
     if isinstance(config.optimizer, MuonConfig) and "granularity" in node and node["granularity"] is None:
-        node["granularity"] = "muon"  # keep Muon's matrices whole on their owner rank
+        # Where the plan sets no granularity: keep Muon's matrices whole on their owner rank.
+        node["granularity"] = "muon"
+    if config.plan is not None:
+        node["plan"] = config.plan
     if isinstance(config.strategy, ModelParallelStrategyConfig) and node["data_parallel_size"] is None:
         node["data_parallel_size"] = _processes_per_node(config) * config.trainer.num_nodes
     timeout = node.pop("timeout", None)  # seconds; Lightning's strategies take a timedelta, null: their default
@@ -368,7 +372,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
         "notes": dict(config.notes),
     }
     summary = RunSummary(stats, run_dir, extra=extra)
-    callbacks: list[Any] = [stats, summary, StopOnSignal()]
+    callbacks: list[Any] = [stats, summary, StopOnSignal(), PlanReport(run_dir)]
     if t.enable_progress_bar:
         callbacks.append(RecipeProgressBar() if sys.stdout.isatty() else LineProgress(t.log_every_n_steps))
     export = isinstance(config, FinetuneConfig) and config.export_hf

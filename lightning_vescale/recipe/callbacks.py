@@ -11,6 +11,8 @@
   step before a SIGTERM stops the run.
 * :class:`StopOnSignal` makes SIGTERM stop every rank after the same step (see
   ``lightning_vescale/lightning/_signals.py``), whatever the strategy.
+* :class:`PlanReport` logs the sharding plan the strategy resolved (one line per group) and writes it, with every
+  parameter's policy and where it came from, to ``plan.yaml`` in the run directory.
 * :class:`RunSummary` writes ``loss_curve.png`` (matplotlib, Agg) and ``summary.json`` at the end, and logs
   the summary: steps, first/final/min training loss, last validation loss, tokens/s, bytes/step, peak memory.
 """
@@ -37,6 +39,7 @@ from lightning_vescale.lightning._signals import agree_on_sigterm, install_defer
 
 __all__ = [
     "LineProgress",
+    "PlanReport",
     "RecipeProgressBar",
     "RunSummary",
     "StepCheckpoint",
@@ -274,6 +277,23 @@ class StopOnSignal(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         agree_on_sigterm(trainer)
+
+
+class PlanReport(Callback):
+    """Log the resolved sharding plan at the start of training and keep it as ``plan.yaml`` in the run directory
+    (only under ``strategy=vescale``; other strategies have no plan)."""
+
+    def __init__(self, run_dir: Union[str, Path]) -> None:
+        self.run_dir = Path(run_dir)
+
+    @rank_zero_only
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        resolved = getattr(trainer.strategy, "resolved_plan", None)
+        if resolved is None:
+            return
+        logger.info("sharding plan (%d ranks):\n%s", trainer.world_size, resolved.table(trainer.world_size))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "plan.yaml").write_text(resolved.to_yaml())
 
 
 class RunSummary(Callback):

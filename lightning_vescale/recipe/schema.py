@@ -681,6 +681,35 @@ class QuantConfig:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _check_plan(plan: Any, model: ModelConfig, strategy: StrategyConfig) -> dict:
+    """The plan as a plain dict, checked: its keys and values, and against the model (built on the meta device,
+    named as the recipe's LightningModule names it), so a typo stops the run before it starts."""
+    import torch
+    from torch import nn
+
+    from lightning_vescale.plan import Plan, resolve_plan
+
+    if isinstance(plan, DictConfig):
+        plan = OmegaConf.to_container(plan, resolve=True)
+    _check(
+        isinstance(strategy, VeScaleStrategyConfig),
+        f"plan= applies to strategy=vescale (the declarative plan of lightning_vescale), but the strategy is "
+        f"{strategy._target_}: drop the plan or use strategy=vescale",
+    )
+    parsed = Plan.from_dict(plan)  # PlanError (a ValueError) names the rule and the key
+    with torch.device("meta"):
+        wrapper = type("CausalLMModule", (nn.Module,), {})()  # named as the recipe's LightningModule
+        wrapper.model = model.build_model()  # the attribute CausalLMModule keeps it under
+    granularity = strategy.granularity
+    defaults = {"reshard_after_forward": strategy.reshard_after_forward}
+    if isinstance(granularity, (str, int)) and granularity is not None:
+        defaults["granularity"] = granularity
+    resolve_plan(wrapper, parsed, roots=[wrapper.model], defaults=defaults)
+    return plan
+
+
+
+
 @dataclass
 class TrainConfig:
     """A pre-training run (``recipes/train.py``)."""
@@ -714,6 +743,11 @@ class TrainConfig:
     logged as warnings instead of stopping the run."""
     expert_bias_rate: float = 1e-3
     """MoE auxiliary-loss-free balancing: expert-bias step per optimizer step; 0 disables (no effect on Llama)."""
+    plan: Any = None
+    """The declarative sharding plan of ``strategy=vescale`` (group ``plan``: ``plan=llama``, ``plan=moe``; files in
+    ``configs/plan/``, fields overridable as ``plan.fallback.prefetch=2``); names as the recipe's LightningModule
+    sees them (``model.layers.0``; ``**.layers.*`` matches them). ``null``: the strategy's default plan (every
+    transformer block a group). Checked against the model before the run starts."""
     trusted_target_modules: List[str] = field(default_factory=list)
     """Your own packages whose classes and functions ``_target_`` may name (next to ``torch.optim``,
     ``lightning_vescale`` and Lightning's strategies); see :mod:`lightning_vescale.recipe.targets`."""
@@ -780,6 +814,8 @@ class TrainConfig:
             _check(self.quant.mode != "qlora" or isinstance(self, FinetuneConfig),
                    "quant mode qlora trains adapters on frozen weights: run recipes/finetune.py init_from=... (use "
                    "quant=fp8_gather or int8_gather for a quantized AllGather while pre-training)")
+        if self.plan is not None:
+            self.plan = _check_plan(self.plan, self.model, self.strategy)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from lightning_vescale.export import read_model_state
 from lightning_vescale.models import Llama, MoE, llama_config, moe_config, save_pretrained
@@ -63,6 +64,8 @@ def test_llama_tiny_trains_checkpoints_and_resumes(tmp_path):
     assert {"all_gather", "reduce_scatter"} <= set(summary["comm_bytes_per_step_by_kind"])
     assert summary["peak_memory_bytes"] > 0
     assert (run1 / "loss_curve.png").stat().st_size > 0
+    plan = yaml.safe_load((run1 / "plan.yaml").read_text())  # the default plan, as resolved
+    assert plan["plan"]["name"] == "default" and list(plan["groups"]) == ["model.layers.1", "model.layers.0", "model"]
     ckpts = run1 / "checkpoints"
     assert (ckpts / "step-000006.ckpt").is_dir() and (ckpts / "step-000012.ckpt").is_dir()
     assert (ckpts / "last.ckpt").resolve() == (ckpts / "step-000012.ckpt").resolve()
@@ -97,9 +100,16 @@ def test_llama_tiny_trains_checkpoints_and_resumes(tmp_path):
 
 def test_moe_tiny_trains_and_logs_tokens_per_expert(tmp_path):
     run = tmp_path / "moe_tiny" / "run"
-    proc = run_recipe("train.py", "model=moe_tiny", f"output_root={tmp_path}", f"hydra.run.dir={run}",
-                      "trainer.max_steps=8", "trainer.checkpoint_every_n_steps=0", "trainer.val_every_n_steps=8",
-                      "scheduler.warmup_steps=8")
+    # With the MoE plan (experts in groups of their own), one of its values overridden on the command line.
+    proc = run_recipe("train.py", "model=moe_tiny", "plan=moe", "plan.fallback.prefetch=2", f"output_root={tmp_path}",
+                      f"hydra.run.dir={run}", "trainer.max_steps=8", "trainer.checkpoint_every_n_steps=0",
+                      "trainer.val_every_n_steps=8", "scheduler.warmup_steps=8")
+    plan = yaml.safe_load((run / "plan.yaml").read_text())
+    assert plan["plan"]["name"] == "moe"
+    experts = plan["groups"]["model.layers.0.feed_forward.experts"]
+    assert experts["prefetch"] == 2 and experts["sources"]["prefetch"] == "plan fallback"
+    assert plan["params"]["model.layers.0.feed_forward.router.weight"]["optimizer"] == "adamw"
+    assert "sharding plan (2 ranks):" in proc.stdout + proc.stderr
     # A warning every rank would log is printed once.
     assert (proc.stdout + proc.stderr).count("the run ends inside warmup") == 1
     summary = json.loads((run / "summary.json").read_text())

@@ -1,0 +1,45 @@
+"""Declarative sharding plans: one file decides groups, granularity, precision, prefetch and optimizer routing.
+
+A plan is ordered rules keyed by globs on full-model names (``layers.*``, ``**.experts``, ``**.weight``)::
+
+    version: 1
+    name: llama
+    fallback: {reshard_after_forward: true, prefetch: 1}
+    rules:
+      - {match: "**.layers.*", group: true}                    # each transformer block is a group
+      - {match: "**.tok_embeddings.weight", optimizer: adamw}
+      - {match: "**.layers.*.attention.w*.weight", granularity: row}
+
+:func:`resolve_plan` applies it to a model and returns a :class:`ResolvedPlan` with exactly one
+:class:`ParamPolicy` per parameter (printable as a table, serializable to YAML); rules that match nothing,
+conflicting rules and uncovered parameters are :class:`PlanError` s naming the rule.
+:func:`lightning_vescale.parallelize` applies it. ``python -m lightning_vescale.plan`` sizes a run on the
+meta device (bytes per rank, collectives, padding, predicted step time) without any device.
+"""
+
+from lightning_vescale.plan._files import load_plan, plan_names
+from lightning_vescale.plan._registry import policy_of
+from lightning_vescale.plan._resolve import (
+    GroupPolicy,
+    ParamPolicy,
+    ResolvedPlan,
+    default_plan,
+    plan_from_modules,
+    resolve_plan,
+)
+from lightning_vescale.plan._spec import Plan, PlanError, Rule
+
+__all__ = [
+    "GroupPolicy",
+    "ParamPolicy",
+    "Plan",
+    "PlanError",
+    "ResolvedPlan",
+    "Rule",
+    "default_plan",
+    "load_plan",
+    "plan_from_modules",
+    "plan_names",
+    "policy_of",
+    "resolve_plan",
+]

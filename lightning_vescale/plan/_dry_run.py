@@ -1,0 +1,500 @@
+"""The dry run: what a plan costs per rank on ``N`` ranks, computed on the meta device in seconds.
+
+For every group the planner lays out the buffers exactly as ``fully_shard`` will (:mod:`._layout`), so the
+bytes below are the engine's: per rank, the sharded parameters, gradients and optimizer states; the bytes
+each collective sends per step (what ``comm_stats`` counts); the padding. A walk through one training step
+(:func:`_simulate`) gives the peak of gathered parameters with prefetch and the peak memory per rank; a
+hardware profile turns FLOPs and bytes into a predicted step time. The same model under FSDP2's layout (each
+parameter cut by rows into ``N`` equal padded pieces, copies in and out of its collective buffers) is computed
+next to it.
+
+[Note: one training step, as the engine runs it]
+Forward visits the groups in module order. A group is gathered at its pre-forward (unless prefetched) and
+issues the AllGathers of the next ``prefetch`` groups; it is freed after its forward if it reshards after
+forward and is not a root (a group containing others stays gathered while they run). Activations accumulate.
+Backward visits them in reverse: the root's gradient buffer is allocated when backward starts (its outputs
+come first) and lives to the end (the embedding's gradient comes last); each other group is gathered again if
+it was freed, gets its unsharded gradient buffer, prefetches the next groups, frees its activations and
+parameters when done and issues its ReduceScatter, whose buffers (and an fp32 copy when reducing in another
+dtype) stay until it completes: at most two in flight. Then the optimizer steps. Transients: the loss's
+gradient over the vocabulary at the start of backward, and per group the gradients flowing through it
+(:func:`_backward_transient`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from lightning_vescale.plan._activations import activation_profile
+from lightning_vescale.plan._hardware import HardwareProfile
+from lightning_vescale.plan._layout import BufferLayout, group_layouts
+from lightning_vescale.plan._resolve import GroupPolicy, ResolvedPlan
+
+__all__ = ["DryRun", "EngineEstimate", "Workload", "dry_run"]
+
+PRECISIONS = {
+    "32-true": (None, None),
+    "bf16-mixed": (torch.bfloat16, torch.float32),
+    "bf16-true": (None, None),  # the model itself is bf16
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step does on each rank."""
+
+    batch_size: int = 1
+    """Sequences per rank per micro-batch."""
+    seq_len: int = 4096
+    """Tokens per sequence."""
+    precision: str = "bf16-mixed"
+    """``32-true``, ``bf16-mixed`` (bf16 compute, fp32 reduction and master weights) or ``bf16-true``."""
+    optimizer: str = "adamw"
+    """``adamw`` (two fp32 states per element) or ``muon`` (one for Muon's matrices, two for the rest)."""
+    clip_grad: bool = True
+    """Gradient clipping by the global norm (one small all-reduce)."""
+    checkpointing: bool = False
+    """Activation checkpointing of every group but the roots: each keeps only its input for backward and runs its
+    forward again there (one more forward's FLOPs for those groups)."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
+        if self.batch_size < 1 or self.seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {self.batch_size}, {self.seq_len}")
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+@dataclass
+class EngineEstimate:
+    """Per-rank figures of one engine (lightning_vescale or FSDP2) for one world size."""
+
+    params: float = 0.0
+    """Bytes of sharded parameters (local pieces)."""
+    grads: float = 0.0
+    """Bytes of sharded gradients."""
+    optimizer: float = 0.0
+    """Bytes of optimizer states on the busiest rank."""
+    gathered_peak: float = 0.0
+    """Peak bytes of gathered (unsharded) parameters, prefetch included."""
+    activations: float = 0.0
+    """Bytes saved for backward per micro-batch."""
+    peak: float = 0.0
+    """Peak bytes per rank over the step."""
+    collectives: dict = field(default_factory=dict)
+    """Bytes sent per rank per step, by ``comm_stats`` kind."""
+    calls: dict = field(default_factory=dict)
+    """Collective calls per step, by kind."""
+    padding: float = 0.0
+    """Padding elements / real elements."""
+    step_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    exposed_comm_seconds: float = 0.0
+    optimizer_seconds: float = 0.0
+    copy_seconds: float = 0.0
+    """Copies in and out of collective buffers (FSDP2 only)."""
+
+    @property
+    def bytes_per_step(self) -> float:
+        return float(sum(self.collectives.values()))
+
+
+@dataclass
+class DryRun:
+    """The dry run of a plan on ``world_size`` ranks: lightning_vescale and FSDP2 side by side."""
+
+    model: str
+    plan: str
+    world_size: int
+    workload: Workload
+    hardware: str
+    num_params: int
+    groups: list = field(default_factory=list)
+    """Per group: name, parameters, shard bytes, gathered bytes, padding, bytes sent per step."""
+    vescale: EngineEstimate = field(default_factory=EngineEstimate)
+    fsdp2: EngineEstimate = field(default_factory=EngineEstimate)
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["workload"] = asdict(self.workload)
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Per-rank optimizer states
+
+
+def _state_multiplier(optimizer: str, route: str) -> int:
+    if route == "none":
+        return 0
+    if optimizer == "muon" and route == "muon":
+        return 1  # momentum
+    return 2  # AdamW's exp_avg and exp_avg_sq
+
+
+def _per_rank_state_elements(layout: BufferLayout, weights: list[int]) -> torch.Tensor:
+    """Per rank: sum over tensors of (elements of the tensor on that rank) * weight (a tensor of length N)."""
+    plan = layout.plan
+    N, S = plan.world_size, plan.shard_size
+    diff = torch.zeros(N + 1, dtype=torch.float64)
+    ends = torch.zeros(N, dtype=torch.float64)
+    for off, spec, w in zip(plan.offsets, plan.specs, weights):
+        if not w or not spec.numel:
+            continue
+        end = off + spec.numel
+        first, last = off // S, (end - 1) // S
+        if first == last:
+            ends[first] += spec.numel * w
+            continue
+        ends[first] += ((first + 1) * S - off) * w
+        ends[last] += (end - last * S) * w
+        if last > first + 1:
+            diff[first + 1] += S * w
+            diff[last] -= S * w
+    return torch.cumsum(diff, 0)[:N] + ends
+
+
+# --------------------------------------------------------------------------------------------------------
+# One step
+
+
+@dataclass
+class _Group:
+    name: str
+    is_root: bool
+    reshard: bool
+    prefetch: int
+    gathered: float  # unsharded parameter bytes
+    grad: float  # unsharded gradient bytes
+    reduce_extra: float  # a copy of the gradient in the reduce dtype, alive until the ReduceScatter completes
+    activations: float
+    largest_param: float = 0.0  # bytes of its largest parameter: autograd makes its gradient, then adds it in
+    recompute: float = 0.0  # checkpointing: the activations its backward makes again
+    gather_transient: float = 0.0  # FSDP2: the AllGather output next to the unsharded parameters while copying out
+    reduce_transient: float = 0.0  # FSDP2: the ReduceScatter input built from the gradients
+
+
+def _backward_transient(g: _Group) -> float:
+    """Gradients in flight inside one group's backward: about one group's activations (the gradient of each saved
+    tensor is made and consumed while its neighbours are still alive), and a parameter's new gradient, which
+    autograd makes whole before adding it into the gradient buffer's view."""
+    return g.activations + g.recompute + g.largest_param
+
+
+def _simulate(order: list[_Group], persistent: float, logits_grad: float) -> tuple[float, float]:
+    """(peak bytes, peak gathered bytes) of one step, walking [Note: one training step, as the engine runs it].
+
+    ``order``: the groups in forward order; ``persistent``: bytes alive throughout (pieces, gradients, states);
+    ``logits_grad``: bytes of the loss's gradient over the vocabulary (fp32, every token).
+    """
+    gathered: dict[str, float] = {}
+    activations = 0.0
+    peak = peak_gathered = 0.0
+    parents: list[_Group] = []  # groups whose forward is still running
+
+    def note(extra: float = 0.0) -> None:
+        nonlocal peak, peak_gathered
+        g = sum(gathered.values())
+        peak_gathered = max(peak_gathered, g)
+        peak = max(peak, persistent + g + grads_alive() + activations + extra)
+
+    in_flight: list[_Group] = []
+    grad_buffers: dict[str, float] = {}
+
+    def grads_alive() -> float:
+        return sum(grad_buffers.values())
+
+    def gather(g: _Group) -> None:
+        if g.name not in gathered:
+            gathered[g.name] = g.gathered
+            note(g.gather_transient)
+
+    def is_ancestor(a: _Group, b: _Group) -> bool:
+        return a.name == "" or b.name.startswith(a.name + ".")
+
+    for i, g in enumerate(order):
+        while parents and not is_ancestor(parents[-1], g):
+            done = parents.pop()
+            if done.reshard and not done.is_root:
+                gathered.pop(done.name, None)
+        gather(g)
+        for nxt in order[i + 1 : i + 1 + g.prefetch]:
+            gather(nxt)
+        activations += g.activations
+        note()
+        parents.append(g)
+    for done in parents:
+        if done.reshard and not done.is_root:
+            gathered.pop(done.name, None)
+    # Backward starts at the loss: the gradients of the log-probabilities and of the logits, then the output
+    # head's weight gradient while the logits' is still alive (the roots' gradient buffers exist by then, and
+    # the roots have prefetched the last groups again).
+    note(2 * logits_grad)
+    reverse = order[::-1]
+    roots = [g for g in order if g.is_root]
+    for root in roots:
+        gather(root)
+        grad_buffers[root.name] = root.grad
+        for nxt in [g for g in reverse if not g.is_root][: root.prefetch]:
+            gather(nxt)
+    note(logits_grad + max((r.largest_param for r in roots), default=0.0))
+    for i, g in enumerate(reverse):
+        if g.is_root:
+            continue
+        gather(g)
+        grad_buffers[g.name] = g.grad
+        for nxt in reverse[i + 1 : i + 1 + g.prefetch]:
+            if not nxt.is_root:
+                gather(nxt)
+        note(_backward_transient(g))
+        activations -= g.activations
+        gathered.pop(g.name, None)
+        if g.grad:
+            grad_buffers[g.name] = g.grad + g.reduce_extra
+            note(g.reduce_transient)
+            in_flight.append(g)
+            while len(in_flight) > 2:
+                grad_buffers.pop(in_flight.pop(0).name, None)
+    for root in roots:
+        note(_backward_transient(root))
+        gathered.pop(root.name, None)
+        activations -= root.activations
+        grad_buffers[root.name] = root.grad + root.reduce_extra
+        note(root.reduce_transient)
+    return peak, peak_gathered
+
+
+# --------------------------------------------------------------------------------------------------------
+# The dry run
+
+
+_ORDERS: dict[tuple[int, int], list[GroupPolicy]] = {}
+
+
+def _forward_order(model: nn.Module, resolved: ResolvedPlan) -> list[GroupPolicy]:
+    """The groups in module order (the order their forwards start); computed once per model and plan."""
+    key = (id(model), id(resolved))
+    if key not in _ORDERS:
+        position = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
+        _ORDERS.clear()  # one model at a time: ids of collected objects must not be reused
+        _ORDERS[key] = sorted(resolved.groups, key=lambda g: position.get(g.name, -1))
+    return _ORDERS[key]
+
+
+def _matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Forward + backward FLOPs per token: 6 per matmul weight element a token meets (routed experts: only the
+    chosen ``top_k``; a tied output head: the embedding), plus attention's ``6 * T * H * K`` per layer (causal:
+    half of ``12``)."""
+    from lightning_vescale.models.llama import TiedOutput
+    from lightning_vescale.models.moe import MoEFeedForward
+
+    weights = 0.0
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            weights += m.weight.numel()
+        elif isinstance(m, MoEFeedForward):
+            share = m.router.top_k / m.router.num_experts
+            weights += sum(p.numel() for p in m.experts.parameters()) * share
+        elif isinstance(m, TiedOutput):
+            weights += m.weight.numel()
+    attention = 0.0
+    for m in model.modules():
+        if hasattr(m, "n_heads") and isinstance(getattr(m, "wo", None), nn.Linear):
+            attention += 6 * seq_len * m.wo.weight.shape[1]
+    return 6 * weights + attention
+
+
+_FLOPS: dict[tuple[int, int], float] = {}
+
+
+def _flops_per_token(model: nn.Module, seq_len: int) -> float:
+    key = (id(model), seq_len)
+    if key not in _FLOPS:
+        _FLOPS.clear()
+        _FLOPS[key] = _matmul_flops_per_token(model, seq_len)
+    return _FLOPS[key]
+
+
+def dry_run(
+    model: nn.Module,
+    resolved: ResolvedPlan,
+    world_size: int,
+    *,
+    workload: Workload = Workload(),
+    hardware: HardwareProfile,
+    activations: Optional[dict[str, float]] = None,
+) -> DryRun:
+    """Size one training step of ``model`` sharded by ``resolved`` on ``world_size`` ranks (see the module doc).
+
+    Args:
+        model: the unsharded model on the meta device (in the master dtype: bf16 for ``bf16-true``).
+        resolved: the plan resolved against ``model``.
+        world_size: ranks of the (1-D) shard group.
+        workload: batch, sequence, precision, optimizer.
+        hardware: the profile that turns FLOPs and bytes into seconds.
+        activations: per group, bytes saved per token (:func:`~lightning_vescale.plan._activations.activation_profile`);
+            counted here if not given (pass it to size several world sizes with one count).
+    """
+    N = world_size
+    param_dtype, reduce_dtype = PRECISIONS[workload.precision]
+    groups = _forward_order(model, resolved)
+    compute_dtype = param_dtype or next(model.parameters()).dtype
+    if activations is None:
+        activations = activation_profile(model, [g.name for g in groups], compute_dtype=compute_dtype)
+    tokens = workload.tokens
+    hidden = _hidden_size(model) * compute_dtype.itemsize
+    out = DryRun(model=resolved.model_type, plan=resolved.plan.name or "unnamed", world_size=N, workload=workload,
+                 hardware=hardware.name, num_params=sum(p.numel for p in resolved.params.values()))
+    ve, fs = out.vescale, out.fsdp2
+    ve_groups, fs_groups = [], []
+    state_per_rank = torch.zeros(N, dtype=torch.float64)
+    per_rank_cache: dict[tuple, torch.Tensor] = {}
+    total_real = total_padding = fs_padding = 0.0
+    fs_state = fs_params = 0.0
+    first_gather = last_reduce = fs_first_gather = fs_last_reduce = 0.0
+    ag_calls = rs_calls = 0
+    for g in groups:
+        layouts = group_layouts(resolved, g, N, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
+        gathers = 2 if g.reshard_after_forward and not g.is_root else 1
+        shard = gathered = grad = extra = ag = rs = real = pad = 0.0
+        largest = max((resolved.params[n].numel for n in g.params), default=0)
+        for lay in layouts:
+            S = lay.plan.shard_size
+            pb, rb, mb = lay.param_dtype.itemsize, lay.reduce_dtype.itemsize, lay.dtype.itemsize
+            shard += S * mb
+            gathered += N * S * pb
+            real += lay.plan.total_numel
+            pad += lay.plan.padding
+            if N > 1:
+                ag += gathers * (N - 1) * S * pb
+                ag_calls += gathers
+            if lay.requires_grad:
+                ve.grads += S * mb
+                grad += N * S * pb
+                if lay.reduce_dtype != lay.param_dtype:
+                    extra += N * S * rb
+                if N > 1:
+                    rs += (N - 1) * S * rb
+                    rs_calls += 1
+            routes = [resolved.params[(g.name + "." if g.name else "") + spec.name].optimizer for spec in lay.plan.specs]
+            weights = tuple(_state_multiplier(workload.optimizer, r) * mb for r in routes)
+            key = (id(lay.plan), weights)  # identical groups share one BufferPlan (the planner's cache)
+            if key not in per_rank_cache:
+                per_rank_cache[key] = _per_rank_state_elements(lay, list(weights))
+            state_per_rank += per_rank_cache[key]
+        ve.params += shard
+        ve.collectives["all_gather"] = ve.collectives.get("all_gather", 0) + ag
+        ve.collectives["reduce_scatter"] = ve.collectives.get("reduce_scatter", 0) + rs
+        total_real += real
+        total_padding += pad
+        act = activations.get(g.name, 0.0) * tokens
+        recompute = 0.0
+        if workload.checkpointing and not g.is_root and act:
+            act, recompute = hidden * tokens, act  # only the group's input is kept
+        largest_bytes = largest * (layouts[0].param_dtype.itemsize if layouts else 4)
+        ve_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, gathered, grad, extra, act,
+                                largest_bytes, recompute))
+        t_ag = hardware.collective_seconds(ag / max(gathers, 1), N)
+        t_rs = hardware.collective_seconds(rs, N)
+        ve.comm_seconds += gathers * t_ag + t_rs
+        first_gather = first_gather or t_ag
+        last_reduce = t_rs or last_reduce
+        # FSDP2: every parameter cut by rows into N equal pieces (dim 0 padded to a multiple of N).
+        f_shard = f_gathered = f_grad = f_ag = f_rs = f_real = f_elems = f_rs_input = 0.0
+        for name in g.params:
+            p = resolved.params[name]
+            dtype = getattr(torch, p.dtype)
+            rows = p.shape[0] if p.shape else 1
+            rest = p.numel // max(rows, 1) if rows else 0
+            piece = -(-rows // N) * rest
+            floating = dtype.is_floating_point
+            mb = dtype.itemsize
+            pb = (param_dtype if floating and param_dtype is not None else dtype).itemsize
+            rb = (reduce_dtype if floating and reduce_dtype is not None else param_dtype if floating and param_dtype
+                  else dtype).itemsize
+            f_elems += N * piece
+            f_shard += piece * mb
+            f_gathered += N * piece * pb
+            f_real += p.numel
+            fs_state += _state_multiplier(workload.optimizer, p.optimizer) * piece * mb
+            if p.requires_grad:
+                f_grad += N * piece * pb
+                f_rs_input += N * piece * rb
+                fs.grads += piece * mb
+                f_rs += (N - 1) * piece * rb if N > 1 else 0
+            f_ag += gathers * (N - 1) * piece * pb if N > 1 else 0
+        fs_params += f_shard
+        fs_padding += f_elems - f_real
+        fs.collectives["all_gather"] = fs.collectives.get("all_gather", 0) + f_ag
+        fs.collectives["reduce_scatter"] = fs.collectives.get("reduce_scatter", 0) + f_rs
+        # FSDP2 copies the gradients into a ReduceScatter input (in the reduce dtype) and frees them: the input
+        # replaces them until the ReduceScatter completes, and both live during the copy.
+        fs_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, f_gathered, f_grad,
+                                f_rs_input - f_grad, act, largest_bytes, recompute, gather_transient=f_gathered,
+                                reduce_transient=f_grad))
+        ft_ag = hardware.collective_seconds(f_ag / max(gathers, 1), N)
+        ft_rs = hardware.collective_seconds(f_rs, N)
+        fs.comm_seconds += gathers * ft_ag + ft_rs
+        fs.copy_seconds += (gathers * 2 * f_gathered + 2 * f_grad) / hardware.memory_bandwidth
+        fs_first_gather = fs_first_gather or ft_ag
+        fs_last_reduce = ft_rs or fs_last_reduce
+        out.groups.append({
+            "group": g.label, "params": len(g.params), "elements": int(real), "shard_bytes": shard,
+            "gathered_bytes": gathered, "padding": pad / max(real, 1), "all_gather_bytes": ag,
+            "reduce_scatter_bytes": rs, "fsdp2_padding": (f_elems - f_real) / max(f_real, 1),
+        })
+    ve.calls = {"all_gather": ag_calls, "reduce_scatter": rs_calls}
+    fs.calls = dict(ve.calls)
+    if workload.clip_grad and N > 1:
+        n_grads = sum(1 for p in resolved.params.values() if p.requires_grad)
+        ve.collectives["all_reduce_ragged"] = 2 * (N - 1) * n_grads * 4 // N
+        ve.calls["all_reduce_ragged"] = 1
+    ve.optimizer = float(state_per_rank.max()) if N else 0.0
+    fs.params, fs.optimizer = fs_params, fs_state
+    ve.padding = total_padding / max(total_real, 1)
+    fs.padding = fs_padding / max(total_real, 1)
+    logits_grad = tokens * _vocab(model) * 4
+    for est, order in ((ve, ve_groups), (fs, fs_groups)):
+        est.activations = sum(g.activations for g in order)
+        persistent = est.params + est.grads + est.optimizer
+        est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad)
+    # Time: compute at the profile's rate; communication overlapped with it (prefetch) except the first gather
+    # and the last reduce; the optimizer reads and writes its states once (memory bound).
+    flops = _flops_per_token(model, workload.seq_len) * tokens
+    if workload.checkpointing:
+        flops *= 4 / 3  # the checkpointed groups' forward again (nearly the whole model)
+    compute = flops / hardware.flops_per_rank(compute_dtype, N)
+    prefetching = any(g.prefetch > 0 for g in groups)
+    for est, first, last in ((ve, first_gather, last_reduce), (fs, fs_first_gather, fs_last_reduce)):
+        est.compute_seconds = compute
+        comm = est.comm_seconds + est.copy_seconds
+        est.exposed_comm_seconds = (max(comm - compute, 0.0) + first + last) if prefetching else comm
+        est.optimizer_seconds = 4 * (est.params + est.grads + est.optimizer) / hardware.memory_bandwidth
+        est.step_seconds = compute + est.exposed_comm_seconds + est.optimizer_seconds
+    if ve.peak > hardware.memory_bytes:
+        out.notes.append(f"the predicted peak {ve.peak / 2**30:.1f} GiB exceeds the device memory "
+                         f"{hardware.memory_bytes / 2**30:.0f} GiB of {hardware.name}")
+    if workload.optimizer == "muon":
+        out.notes.append("Muon's own collectives (matrices not whole on one rank) are not counted")
+    return out
+
+
+def _hidden_size(model: nn.Module) -> int:
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return emb.embedding_dim if emb is not None else 0
+
+
+def _vocab(model: nn.Module) -> int:
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return emb.num_embeddings if emb is not None else 0

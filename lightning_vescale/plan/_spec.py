@@ -1,0 +1,292 @@
+"""What a plan says: ordered rules keyed by globs on full-model names, fallback values, required fields.
+
+A plan is data (a dict / YAML file), validated here before anything else happens: an unknown key, an
+unknown value or a bad glob is a :class:`PlanError` naming the rule, with no model and no process group
+involved. :mod:`~lightning_vescale.plan._resolve` then applies it to a model.
+
+[Note: fields and their scope]
+Per group (the ``fully_shard`` call of a module): ``group`` (the matched modules become groups),
+``reshard_after_forward``, ``prefetch`` (how many groups ahead the AllGather is issued), ``param_dtype``,
+``reduce_dtype``. A rule setting them applies to the groups whose module name its glob matches.
+
+Per parameter: ``granularity`` (what ``fully_shard`` accepts, plus ``"muon"``: what
+:func:`~lightning_vescale.optim.muon_granularity` gives under the plan's routing), ``optimizer``
+(``muon`` / ``adamw`` / ``auto``: the routing of :mod:`lightning_vescale.optim.routing`), ``quantization``
+and ``tier``. A rule setting them applies to the parameters its glob matches and to every parameter of
+the modules it matches.
+
+``quantization`` and ``tier`` are declared now so plans can be written against them, and refused with a
+"not available yet" error for anything but their defaults until block quantization and the memory
+manager exist: a plan never silently ignores what it says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from lightning_vescale.plan._glob import compile_glob
+
+__all__ = [
+    "GROUP_FIELDS",
+    "PARAM_FIELDS",
+    "Plan",
+    "PlanError",
+    "Rule",
+    "dtype_name",
+    "parse_dtype",
+]
+
+PLAN_VERSION = 1
+
+GROUP_FIELDS = ("group", "reshard_after_forward", "prefetch", "param_dtype", "reduce_dtype")
+"""Fields that configure a group (one ``fully_shard`` call)."""
+PARAM_FIELDS = ("granularity", "optimizer", "quantization", "tier")
+"""Fields that configure a parameter."""
+FIELDS = GROUP_FIELDS + PARAM_FIELDS
+
+GRANULARITY_WORDS = ("element", "row", "matrix", "tensor", "muon")
+OPTIMIZER_ROUTES = ("auto", "muon", "adamw")
+QUANTIZATION_FORMATS = ("none", "fp8_block", "int8_block")
+"""``none`` works; the block formats belong to the block-quantization work (refused until it lands)."""
+TIERS = ("device", "host", "disk")
+"""``device`` works; host and disk belong to the memory manager (refused until it lands)."""
+_NOT_YET = {
+    "quantization": ("none", "block quantization (FP8/INT8 128x128 blocks) is not available yet"),
+    "tier": ("device", "memory tiers other than the training device (host, disk offload) are not available yet"),
+}
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+class PlanError(ValueError):
+    """A plan that cannot be applied: the message names the rule (by position and glob) and the fix."""
+
+
+def parse_dtype(value: Union[str, torch.dtype, None], what: str) -> Optional[torch.dtype]:
+    """``"bf16"`` / ``"bfloat16"`` / ``torch.bfloat16`` ... -> the dtype (None stays None)."""
+    if value is None or isinstance(value, torch.dtype):
+        if isinstance(value, torch.dtype) and not value.is_floating_point:
+            raise PlanError(f"{what}: {value} is not a floating dtype")
+        return value
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise PlanError(f"{what}: unknown dtype {value!r}; use one of {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _check_granularity(value: Any, what: str) -> Union[str, int]:
+    if isinstance(value, bool) or not (value in GRANULARITY_WORDS or (isinstance(value, int) and value > 0)):
+        raise PlanError(
+            f"{what}: granularity must be one of {', '.join(GRANULARITY_WORDS)} or a positive number of rows, "
+            f"got {value!r}"
+        )
+    return value
+
+
+def _check_value(name: str, value: Any, what: str) -> Any:
+    """``value`` of field ``name`` as stored (dtypes as their names), or a PlanError."""
+    if value is None:
+        return None
+    if name in ("group", "reshard_after_forward"):
+        if not isinstance(value, bool):
+            raise PlanError(f"{what}: {name} must be true or false, got {value!r}")
+        return value
+    if name == "prefetch":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PlanError(f"{what}: prefetch must be a number of groups >= 0 (0: no prefetch), got {value!r}")
+        return value
+    if name in ("param_dtype", "reduce_dtype"):
+        return dtype_name(parse_dtype(value, f"{what}: {name}"))
+    if name == "granularity":
+        return _check_granularity(value, what)
+    if name == "optimizer":
+        if value not in OPTIMIZER_ROUTES:
+            raise PlanError(f"{what}: optimizer must be one of {', '.join(OPTIMIZER_ROUTES)}, got {value!r}")
+        return value
+    allowed = QUANTIZATION_FORMATS if name == "quantization" else TIERS
+    if value not in allowed:
+        raise PlanError(f"{what}: {name} must be one of {', '.join(allowed)}, got {value!r}")
+    default, reason = _NOT_YET[name]
+    if value != default:
+        raise PlanError(
+            f"{what}: {name}={value!r} is declared but {reason}; the field is reserved so plans can name it. "
+            f"Remove it or set {name}: {default}"
+        )
+    return value
+
+
+def _unknown_keys(given: Mapping, allowed: tuple, what: str) -> None:
+    unknown = [k for k in given if k not in allowed]
+    if unknown:
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(str(k), allowed, n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise PlanError(f"{what}: unknown key(s) {', '.join(hints)}; allowed: {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule of a plan: a glob on full-model names and the fields it sets (``None``: not set)."""
+
+    match: str
+    """Glob on full-model names of modules and parameters (``layers.*``, ``**.experts``, ``**.weight``)."""
+    group: Optional[bool] = None
+    """``true``: every matched module becomes a group (its own AllGather and ReduceScatter)."""
+    reshard_after_forward: Optional[bool] = None
+    """Free the matched groups' gathered parameters after forward (ZeRO-3); ``false`` keeps them for backward."""
+    prefetch: Optional[int] = None
+    """How many groups ahead of the matched groups the next AllGathers are issued (0: none, 1: FSDP2's)."""
+    param_dtype: Optional[str] = None
+    """dtype of the matched groups' gathered parameters and compute (``bfloat16``, ``float32``)."""
+    reduce_dtype: Optional[str] = None
+    """dtype of the matched groups' gradient ReduceScatter."""
+    granularity: Optional[Union[str, int]] = None
+    """``element``, ``row``, ``tensor``, a number of rows, or ``muon`` (whole matrices where Muon steps them)."""
+    optimizer: Optional[str] = None
+    """``muon`` or ``adamw`` (with :func:`~lightning_vescale.optim.build_optimizer`), or ``auto``."""
+    quantization: Optional[str] = None
+    """``none`` (reserved: ``fp8_block``, ``int8_block``)."""
+    tier: Optional[str] = None
+    """``device`` (reserved: ``host``, ``disk``)."""
+    override: bool = False
+    """Replace values that earlier rules set for the same names; otherwise a different value is a conflict."""
+    index: int = field(default=-1, compare=False)
+    """Position in the plan (0-based), for messages."""
+
+    def __post_init__(self) -> None:
+        what = self.describe()
+        if not isinstance(self.match, str):
+            raise PlanError(f"{what}: match must be a glob string, got {self.match!r}")
+        try:
+            compile_glob(self.match)
+        except ValueError as err:
+            raise PlanError(f"{what}: {err}") from None
+        if not isinstance(self.override, bool):
+            raise PlanError(f"{what}: override must be true or false, got {self.override!r}")
+        for name in FIELDS:
+            object.__setattr__(self, name, _check_value(name, getattr(self, name), what))
+        if not self.settings():
+            raise PlanError(f"{what} sets nothing: give it at least one of {', '.join(FIELDS)}")
+
+    def describe(self) -> str:
+        return f"rule #{self.index + 1} (match: {self.match!r})" if self.index >= 0 else f"rule (match: {self.match!r})"
+
+    def settings(self) -> dict[str, Any]:
+        """The fields this rule sets."""
+        return {name: getattr(self, name) for name in FIELDS if getattr(self, name) is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"match": self.match, **self.settings()}
+        if self.override:
+            out["override"] = True
+        return out
+
+
+_PLAN_KEYS = ("version", "name", "description", "fallback", "rules", "require")
+_RULE_KEYS = ("match",) + FIELDS + ("override",)
+_FALLBACK_KEYS = tuple(f for f in FIELDS if f != "group")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A declarative sharding plan (see :mod:`lightning_vescale.plan`).
+
+    Build it from a dict or YAML (:meth:`from_dict`, :func:`~lightning_vescale.plan.load_plan`); resolve it
+    against a model with :func:`~lightning_vescale.plan.resolve_plan`; apply it with
+    :func:`lightning_vescale.parallelize`.
+    """
+
+    rules: tuple[Rule, ...] = ()
+    """Ordered rules; a later rule may replace an earlier one's values only with ``override: true``."""
+    fallback: dict = field(default_factory=dict)
+    """Values for every group / parameter that no rule sets (any field but ``group``). (Not named ``defaults``:
+    Hydra reads that key of a config file as its defaults list.)"""
+    require: tuple[str, ...] = ()
+    """Fields every parameter must get from a rule (not from ``fallback``): an uncovered parameter is an error."""
+    name: str = ""
+    """A name for messages and the printed table."""
+    description: str = ""
+    """Free text kept with the plan."""
+    version: int = PLAN_VERSION
+    """Plan format version (1)."""
+
+    def __post_init__(self) -> None:
+        what = f"plan {self.name!r}" if self.name else "plan"
+        if self.version != PLAN_VERSION:
+            raise PlanError(f"{what}: version {self.version!r} is not supported (this library reads version {PLAN_VERSION})")
+        if not isinstance(self.fallback, Mapping):
+            raise PlanError(f"{what}: fallback must be a mapping of field -> value, got {self.fallback!r}")
+        _unknown_keys(self.fallback, _FALLBACK_KEYS, f"{what} fallback")
+        fallback = {k: _check_value(k, v, f"{what} fallback") for k, v in self.fallback.items() if v is not None}
+        object.__setattr__(self, "fallback", fallback)
+        require = (self.require,) if isinstance(self.require, str) else tuple(self.require or ())
+        _unknown_keys({r: None for r in require}, FIELDS, f"{what} require")
+        object.__setattr__(self, "require", require)
+        rules = []
+        for i, rule in enumerate(self.rules):
+            if isinstance(rule, Rule):
+                rule = dataclasses.replace(rule, index=i)
+            else:
+                rule = _rule_from_dict(rule, i)
+            rules.append(rule)
+        object.__setattr__(self, "rules", tuple(rules))
+
+    # -- (de)serialization ----------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """A plan from its dict form (as in YAML); unknown keys and values are errors naming the rule."""
+        if isinstance(data, Plan):
+            return data
+        if not isinstance(data, Mapping):
+            raise PlanError(f"a plan must be a mapping with 'rules' (and optionally {', '.join(_PLAN_KEYS)}), got {data!r}")
+        _unknown_keys(data, _PLAN_KEYS, "plan")
+        rules = data.get("rules") or []
+        if not isinstance(rules, (list, tuple)):
+            raise PlanError(f"plan: rules must be a list of rules, got {rules!r}")
+        return cls(
+            rules=tuple(rules), fallback=dict(data.get("fallback") or {}), require=data.get("require") or (),
+            name=str(data.get("name") or ""), description=str(data.get("description") or ""),
+            version=data.get("version", PLAN_VERSION),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"version": self.version}
+        if self.name:
+            out["name"] = self.name
+        if self.description:
+            out["description"] = self.description
+        if self.fallback:
+            out["fallback"] = dict(self.fallback)
+        if self.require:
+            out["require"] = list(self.require)
+        out["rules"] = [r.to_dict() for r in self.rules]
+        return out
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _rule_from_dict(data: Any, index: int) -> Rule:
+    what = f"rule #{index + 1}"
+    if not isinstance(data, Mapping):
+        raise PlanError(f"{what}: a rule must be a mapping with 'match' and the fields it sets, got {data!r}")
+    _unknown_keys(data, _RULE_KEYS, f"{what}" + (f" (match: {data['match']!r})" if "match" in data else ""))
+    if "match" not in data:
+        raise PlanError(f"{what} has no 'match' (the glob on full-model names it applies to): {dict(data)}")
+    return Rule(**dict(data), index=index)

@@ -1,0 +1,191 @@
+"""``parallelize(model, plan, mesh)`` on gloo ranks: training equals the single-process reference under a plan
+that mixes granularities, prefetch depths and resharding; the dry run's layouts and bytes per step are the
+engine's; the optimizer routing follows the plan; and nothing waits on the default group.
+
+* 2 ranks: one plan, many checks (parity, prefetch, layouts, bytes, routing).
+* 4 ranks: two disjoint 2-rank meshes, each training and checkpointing its own sub-module, one pair at a time
+  while the other waits outside any collective; a collective over the default group would make the running
+  pair wait for the idle one until the process-group timeout, and the test would fail saying which.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import lightning_vescale as lv
+from lightning_vescale import checkpoint as ckpt
+from lightning_vescale.fully_shard import get_state
+from lightning_vescale.optim import route_parameters
+from lightning_vescale.plan import policy_of, resolve_plan
+from lightning_vescale.plan._dry_run import Workload, dry_run
+from lightning_vescale.plan._hardware import load_profile
+from lightning_vescale.plan._layout import group_layouts
+from tests.dist_utils import run_distributed
+from tests.toy_models import MLP, TinyTransformer
+
+LOCAL_BATCH = 3
+
+PLAN = {
+    "name": "mixed",
+    "rules": [
+        {"match": "layers.*", "group": True},
+        {"match": "layers.0", "prefetch": 2},
+        {"match": "layers.1", "reshard_after_forward": False, "prefetch": 0},
+        {"match": "layers.*.mlp.**", "granularity": "row"},
+        {"match": "layers.2.attn.qkv.weight", "granularity": "tensor"},
+        {"match": "layers.3.attn.proj.weight", "optimizer": "adamw"},
+    ],
+}
+
+
+def lm_batch(n: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 53, (n, 9), generator=torch.Generator().manual_seed(100 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def max_param_diff(model: nn.Module, ref: nn.Module, group=None) -> float:
+    ref_params = dict(ref.named_parameters())
+    worst = torch.zeros(())
+    for name, p in model.named_parameters():
+        start, end = p.local_range
+        if end > start:
+            full = ref_params[name].detach().reshape(-1)[start:end]
+            worst = torch.maximum(worst, (p.to_local().reshape(-1) - full).abs().max())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return worst.item()
+
+
+def _plan_checks(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = TinyTransformer(n_layers=4)
+    with torch.device("meta"):
+        meta = TinyTransformer(n_layers=4)  # (Module.to("meta") would untie the embedding and the head)
+    model = copy.deepcopy(ref)
+    lv.parallelize(model, PLAN, init_device_mesh("cpu", (world,)))
+    resolved = lv.resolved_plan_of(model)
+    assert resolved is not None and resolved.plan.name == "mixed"
+    assert policy_of(model.layers[2].attn.qkv.weight).granularity == "tensor"
+    assert policy_of(model.layers[0].mlp.up.weight).granularity == "row"
+
+    # The dry run's buffers are the engine's, group by group.
+    for g in resolved.groups:
+        module = model.get_submodule(g.name) if g.name else model
+        engine = [p.fingerprint() for p in get_state(module).group.plans]
+        predicted = [lay.plan.fingerprint() for lay in group_layouts(resolved, g, world)]
+        assert engine == predicted, g.name
+
+    # Routing: the plan's explicit choice wins over the default (a 2-D matrix would go to Muon).
+    routes = {route: [n for n, _ in pairs] for route, pairs in route_parameters(model).items()}
+    assert "layers.3.attn.proj.weight" in routes["adamw"] and "layers.2.attn.proj.weight" in routes["muon"]
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gathered_during_block0: list[list[bool]] = []
+    states = [get_state(b).group for b in model.layers]
+    model.layers[0].register_forward_pre_hook(lambda m, a: gathered_during_block0.append(
+        [g.is_unsharded or any(b._gather_handle is not None for b in g.buffers.values()) for g in states]))
+    block1_kept: list[bool] = []
+    model.layers[2].register_forward_pre_hook(lambda m, a: block1_kept.append(states[1].is_unsharded))
+    predicted = dry_run(meta, resolve_plan(meta, PLAN), world, activations={}, hardware=load_profile("cpu"),
+                        workload=Workload(batch_size=LOCAL_BATCH, seq_len=8, precision="32-true", clip_grad=True))
+    for step in range(3):
+        x, y = lm_batch(world * LOCAL_BATCH, step)
+        mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        lm_loss(model(x[mine]), y[mine]).backward()
+        lm_loss(ref(x), y).backward()
+        lv.clip_grad_norm_(model.parameters(), 0.5)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        sent = dict(lv.comm_stats.step())
+        if step > 0:  # the first step also checks that the ranks agree on the plans
+            assert sent == {k: int(v) for k, v in predicted.vescale.collectives.items() if v}, (sent, predicted)
+    assert max_param_diff(model, ref) < 1e-5
+    # Prefetch depth 2 from block 0: blocks 1 and 2 are gathering while block 0 runs, block 3 is not (from the
+    # second step on, once the forward order is known); block 1 (no reshard after forward) is still gathered when
+    # block 2 starts.
+    assert gathered_during_block0[0] == [True, False, False, False]
+    assert gathered_during_block0[1] == [True, True, True, False], gathered_during_block0
+    assert all(block1_kept)
+
+
+def test_plan_trains_like_the_reference_and_the_dry_run_is_exact():
+    run_distributed(_plan_checks, 2)
+
+
+def _train_pair(rank: int, mesh, make, directory: str) -> None:
+    """Train a sub-module sharded over ``mesh`` beside an unsharded reference, save, load into a fresh copy."""
+    group = mesh.get_group()
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(0)
+    ref = make()
+    model = lv.parallelize(copy.deepcopy(ref), None, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    is_lm = isinstance(ref, TinyTransformer)
+
+    def step(net, optimizer, index, local):
+        if is_lm:
+            x, y = lm_batch(n * LOCAL_BATCH, index)
+            loss_fn = lm_loss
+        else:
+            g = torch.Generator().manual_seed(200 + index)
+            x, y = torch.randn(n * LOCAL_BATCH, 7, generator=g), torch.randn(n * LOCAL_BATCH, 5, generator=g)
+            loss_fn = F.mse_loss
+        if local:
+            x, y = x[me * LOCAL_BATCH:(me + 1) * LOCAL_BATCH], y[me * LOCAL_BATCH:(me + 1) * LOCAL_BATCH]
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    for i in range(2):
+        step(model, opt, i, True)
+        step(ref, ref_opt, i, False)
+    assert max_param_diff(model, ref, group) < 1e-5
+    ckpt.save(directory, model, opt)
+    torch.manual_seed(1)
+    fresh = lv.parallelize(make(), None, mesh)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    ckpt.load(directory, fresh, fresh_opt)
+    assert max_param_diff(fresh, ref, group) < 1e-5
+    step(fresh, fresh_opt, 2, True)
+    step(ref, ref_opt, 2, False)
+    assert max_param_diff(fresh, ref, group) < 1e-5
+    full = ckpt.export_full_state_dict(fresh)  # gathered on the pair's first rank only
+    if me == 0:
+        assert all(torch.allclose(full[k], v, atol=1e-5) for k, v in ref.state_dict().items())
+    else:
+        assert full == {}
+
+
+def _two_meshes(rank: int, world: int, tmp: str) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "dp"))["dp"]  # {0, 1} and {2, 3}
+    pair = rank // 2
+    assert dist.get_process_group_ranks(mesh.get_group()) == [2 * pair, 2 * pair + 1]
+    store = dist.distributed_c10d._get_default_store()
+    if pair == 1:
+        store.wait(["pair0-done"], timedelta(seconds=120))  # outside any collective: pair 0 runs alone
+    make = MLP if pair == 0 else lambda: TinyTransformer(n_layers=3)
+    _train_pair(rank, mesh, make, f"{tmp}/pair{pair}")
+    store.set(f"pair{pair}-done", "1")
+    if pair == 0:
+        store.wait(["pair1-done"], timedelta(seconds=120))
+
+
+def test_two_disjoint_meshes_train_and_checkpoint_without_the_default_group(tmp_path):
+    run_distributed(_two_meshes, 4, str(tmp_path), pg_timeout=45)
