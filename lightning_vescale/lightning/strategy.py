@@ -55,6 +55,7 @@ from lightning_vescale.lightning._common import (
     warn_if_policy_ignored,
 )
 from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
+from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy
 from lightning_vescale.parallelize import (
     AutoWrapPolicy,
     PlanLike,
@@ -145,6 +146,8 @@ class VeScaleStrategy(ParallelStrategy):
         meta_init: build the modules created in ``configure_model()`` on the meta device (each rank then only
             ever allocates its pieces). Set ``False`` if ``configure_model`` loads real weights.
         process_group_backend: defaults to ``"gloo"`` on CPU and ``"nccl"`` on CUDA.
+        memory: where optimizer states and activations live (:class:`~lightning_vescale.memory.MemoryPolicy`:
+            device, host or disk tiers, activation checkpointing per block); ``None`` keeps everything on the device.
         timeout: how long a collective waits for the other ranks before it fails (a stopped or crashed peer),
             in seconds or as a ``timedelta``; the error names the rank and the collective. ``None``: 5 minutes
             on CPU, 30 minutes on accelerators. It applies to the process group the strategy creates and to
@@ -172,6 +175,7 @@ class VeScaleStrategy(ParallelStrategy):
         meta_init: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Union[None, float, timedelta] = None,
+        memory: Optional[MemoryPolicy] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -205,6 +209,9 @@ class VeScaleStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         process_group_timeout(timeout, torch.device("cpu"))  # a bad value fails here, not after launching
         self._timeout = timeout
+        self._memory_policy: Optional[MemoryPolicy] = None
+        self.memory_policy = memory
+        self._memory = MemoryHandles()
         self._device_mesh: Optional[DeviceMesh] = None
         self.num_nodes = 1
         check_accelerator(accelerator)
@@ -218,6 +225,20 @@ class VeScaleStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+
+    @property
+    def memory_policy(self) -> Optional[MemoryPolicy]:
+        """Where optimizer states and activations live; set it before ``Trainer.fit``."""
+        return self._memory_policy
+
+    @memory_policy.setter
+    def memory_policy(self, memory: Optional[MemoryPolicy]) -> None:
+        if memory is not None and not isinstance(memory, MemoryPolicy):
+            raise TypeError(f"memory must be a lightning_vescale.memory.MemoryPolicy, got {type(memory).__name__}")
+        if memory is not None and memory.budget is not None:
+            raise ValueError("VeScaleStrategy(memory=...) takes explicit placements; a budget is turned into them by "
+                             "lightning_vescale.memory.choose_placement (the recipes do this with memory.budget=...)")
+        self._memory_policy = memory
 
     # -- registry -----------------------------------------------------------------------------------------
     @classmethod
@@ -405,6 +426,8 @@ class VeScaleStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._memory.close()
+            self._memory = apply_memory_policy(module, self.optimizers, self._memory_policy, rank=self.global_rank)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -583,6 +606,7 @@ class VeScaleStrategy(ParallelStrategy):
         # the DBuffers on CUDA.
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        self._memory.close()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

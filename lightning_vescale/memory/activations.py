@@ -117,8 +117,10 @@ class ActivationOffload:
 
 
 def _matching(model: nn.Module, patterns: Sequence[str], what: str) -> list[tuple[str, nn.Module]]:
-    named = [(n, m) for n, m in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n, _ in named)]
+    """The outermost modules whose names match one of ``patterns`` (a match inside a match is left out)."""
+    hits = [(n, m) for n, m in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n, _ in hits)]
+    named = [(n, m) for n, m in hits if not any(n.startswith(o + ".") for o, _ in hits)]
     if unmatched:
         raise ValueError(f"{what}: the pattern(s) {unmatched} match no module of {type(model).__name__}")
     return named

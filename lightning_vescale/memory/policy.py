@@ -40,6 +40,14 @@ class MemoryPolicy:
 
     optimizer_states: Tier = "device"
     """Per-element optimizer states (Adam's moments, Muon's momentum)."""
+    activations: str = "device"
+    """Activations saved for backward by ``activation_blocks``: ``device``, ``host``, ``disk``, or ``checkpoint``
+    (recompute the blocks' forward in backward instead of keeping them)."""
+    activation_blocks: tuple[str, ...] = ("*layers.*",)
+    """Globs on module names: the blocks whose activations ``activations`` places (outermost matches only)."""
+    budget: Optional[Union[int, str]] = None
+    """Bytes per rank (e.g. ``"6GiB"``): the recipes then choose ``optimizer_states`` and ``activations`` by the
+    cost model of :mod:`lightning_vescale.memory.budget` and print the table before training."""
     disk_dir: Optional[str] = None
     """Directory for the ``disk`` tier (created if missing; must be writable)."""
     prefetch: bool = True
@@ -48,13 +56,19 @@ class MemoryPolicy:
     """Target size of one swapped bucket of optimizer states: the transient memory offload needs."""
 
     def __post_init__(self) -> None:
-        for name in ("optimizer_states",):
+        for name in ("optimizer_states",):  # a tier
             value = getattr(self, name)
             if value not in TIERS:
                 raise ValueError(f"MemoryPolicy.{name} must be one of {TIERS}, got {value!r}")
+        if self.activations not in (*TIERS, "checkpoint"):
+            raise ValueError(f"MemoryPolicy.activations must be one of {(*TIERS, 'checkpoint')}, got "
+                             f"{self.activations!r}")
+        object.__setattr__(self, "activation_blocks", tuple(self.activation_blocks))
+        if self.budget is not None:
+            parse_bytes(self.budget)
         if self.bucket_bytes <= 0:
             raise ValueError(f"MemoryPolicy.bucket_bytes must be > 0, got {self.bucket_bytes}")
-        if "disk" in (self.optimizer_states,):
+        if "disk" in (self.optimizer_states, self.activations):
             if not self.disk_dir:
                 raise ValueError("MemoryPolicy: a 'disk' tier needs disk_dir=<a directory on a local disk>")
             _check_writable(self.disk_dir)

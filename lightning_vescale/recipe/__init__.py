@@ -70,6 +70,7 @@ from lightning_vescale.recipe.checks import (
     find_last_checkpoint,
     preflight,
 )
+from lightning_vescale.recipe.memory import memory_policy_for, world_size_of
 from lightning_vescale.recipe.module import CausalLMModule, build_optimizer_from_config, lr_multiplier
 from lightning_vescale.recipe.quant import AdapterExport, quantized_weights_mode
 from lightning_vescale.recipe.schema import (
@@ -121,8 +122,8 @@ def build_datamodule(data: DataConfig, *, seed: int = 0) -> TextDataModule:
     )
 
 
-def build_strategy(config: TrainConfig) -> Strategy:
-    """Instantiate ``config.strategy`` (``_target_`` plus its arguments)."""
+def build_strategy(config: TrainConfig, memory: Optional[Any] = None) -> Strategy:
+    """Instantiate ``config.strategy`` (``_target_`` plus its arguments); ``memory``: its MemoryPolicy."""
     node = OmegaConf.to_container(OmegaConf.structured(config.strategy), resolve=True)
     if isinstance(config.optimizer, MuonConfig) and "granularity" in node and node["granularity"] is None:
         # Where the plan sets no granularity: keep Muon's matrices whole on their owner rank.
@@ -130,23 +131,14 @@ def build_strategy(config: TrainConfig) -> Strategy:
     if config.plan is not None:
         node["plan"] = config.plan
     if isinstance(config.strategy, ModelParallelStrategyConfig) and node["data_parallel_size"] is None:
-        node["data_parallel_size"] = _processes_per_node(config) * config.trainer.num_nodes
+        node["data_parallel_size"] = world_size_of(config)
     timeout = node.pop("timeout", None)  # seconds; Lightning's strategies take a timedelta, null: their default
     if timeout is not None:
         node["timeout"] = timedelta(seconds=timeout)
-    return hydra.utils.instantiate(node, _convert_="all")
-
-
-def _processes_per_node(config: TrainConfig) -> int:
-    devices, accelerator = config.trainer.devices, config.trainer.accelerator
-    if isinstance(devices, int):
-        return devices
-    if isinstance(devices, list):
-        return len(devices)
-    # "auto": every GPU when there are GPUs to use, else one process (Lightning's choice).
-    if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return 1
+    strategy = hydra.utils.instantiate(node, _convert_="all")
+    if memory is not None:
+        strategy.memory_policy = memory  # a dataclass instance does not travel through Hydra's instantiate
+    return strategy
 
 
 def load_initial_weights(
@@ -238,7 +230,7 @@ def _limit_cpu_threads(config: TrainConfig) -> None:
     """
     if config.trainer.accelerator != "cpu" or "OMP_NUM_THREADS" in os.environ:
         return
-    threads = max(1, (os.cpu_count() or 1) // _processes_per_node(config))
+    threads = max(1, (os.cpu_count() or 1) // (world_size_of(config) // config.trainer.num_nodes))
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
 
@@ -347,7 +339,8 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     if (_get_rank() or 0) == 0:
         _record_run(config, run_dir, resume)
     seed_everything(config.seed, workers=True, verbose=False)
-    strategy = build_strategy(config)
+    memory = memory_policy_for(config, run_dir, world_size_of(config))
+    strategy = build_strategy(config, memory)
 
     t = config.trainer
     module = CausalLMModule(

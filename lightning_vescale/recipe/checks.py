@@ -343,7 +343,23 @@ def preflight(cfg: Union[DictConfig, TrainConfig], run_dir: Optional[Path] = Non
     resume = resolve_resume(config, run_dir)
     if isinstance(config, FinetuneConfig) and resume is None:
         _check_initial_weights_config(config)
+    _check_memory_budget(config)
     return Preflight(config, resume)
+
+
+def _check_memory_budget(config: TrainConfig) -> None:
+    """A ``memory.budget`` that no placement fits is refused here, before any process starts. The disk's speed
+    only changes which fitting placement is cheapest, so a nominal bandwidth stands in for the measured one."""
+    if config.memory is None or config.memory.budget is None:
+        return
+    from lightning_vescale.memory import choose_placement
+    from lightning_vescale.recipe.memory import estimate_for, world_size_of
+
+    estimate = estimate_for(config, world_size_of(config))
+    try:
+        choose_placement(estimate, config.memory.budget, disk_bandwidth=1e9)
+    except ValueError as err:
+        raise ConfigError(f"memory.budget={config.memory.budget}: {err}") from None
 
 
 def config_error_message(err: BaseException) -> str:

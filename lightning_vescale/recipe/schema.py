@@ -524,6 +524,40 @@ class ModelParallelStrategyConfig(StrategyConfig):
 
 
 @dataclass
+class MemoryConfig:
+    """Where training state lives (:class:`lightning_vescale.memory.MemoryPolicy`, same field names); group
+    ``memory`` (``memory=offload_disk``, ``memory=checkpoint``, ``memory=budget memory.budget=6GiB``)."""
+
+    optimizer_states: str = "device"
+    """``device``, ``host`` or ``disk`` (swapped bucket by bucket, prefetched)."""
+    activations: str = "device"
+    """``device``, ``host``, ``disk`` or ``checkpoint`` (recompute the blocks' forward in backward)."""
+    activation_blocks: List[str] = field(default_factory=lambda: ["*layers.*"])
+    """Globs on module names (the recipe's LightningModule's: ``model.layers.0``) of the blocks ``activations`` acts on."""
+    budget: Optional[str] = None
+    """Bytes per rank (``6GiB``): choose ``optimizer_states`` and ``activations`` by the cost model instead."""
+    disk_dir: Optional[str] = None
+    """Directory of the disk tier (``null``: ``<run dir>/swap``)."""
+    prefetch: bool = True
+    """Read the next bucket / block ahead on a background thread."""
+    bucket_bytes: int = 64 * 2**20
+    """Optimizer states swapped per bucket."""
+
+    def __post_init__(self) -> None:
+        _check(self.optimizer_states in ("device", "host", "disk"),
+               f"memory.optimizer_states must be device, host or disk, got {self.optimizer_states!r}")
+        _check(self.activations in ("device", "host", "disk", "checkpoint"),
+               f"memory.activations must be device, host, disk or checkpoint, got {self.activations!r}")
+        if self.budget is not None:
+            from lightning_vescale.memory.policy import parse_bytes
+
+            try:
+                parse_bytes(self.budget)
+            except ValueError as e:
+                raise ValueError(f"memory.budget: {e}") from None
+
+
+@dataclass
 class DataConfig:
     """The corpus, tokenizer and windows (:class:`lightning_vescale.data.TextDataModule`)."""
 
@@ -754,6 +788,9 @@ class TrainConfig:
     allow_any_target: bool = False
     """Let ``_target_`` name anything importable (Hydra's own blocklist still applies): trusted configs only."""
 
+    memory: Optional[MemoryConfig] = None
+    """Where optimizer states and activations live (group ``memory``: ``offload_disk``, ``checkpoint``, ``budget``);
+    null: everything on the device."""
     quant: Optional[QuantConfig] = None
     """Block-quantized weights (group ``quant``: ``fp8_block`` / ``int8_block`` for QLoRA-style fine-tuning,
     ``fp8_gather`` / ``int8_gather`` for a quantized AllGather); null: none."""
@@ -816,6 +853,10 @@ class TrainConfig:
                    "quant=fp8_gather or int8_gather for a quantized AllGather while pre-training)")
         if self.plan is not None:
             self.plan = _check_plan(self.plan, self.model, self.strategy)
+        if self.memory is not None:
+            _check(isinstance(self.strategy, VeScaleStrategyConfig),
+                   f"memory=... needs strategy=vescale (its engine owns the buffers that move between tiers), got "
+                   f"{type(self.strategy).__name__}")
 
 
 @dataclass
@@ -868,6 +909,7 @@ def register_configs() -> None:
     cs.store(group="schema/data", name="data", node=DataConfig)
     cs.store(group="schema/trainer", name="trainer", node=TrainerConfig)
     cs.store(group="schema/quant", name="quant", node=QuantConfig)
+    cs.store(group="schema/memory", name="memory", node=MemoryConfig)
 
 
 FREE_FORM_SECTIONS = ("notes",)

@@ -175,3 +175,31 @@ def test_config_mistakes_stop_before_anything_is_written(tmp_path):
         assert f"{script}: error: " in proc.stderr and message in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr and "Initializing distributed" not in proc.stdout + proc.stderr
         assert not (tmp_path / "out").exists()  # no run directory left behind
+
+
+def test_memory_placements_train_like_the_device(tmp_path):
+    """memory=offload_disk and memory=budget (which chooses by the cost model and prints its table) give the
+    losses of the plain run, bitwise (the same ops on the same bytes); memory= with another strategy is refused."""
+    common = ("trainer.max_steps=6", "trainer.checkpoint_every_n_steps=0", "trainer.val_every_n_steps=6",
+              f"output_root={tmp_path}")
+    losses = {}
+    for name, extra in [("device", ()), ("disk", ("memory=offload_disk",)),
+                        ("budget", ("memory=budget", "memory.budget=5MiB"))]:
+        run_dir = tmp_path / name
+        proc = run_recipe("train.py", *common, f"hydra.run.dir={run_dir}", *extra)
+        losses[name] = [p["loss"] for p in json.loads((run_dir / "summary.json").read_text())["losses"]]
+        if name == "budget":
+            assert "placement chosen by the cost model" in proc.stdout + proc.stderr
+            assert "| activations | checkpoint |" in proc.stdout + proc.stderr
+    assert losses["disk"] == losses["device"] and losses["budget"] == losses["device"], losses
+    proc = run_recipe("train.py", *common, f"hydra.run.dir={tmp_path / 'ddp'}", "strategy=ddp", "memory=offload_disk",
+                      returncode=2)
+    assert "memory=... needs strategy=vescale" in proc.stderr + proc.stdout
+
+
+def test_memory_budget_too_small_is_a_config_error(tmp_path):
+    proc = run_recipe("train.py", "memory=budget", "memory.budget=1MiB", f"output_root={tmp_path}",
+                      f"hydra.run.dir={tmp_path / 'run'}", returncode=2)
+    assert "memory.budget=1MiB: a budget of 1.0 MiB per rank is too small" in proc.stderr
+    assert "Raise the budget to at least" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,61 @@
+"""Apply a :class:`MemoryPolicy` to a sharded model and its optimizers (framework-free; the strategies call it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+from lightning_vescale.memory.activations import ActivationOffload, checkpoint_blocks, offload_activations
+from lightning_vescale.memory.optimizer_states import StateOffload, offload_optimizer_states
+from lightning_vescale.memory.policy import MemoryPolicy
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MemoryHandles", "apply_memory_policy"]
+
+
+@dataclass
+class MemoryHandles:
+    """What :func:`apply_memory_policy` installed; ``close()`` undoes the offloads (states come back)."""
+
+    states: list[StateOffload] = field(default_factory=list)
+    activations: Optional[ActivationOffload] = None
+    checkpointed: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        for offload in self.states:
+            offload.close()
+        self.states.clear()
+        if self.activations is not None:
+            self.activations.close()
+            self.activations = None
+
+
+def apply_memory_policy(
+    model: nn.Module, optimizers: Iterable[torch.optim.Optimizer], policy: Optional[MemoryPolicy], *, rank: int = 0,
+) -> MemoryHandles:
+    """Put ``model``'s activations and ``optimizers``' states where ``policy`` says (a no-op for ``None`` or the
+    all-device policy). Disk files go under ``policy.disk_dir/rank<rank>``."""
+    handles = MemoryHandles()
+    if policy is None:
+        return handles
+    disk_dir = os.path.join(policy.disk_dir, f"rank{rank}") if policy.disk_dir else None
+    if policy.activations == "checkpoint":
+        handles.checkpointed = checkpoint_blocks(model, policy.activation_blocks)
+    elif policy.activations != "device":
+        handles.activations = offload_activations(model, policy.activation_blocks, policy.activations,
+                                                  disk_dir=disk_dir, prefetch=policy.prefetch)
+    if policy.optimizer_states != "device":
+        local = MemoryPolicy(optimizer_states=policy.optimizer_states, disk_dir=disk_dir, prefetch=policy.prefetch,
+                             bucket_bytes=policy.bucket_bytes)
+        handles.states = [offload_optimizer_states(opt, local) for opt in optimizers]
+    logger.info("lightning_vescale memory: optimizer states on %s, activations %s%s", policy.optimizer_states,
+                policy.activations, f" ({len(handles.checkpointed)} blocks recomputed)" if handles.checkpointed else "")
+    return handles
+
+

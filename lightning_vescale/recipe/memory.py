@@ -1,0 +1,77 @@
+"""The recipes' ``memory`` group: explicit placements, or a per-rank budget turned into them by the cost model."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from lightning_vescale.memory import MemoryEstimate, MemoryPolicy, choose_placement, measure_disk_bandwidth
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["memory_policy_for", "estimate_for", "world_size_of"]
+
+_PRECISION = {"fp32": "32-true", "32-true": "32-true", "bf16_mixed": "bf16-mixed", "bf16-mixed": "bf16-mixed",
+              "bf16_true": "bf16-true", "bf16-true": "bf16-true"}
+
+
+def world_size_of(config) -> int:
+    """The number of training processes the recipe's trainer settings start (Lightning's choice for "auto")."""
+    devices, accelerator = config.trainer.devices, config.trainer.accelerator
+    if isinstance(devices, int):
+        per_node = devices
+    elif isinstance(devices, list):
+        per_node = len(devices)
+    elif accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+        per_node = torch.cuda.device_count()
+    else:
+        per_node = 1
+    return per_node * config.trainer.num_nodes
+
+
+def estimate_for(config, world_size: int) -> MemoryEstimate:
+    """Per-rank bytes of the recipe's run from the dry-run planner (the model on the meta device)."""
+    from lightning_vescale.parallelize import resolve_for
+    from lightning_vescale.plan._dry_run import Workload, dry_run
+    from lightning_vescale.plan._hardware import load_profile
+
+    with torch.device("meta"):
+        model = config.model.build_model()
+    resolved = resolve_for(model, config.plan)
+    precision = _PRECISION.get(str(getattr(config.trainer, "precision", "32-true")), "32-true")
+    optimizer = "muon" if type(config.optimizer).__name__ == "MuonConfig" else "adamw"
+    workload = Workload(batch_size=config.data.batch_size, seq_len=config.data.seq_len, precision=precision,
+                        optimizer=optimizer)
+    hardware = load_profile("cpu" if not torch.cuda.is_available() else "h200")
+    run = dry_run(model, resolved, world_size, workload=workload, hardware=hardware).vescale
+    blocks = sum(1 for name, _ in model.named_modules() if name.count(".") == 1 and name.startswith("layers."))
+    hidden = run.activations / max(workload.tokens, 1)
+    return MemoryEstimate(
+        params=run.params, grads=run.grads, optimizer_states=run.optimizer, gathered_params=run.gathered_peak,
+        activations=run.activations, num_blocks=max(blocks, 1),
+        block_inputs=max(blocks, 1) * workload.tokens * config.model.build_config().dim * 4 if hidden else 0.0,
+        forward_seconds=run.compute_seconds / 3,
+        bucket_bytes=config.memory.bucket_bytes,
+    )
+
+
+def memory_policy_for(config, run_dir: Path, world_size: int) -> Optional[MemoryPolicy]:
+    """The :class:`MemoryPolicy` of ``config.memory`` (``None``: everything on the device). With a budget, the
+    placement is chosen here and its table logged before training."""
+    m = config.memory
+    if m is None:
+        return None
+    disk_dir = m.disk_dir or os.path.join(str(run_dir), "swap")
+    optimizer_states, activations = m.optimizer_states, m.activations
+    if m.budget is not None:
+        estimate = estimate_for(config, world_size)
+        placement = choose_placement(estimate, m.budget, disk_bandwidth=measure_disk_bandwidth(disk_dir))
+        optimizer_states, activations = placement.tiers["optimizer_states"], placement.tiers["activations"]
+        logger.info("memory budget %s per rank: placement chosen by the cost model\n%s", m.budget, placement.table())
+    return MemoryPolicy(optimizer_states=optimizer_states, activations=activations,
+                        activation_blocks=tuple(m.activation_blocks), disk_dir=disk_dir, prefetch=m.prefetch,
+                        bucket_bytes=m.bucket_bytes)

@@ -1,0 +1,54 @@
+"""The memory manager's pure parts: budgets, policies, the placement a budget chooses."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_vescale.memory import MemoryPolicy, parse_bytes
+from lightning_vescale.memory.budget import MemoryEstimate, choose_placement
+
+MiB = 2**20
+
+
+def test_budgets_read_like_people_write_them() -> None:
+    assert parse_bytes("6GiB") == 6 * 2**30 and parse_bytes("512MB") == 512 * 10**6 and parse_bytes(1024) == 1024
+    assert parse_bytes("1.5 GiB") == int(1.5 * 2**30)
+    with pytest.raises(ValueError, match="cannot read '6 gigs' as bytes"):
+        parse_bytes("6 gigs")
+
+
+def test_a_disk_tier_needs_a_directory() -> None:
+    with pytest.raises(ValueError, match="needs disk_dir"):
+        MemoryPolicy(optimizer_states="disk")
+    with pytest.raises(ValueError, match="must be one of"):
+        MemoryPolicy(optimizer_states="nvme")
+
+
+def estimate(**kw) -> MemoryEstimate:
+    base = dict(params=100 * MiB, grads=100 * MiB, optimizer_states=200 * MiB, gathered_params=50 * MiB,
+                activations=400 * MiB, num_blocks=8, block_inputs=20 * MiB, forward_seconds=1.0, bucket_bytes=10 * MiB)
+    base.update(kw)
+    return MemoryEstimate(**base)
+
+
+def test_everything_stays_on_the_device_when_it_fits() -> None:
+    placement = choose_placement(estimate(), "1GiB", disk_bandwidth=1e9)
+    assert set(placement.tiers.values()) == {"device"} and placement.total == 850 * MiB
+
+
+def test_the_cheapest_combination_that_fits_is_chosen() -> None:
+    # Fast disk: moving activations (saves 300 MiB for 0.84 s) alone fits; adding the optimizer states would cost
+    # more, and the states alone (saves 180 MiB) do not fit.
+    fast = choose_placement(estimate(), "600MiB", disk_bandwidth=1e9)
+    assert fast.tiers["activations"] == "disk" and fast.tiers["optimizer_states"] == "device"
+    # Slow disk: recomputing is cheaper; the optimizer states move only when that is not enough.
+    slow = choose_placement(estimate(), "600MiB", disk_bandwidth=1e8)
+    assert slow.tiers["activations"] == "checkpoint" and slow.total <= 600 * MiB
+    tight = choose_placement(estimate(), "350MiB", disk_bandwidth=1e8)
+    assert tight.tiers["optimizer_states"] == "disk" and tight.total <= 350 * MiB
+    assert "| optimizer_states | disk |" in tight.table()
+
+
+def test_a_budget_too_small_says_the_minimum_and_what_needs_it() -> None:
+    with pytest.raises(ValueError, match=r"too small .* still needs 340\.0 MiB \(params 100\.0 MiB, grads 100\.0 MiB"):
+        choose_placement(estimate(), "200MiB", disk_bandwidth=1e9)
