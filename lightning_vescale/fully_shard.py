@@ -212,6 +212,14 @@ class _VeScaleState:
     def _root_pre_forward(self) -> None:
         # A forward without a backward since the last one (e.g. evaluation) leaves no work behind.
         self._finish_backward()
+        self._release_unused_grads()
+
+    def _release_unused_grads(self) -> None:
+        """Free the sharded gradient storage the user released with ``zero_grad(set_to_none=True)``: checked
+        before forward and again when backward starts (Lightning zeroes gradients between the two)."""
+        for state in self.states:
+            if state.group is not None:
+                state.group.release_unused_grads()
 
     @staticmethod
     def _next_in(order: list, state: "_VeScaleState") -> Optional["_VeScaleState"]:
@@ -227,6 +235,7 @@ class _VeScaleState:
         if not root.callback_queued:
             root.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
+            root._release_unused_grads()
         if self.group is None:
             return
         self.group.pre_backward()
