@@ -113,11 +113,37 @@ def _one_reduce_scatter_in_flight(rank: int, world: int) -> None:
     assert all(a <= 1 for _, a in observed), observed
 
 
+def _backward_prefetch_switch(rank: int, world: int) -> None:
+    """With the default, a block's backward has already started gathering the next block in backward order;
+    set_backward_prefetch(False) leaves it sharded until its own backward. The bytes sent are the same."""
+    sent, prefetched = {}, {}
+    for enabled in (True, False):
+        model = _sharded_mlp()
+        model.set_backward_prefetch(enabled)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _step(model, optimizer)  # records the forward order that prefetching follows
+        nxt = sharded_groups(model.blocks[-2])[0]
+        seen = []
+
+        def inside_last_block_backward(module, args, output):
+            output.register_hook(lambda grad: seen.append(nxt.is_unsharded))
+
+        hook = model.blocks[-1].up.register_forward_hook(inside_last_block_backward)
+        lv.comm_stats.step()
+        _step(model, optimizer)
+        sent[enabled] = lv.comm_stats.step()
+        hook.remove()
+        prefetched[enabled] = seen
+    assert prefetched[True] == [True] and prefetched[False] == [False], prefetched
+    assert sent[True]["all_gather"] == sent[False]["all_gather"], sent
+
+
 def _run(rank: int, world: int) -> None:
     _grads_freed_before_forward(rank, world)
     _grads_freed_when_backward_starts(rank, world)
     _grads_kept_without_set_to_none(rank, world)
     _one_reduce_scatter_in_flight(rank, world)
+    _backward_prefetch_switch(rank, world)
 
 
 def test_buffer_lifetimes() -> None:
