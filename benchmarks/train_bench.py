@@ -159,8 +159,11 @@ def build(engine: str, setup: Setup, world: int):
     elif engine == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                      output_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        # As lightning-vescale's policy: fp32 outputs of the model only (blocks feed each other in bf16).
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else (
+            MixedPrecisionPolicy())
+        root_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                           output_dtype=torch.float32) if bf16 else policy
         dense_mesh = None
         if setup.ep > 1:
             from lightning_vescale.parallel import apply_expert_parallel
@@ -172,7 +175,7 @@ def build(engine: str, setup: Setup, world: int):
                 experts.set_gradient_divide_factor(float(world))  # see fully_shard_expert_parallel's note
         for block in model.layers:
             fully_shard(block, mesh=dense_mesh, mp_policy=policy)
-        fully_shard(model, mesh=dense_mesh, mp_policy=policy)
+        fully_shard(model, mesh=dense_mesh, mp_policy=root_policy)
         padding = _padding_fsdp2(model)
     elif engine == "ddp":
         if setup.ep > 1:

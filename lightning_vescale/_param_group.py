@@ -70,8 +70,8 @@ def _owner_cost(param: torch.Tensor, granularity_numel: int) -> float:
     """Newton-Schulz cost of a matrix kept whole on one rank (the planner balances it across ranks)."""
     if param.dim() != 2 or granularity_numel != param.numel():
         return 0.0
-    s, l = sorted(param.shape)
-    return float(5 * s * s * (2 * l + s))
+    short, long = sorted(param.shape)
+    return float(5 * short * short * (2 * long + short))
 
 
 SHARDED_ORIGINALS: "weakref.WeakKeyDictionary[torch.Tensor, str]" = weakref.WeakKeyDictionary()
