@@ -77,7 +77,8 @@ SETUPS = {
     "moe": Setup("bench_moe"),
     "moe-ep": Setup("bench_moe", ep=2),
 }
-ENGINES = ("fsdp2", "vescale", "ddp")
+ENGINES = ("fsdp2", "vescale", "ddp", "vescale-nobp")
+"""``vescale-nobp``: lightning-vescale with ``set_backward_prefetch(False)`` (FSDP2 has no public switch for it)."""
 PHASES = ("forward", "backward", "optimizer")
 
 _counted: dict[str, int] = {}
@@ -137,8 +138,13 @@ def _padding_fsdp2(model: nn.Module) -> float:
     return padded / real - 1
 
 
+def base_engine(engine: str) -> str:
+    return engine.split("-")[0]
+
+
 def build(engine: str, setup: Setup, world: int):
     """The model sharded by ``engine``, its AdamW, its padding and the autocast dtype of its forward."""
+    variant, engine = engine, base_engine(engine)
     model = make_model(setup)
     bf16 = setup.precision == "bf16-mixed"
     padding, autocast = 0.0, None
@@ -154,6 +160,8 @@ def build(engine: str, setup: Setup, world: int):
             for block in model.layers:
                 lv.fully_shard(block, mp_policy=policy)
             lv.fully_shard(model, mp_policy=policy)
+        if variant == "vescale-nobp":
+            model.set_backward_prefetch(False)
         plans = [p for g in sharded_groups(model) for p in g.plans]
         padding = sum(p.padding for p in plans) / sum(p.total_numel for p in plans)
     elif engine == "fsdp2":
@@ -205,6 +213,7 @@ def step(model, optimizer, tokens, autocast=None, phase: Callable[[str], None] =
 
 
 def step_bytes(engine: str, model, world: int) -> int:
+    engine = base_engine(engine)
     if engine == "vescale":
         return sum(lv.comm_stats.step().values())
     if engine == "fsdp2":
@@ -242,9 +251,13 @@ def time_engines(rank: int, world: int, setup: Setup, engines: list, args) -> di
             sent[engine].append(step_bytes(engine, model, world))
             if i >= 2:  # warm-up: lazy init, first allocations
                 times[engine].append(elapsed)
+    base = times.get("fsdp2")
     return {
         engine: {
             "median_step_s": statistics.median(times[engine]),
+            # Step i of every engine ran back to back: the median of the per-step ratios is steadier on a shared
+            # machine than the ratio of the medians.
+            "paired_vs_fsdp2": statistics.median(a / b for a, b in zip(times[engine], base)) if base else None,
             "step_times_s": times[engine],
             "bytes_per_step": statistics.median(sent[engine][2:]),
             "padding": built[engine][2],
@@ -264,7 +277,9 @@ def time_worker(rank: int, world: int, init_file: str, setup: Setup, engines: li
     dist.all_gather_object(gathered, results)
     if rank == 0:
         merged = {
-            e: {**results[e], **{k: max(r[e][k] for r in gathered) for k in ("median_step_s", "bytes_per_step")}}
+            e: {**results[e], **{k: max(r[e][k] for r in gathered) for k in ("median_step_s", "bytes_per_step")
+                                 if results[e][k] is not None},
+                "paired_vs_fsdp2": max(r[e]["paired_vs_fsdp2"] for r in gathered) if results[e]["paired_vs_fsdp2"] else None}
             for e in engines
         }
         Path(out_file).write_text(json.dumps(merged))
@@ -361,7 +376,7 @@ def memory_worker(rank: int, world: int, init_file: str, setup: Setup, engine: s
     _memory.reset_peak_rss()
     model, optimizer, _, autocast = build(engine, setup, world)
     record = {"sharding": _memory.peak_rss_bytes() - baseline, "after_sharding": _memory.rss_bytes() - baseline}
-    classify = lambda: CLASSIFIERS[engine](model, optimizer)  # noqa: E731
+    classify = lambda: CLASSIFIERS[base_engine(engine)](model, optimizer)  # noqa: E731
     if use_ledger:
         # A warm-up step first: libraries set up their workspaces and the optimizer its states, so "not tensors"
         # is measured once and the ledger's steps are the steady state the peak comes from.
@@ -449,7 +464,7 @@ def run_setup(name: str, world: int, args) -> dict:
         if runs:
             result[engine]["os_sharding"] = statistics.median(max(r["sharding"] for r in ranks) for ranks in runs)
             result[engine]["os_end_of_step"] = statistics.median(max(r["end_of_step"] for r in ranks) for ranks in runs)
-        if not args.skip_ledger:
+        if not args.skip_ledger and engine in args.ledger_engines:
             staging = _STAGING.get(world) or _STAGING.setdefault(world, run_processes(world, staging_worker))
             ranks = run_processes(world, memory_worker, setup, engine, staging, args)
             worst = max(range(world), key=lambda q: ranks[q]["ledger"]["os_peak"])
@@ -484,9 +499,9 @@ def to_markdown(all_results: dict, args) -> str:
         "",
         "Command: `" + " ".join(["python benchmarks/train_bench.py", *sys.argv[1:]]) + "`",
         "",
-        "| setup | ranks | engine | median step (s) | vs FSDP2 | peak RSS / rank (MiB) | vs FSDP2 | ledger peak (MiB) "
-        "| ledger / OS | sent / rank / step (MiB) | vs FSDP2 | padding |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| setup | ranks | engine | median step (s) | vs FSDP2 | paired vs FSDP2 | peak RSS / rank (MiB) | vs FSDP2 "
+        "| ledger peak (MiB) | ledger / OS | sent / rank / step (MiB) | vs FSDP2 | padding |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, res in all_results.items():
         name, world = key.rsplit("@", 1)
@@ -495,7 +510,9 @@ def to_markdown(all_results: dict, args) -> str:
             ledger = r.get("ledger") or {}
             lines.append(
                 f"| {name} | {world} | {engine} | {r.get('median_step_s', float('nan')):.3f} | "
-                f"{_ratio(r.get('median_step_s'), base.get('median_step_s'))} | {_mib(r.get('os_peak'))} | "
+                f"{_ratio(r.get('median_step_s'), base.get('median_step_s'))} | "
+                f"{'-' if r.get('paired_vs_fsdp2') is None else format(r['paired_vs_fsdp2'], '.3f')} | "
+                f"{_mib(r.get('os_peak'))} | "
                 f"{_ratio(r.get('os_peak'), base.get('os_peak'))} | {_mib(ledger.get('ledger_peak'))} | "
                 f"{_ratio(ledger.get('ledger_peak'), ledger.get('os_peak'))} | "
                 f"{_mib(r.get('bytes_per_step'))} | {_ratio(r.get('bytes_per_step'), base.get('bytes_per_step'))} | "
@@ -531,7 +548,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=sorted(SETUPS))
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES[:3]), choices=ENGINES)
     parser.add_argument("--steps", type=int, default=6, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--memory-steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="fresh memory runs per engine (median)")
@@ -539,18 +556,21 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--skip-ledger", action="store_true")
+    parser.add_argument("--ledger-engines", nargs="+", default=["fsdp2", "vescale", "ddp"], choices=ENGINES)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "train"))
     args = parser.parse_args()
     all_results = {}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    setups = {name: asdict(SETUPS[name]) for name in args.setups}
     for name in args.setups:
         for world in args.world_sizes:
             all_results[f"{name}@{world}"] = run_setup(name, world, args)
             print(json.dumps({f"{name}@{world}": all_results[f"{name}@{world}"]}), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    setups = {name: asdict(SETUPS[name]) for name in args.setups}
-    Path(args.out + ".json").write_text(json.dumps(
-        {"args": vars(args), "argv": sys.argv[1:], "setups": setups, "results": all_results}, indent=1))
-    Path(args.out + ".md").write_text(to_markdown(all_results, args))
+            # Written after every setup: a long run that stops keeps what it measured.
+            Path(args.out + ".json").write_text(json.dumps(
+                {"args": vars(args), "argv": sys.argv[1:], "setups": setups, "staging": _STAGING,
+                 "results": all_results}, indent=1))
+            Path(args.out + ".md").write_text(to_markdown(all_results, args))
     print(to_markdown(all_results, args))
 
 
