@@ -95,6 +95,11 @@ def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
 
 GranularityFn = Callable[[str, nn.Parameter], object]
 
+REDUCES_IN_FLIGHT = 1
+"""ReduceScatters left in flight when a group issues its own: the previous group's had this group's backward to
+complete, and waiting for it before the next one frees its unsharded gradient buffer (and gloo's copy of it)
+while at most one group's reduction overlaps compute, as FSDP2 keeps one ReduceScatter input."""
+
 
 class ParamGroup:
     """The parameters of one sharded module and the DBuffers that hold them."""
@@ -130,8 +135,8 @@ class ParamGroup:
         self.buffers: dict[tuple, DBuffer] = {}
         self._grad_count = 0
         self._grad_expected = 0
-        # Shared by all groups of a root: at most two ReduceScatters in flight, so the unsharded gradient
-        # buffers of finished groups are freed during backward, not at its end.
+        # Shared by all groups of a root: ReduceScatters in flight, oldest first (at most REDUCES_IN_FLIGHT
+        # while compute runs), so the unsharded gradient buffers of finished groups are freed during backward.
         self.reduce_queue: list[ParamGroup] = []
         self._build(params, granularity_fn)
         self._frozen_in_use = False  # frozen buffers stay gathered until backward has used them (see below)
@@ -356,6 +361,7 @@ class ParamGroup:
         """Gather for backward and point the unsharded parameters' grads at the gradient buffer."""
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # a module called twice in forward reaches backward twice
+        self.finish_reductions(keep=REDUCES_IN_FLIGHT)
         self.unshard()
         self.wait_for_unshard()
         for buf in self._buffers_with_grads():
@@ -413,12 +419,33 @@ class ParamGroup:
         issued = False
         for buf in self.buffers.values():
             if buf.requires_grad and buf.grad_allocated:
+                if not issued:
+                    self.finish_reductions(keep=REDUCES_IN_FLIGHT - 1)
                 buf.reduce_grad(accumulate=self._prepare_accumulation(buf), async_op=True)
                 issued = True
         if issued:
             self.reduce_queue.append(self)
-            while len(self.reduce_queue) > 2:
-                self.reduce_queue.pop(0).finalize_grads()
+
+    def finish_reductions(self, keep: int) -> None:
+        """Finalize, oldest first, the groups in flight beyond the newest ``keep`` and any whose ReduceScatters
+        have completed, freeing their unsharded gradient buffers (and the copy gloo keeps inside a
+        ReduceScatter's handle until the handle is released)."""
+        queue = self.reduce_queue
+        while len(queue) > keep or (queue and all(b.reduce_completed for b in queue[0].buffers.values())):
+            queue.pop(0).finalize_grads()
+
+    def release_unused_grads(self) -> None:
+        """Free the sharded gradient storage of every buffer whose gradients the user all set to None
+        (``zero_grad(set_to_none=True)``), so it does not stay allocated through the next forward and backward;
+        the next ReduceScatter allocates it again (FSDP2 likewise allocates sharded gradients at reduction)."""
+        for key, buf in self.buffers.items():
+            if buf.local_grad is None or buf.reducing:
+                continue
+            mine = [mp for mp in self.managed if mp.key == key]
+            if all(mp.sharded.grad is None for mp in mine):
+                for mp in mine:
+                    mp.grad = None
+                buf.release_grad_piece()
 
     def _prepare_accumulation(self, buf: DBuffer) -> bool:
         """Whether the reduced gradient adds to existing ``.grad`` (no ``zero_grad`` in between)."""

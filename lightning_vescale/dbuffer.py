@@ -12,7 +12,10 @@ flat buffer of ``N * S`` elements; rank ``r`` owns ``[r * S, (r + 1) * S)``. The
                               saved stay valid;
 * ``unsharded_grad``  (N*S,)  ``param_dtype`` — the unsharded parameters' ``.grad`` are views into
                               it, so autograd accumulates straight into the ReduceScatter input;
-* ``local_grad``      (S,)    original dtype — the sharded parameters' ``.grad`` are views into it.
+* ``local_grad``      (S,)    original dtype — the sharded parameters' ``.grad`` are views into it;
+                              allocated by the ReduceScatter and dropped once every gradient of the
+                              buffer was set to None (``zero_grad(set_to_none=True)``), as FSDP2 frees
+                              its sharded gradients.
 
 The AllGather reads ``local`` (or, under mixed precision, its one-op cast written straight into this
 rank's slot of ``unsharded``) and writes ``unsharded``; the ReduceScatter reads ``unsharded_grad``
@@ -243,7 +246,8 @@ class DBuffer:
             if send.dtype != torch.float32 and send.dtype != torch.float64:
                 send.div_(N)  # pre-divide low-precision sums so they cannot overflow
             if self.local_grad is None:
-                self.local_grad = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
+                # Written whole below (by the ReduceScatter or the copy in wait_reduce): no fill needed.
+                self.local_grad = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
                 accumulate = False
             if not accumulate and self.reduce_dtype == self.dtype:
                 out = self.local_grad
@@ -257,6 +261,18 @@ class DBuffer:
     @property
     def reducing(self) -> bool:
         return self._reduce_output is not None
+
+    @property
+    def reduce_completed(self) -> bool:
+        """The ReduceScatter in flight has finished (``wait_reduce`` will not block); True when none is."""
+        handle = self._reduce_handle
+        return handle is None or handle.is_completed()
+
+    def release_grad_piece(self) -> None:
+        """Drop the sharded gradient storage (every gradient of the buffer was set to None): the next
+        ReduceScatter allocates it again. Tensors the user still holds keep their own reference."""
+        assert not self.reducing, "release_grad_piece during a ReduceScatter"
+        self.local_grad = None
 
     def wait_reduce(self) -> None:
         """Finish the ReduceScatter: average, HSDP all-reduce, accumulate; free the unsharded grads."""

@@ -9,16 +9,19 @@ submodule) one :class:`ParamGroup`. Hooks drive it through a training step:
 * post-forward: free the unsharded buffer (``reshard_after_forward``; never for the root, whose
   parameters backward needs first) and hook the outputs so that backward reaching them runs
   pre-backward;
-* pre-backward: gather again, zero the gradient buffer in one op, prefetch the next group in backward
-  order;
+* pre-backward: finish every ReduceScatter that has completed, gather again, zero the gradient buffer in
+  one op, prefetch the next group in backward order (``set_backward_prefetch``);
 * post-accumulate-grad hooks on the unsharded parameters count arrivals; the last one frees the
-  parameters and issues the group's ReduceScatter asynchronously;
+  parameters, finishes the previous group's ReduceScatter (freeing its unsharded gradient buffer) and issues
+  the group's own asynchronously, so at most one overlaps compute;
 * a callback queued on the autograd engine runs when the whole backward ends: it completes groups whose
   gradients never all arrived (unused parameters), waits for every ReduceScatter and points each
   sharded parameter's ``.grad`` at its piece of the reduced gradient.
 
 The first group whose forward runs is the root. Its lazy initialization checks that every rank
-computed the same plans (invariant 4) before any training happens.
+computed the same plans (invariant 4) before any training happens. Before each forward, and again when
+backward starts, the root frees the sharded gradient storage of buffers whose gradients the user set to
+None (``zero_grad(set_to_none=True)``).
 """
 
 from __future__ import annotations
@@ -243,6 +246,7 @@ class _VeScaleState:
         self.prefetch = prefetch  # how many groups ahead this group's hooks issue AllGathers
         self.is_root: Optional[bool] = None
         self.root: Optional[_VeScaleState] = None
+        self.backward_prefetch = True  # gather the next group in backward order during this group's backward
         # Root only:
         self.states: list[_VeScaleState] = []
         self.forward_order: list[_VeScaleState] = []
@@ -327,6 +331,14 @@ class _VeScaleState:
     def _root_pre_forward(self) -> None:
         # A forward without a backward since the last one (e.g. evaluation) leaves no work behind.
         self._finish_backward()
+        self._release_unused_grads()
+
+    def _release_unused_grads(self) -> None:
+        """Free the sharded gradient storage the user released with ``zero_grad(set_to_none=True)``: checked
+        before forward and again when backward starts (Lightning zeroes gradients between the two)."""
+        for state in self.states:
+            if state.group is not None:
+                state.group.release_unused_grads()
 
     @staticmethod
     def _next_in(order: list, state: "_VeScaleState", count: int) -> list["_VeScaleState"]:
@@ -342,10 +354,11 @@ class _VeScaleState:
         if not root.callback_queued:
             root.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
+            root._release_unused_grads()
         if self.group is None:
             return
         self.group.pre_backward()
-        if root.order_recorded:
+        if root.order_recorded and self.backward_prefetch:
             for nxt in root._next_in(root.forward_order[::-1], self, self.prefetch):
                 if nxt.group is not None and nxt.group.training_state is TrainingState.IDLE:
                     nxt.group.unshard(async_op=True)
@@ -456,6 +469,13 @@ class VeScaleModule:
         for state in self._vescale_states(recurse):
             if state.group is not None:
                 state.group.requires_grad_sync = requires_gradient_sync
+
+    def set_backward_prefetch(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Whether a group's backward starts the AllGather of the next group in backward order (default True), so
+        that it overlaps this group's compute. False keeps that group's unsharded parameters (and the backend's
+        AllGather staging) out of the backward peak, at the cost of the overlap; the bytes sent are the same."""
+        for state in self._vescale_states(recurse):
+            state.backward_prefetch = enabled
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for state in self._vescale_states(recurse):

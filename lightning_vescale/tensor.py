@@ -27,6 +27,11 @@ Anything else (matmuls, indexing, reshapes, reductions over a dim, ``item()``) r
 a plain tensor that is not a scalar, or two RaggedTensors of different layouts, raises too.
 
 Reductions and ``full_tensor()`` are collectives over ``layout.group``: every rank of it must call them.
+
+Elementwise methods called under no_grad (what a single-tensor optimizer step does, ~8 per parameter) take a
+direct path in ``__torch_function__`` that runs them on the pieces before the dispatcher, whose round trip
+through ``__torch_dispatch__`` costs about as much as the op on a piece; the results, errors and version
+counters are those of the dispatch path.
 """
 
 from __future__ import annotations
@@ -203,7 +208,16 @@ class RaggedTensor(torch.Tensor):
         r._layout = layout
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        # The single-tensor optimizer step calls ~8 elementwise methods per parameter under no_grad: run them on
+        # the pieces here, before the dispatcher, which costs as much again as the op on a piece. Anything else,
+        # and these under grad mode (autograd must record them), goes the usual way to __torch_dispatch__.
+        if func in _DIRECT_ELEMENTWISE and not torch.is_grad_enabled():
+            out = _elementwise_direct(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return _disabled_torch_function_impl(func, types, args, kwargs or _NO_KWARGS)
 
     # -- the public face -----------------------------------------------------------------------------------
     @property
@@ -310,16 +324,18 @@ class RaggedTensor(torch.Tensor):
     # -- dispatch -----------------------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is None:
             handler = _HANDLERS[func] = _handler_for(func)
-        return handler(func, args, kwargs)
+        return handler(func, args, kwargs or _NO_KWARGS)
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 def _wrap(local: torch.Tensor, layout: RaggedLayout) -> RaggedTensor:
     """``RaggedTensor(local, layout)`` without the size check (the caller got ``local`` from a same-layout op)."""
-    r = torch.Tensor._make_wrapper_subclass(RaggedTensor, layout.shape, dtype=local.dtype, device=local.device)
+    r = _make_wrapper(RaggedTensor, layout.shape, dtype=local.dtype, device=local.device)
     r._local = local
     r._layout = layout
     return r
@@ -446,8 +462,62 @@ class _Unwrapper:
         return out if layout is None else _wrap(out, layout)
 
 
+_NO_KWARGS: dict = {}
+_NOT_SCALARS = (torch.Tensor, list, tuple)
+_disabled_torch_function_impl = torch._C._disabled_torch_function_impl
+_increment_version = torch.autograd.graph.increment_version
+
+_DIRECT_NAMES = (
+    "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "addcmul", "addcmul_", "addcdiv", "addcdiv_",
+    "lerp", "lerp_", "sqrt", "sqrt_", "rsqrt", "neg", "neg_", "abs", "sign", "sign_", "square", "clamp", "clamp_",
+    "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "copy_", "zero_", "fill_", "__add__", "__radd__",
+    "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__", "__truediv__",
+    "__itruediv__", "__neg__",
+)
+_DIRECT_ELEMENTWISE = frozenset(
+    f for name in _DIRECT_NAMES for f in (getattr(torch.Tensor, name, None), getattr(torch, name, None)) if f is not None
+)
+"""Python-level elementwise functions and methods :meth:`RaggedTensor.__torch_function__` runs on the pieces
+directly (under no_grad, between RaggedTensors of one layout and Python scalars): the same computation the
+dispatch path does, without its cost."""
+
+
+def _elementwise_direct(func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
+    """``func`` on the pieces, or NotImplemented unless every tensor argument is a RaggedTensor of one layout."""
+    layout = None
+    local_args = []
+    for a in args:
+        if type(a) is RaggedTensor:
+            if layout is None:
+                layout = a._layout
+            elif a._layout is not layout:
+                return NotImplemented
+            local_args.append(a._local)
+        elif isinstance(a, _NOT_SCALARS):
+            return NotImplemented
+        else:
+            local_args.append(a)
+    if layout is None:
+        return NotImplemented
+    if kwargs:
+        for v in kwargs.values():
+            if isinstance(v, _NOT_SCALARS):
+                return NotImplemented
+        out = func(*local_args, **kwargs)
+    else:
+        out = func(*local_args)
+    if out is local_args[0]:
+        _increment_version(args[0])  # as the dispatcher does for an in-place op on the wrapper
+        return args[0]
+    r = _make_wrapper(RaggedTensor, layout.shape, dtype=out.dtype, device=out.device)  # every listed op returns one
+    r._local = out
+    r._layout = layout
+    return r
+
+
 def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
-    # Fast path (the optimizer's ops): RaggedTensors of one layout object and Python scalars only.
+    # Fast path (the single-tensor optimizer step runs ~8 of these per parameter, so every bytecode counts):
+    # RaggedTensors of one layout object and Python scalars only; anything else takes the checked path.
     layout = None
     local_args = []
     for a in args:
@@ -457,16 +527,25 @@ def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
             elif a._layout is not layout:
                 return _elementwise_checked(func, args, kwargs)
             local_args.append(a._local)
-        elif isinstance(a, (torch.Tensor, list, tuple)):
+        elif isinstance(a, _NOT_SCALARS):
             return _elementwise_checked(func, args, kwargs)
         else:
             local_args.append(a)
-    if layout is None or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+    if layout is None:
         return _elementwise_checked(func, args, kwargs)
+    if kwargs:
+        for v in kwargs.values():
+            if isinstance(v, torch.Tensor):
+                return _elementwise_checked(func, args, kwargs)
     out = func(*local_args, **kwargs)
     if out is local_args[0]:
         return args[0]  # in-place on the first argument
-    return _wrap(out, layout) if isinstance(out, torch.Tensor) else _elementwise_checked(func, args, kwargs)
+    if type(out) is torch.Tensor:
+        r = _make_wrapper(RaggedTensor, layout.shape, dtype=out.dtype, device=out.device)
+        r._local = out
+        r._layout = layout
+        return r
+    return _elementwise_checked(func, args, kwargs)
 
 
 def _elementwise_checked(func: Any, args: tuple, kwargs: dict) -> Any:

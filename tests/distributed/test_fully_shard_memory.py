@@ -1,0 +1,151 @@
+"""Buffer lifetimes of fully_shard (DESIGN invariant 5): what is allocated when, on 2 gloo ranks.
+
+Each check names one behaviour; training results are covered by test_fully_shard_training.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import lightning_vescale as lv
+from lightning_vescale import _param_group, collectives
+from lightning_vescale.fully_shard import sharded_groups
+from tests.dist_utils import run_distributed
+from tests.toy_models import MLP
+
+
+def _sharded_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    model = MLP(num_blocks=4)
+    for block in model.blocks:
+        lv.fully_shard(block)
+    return lv.fully_shard(model)
+
+
+def _buffers(model: nn.Module) -> list:
+    return [b for g in sharded_groups(model) for b in g.buffers.values()]
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, *, set_to_none: bool = True) -> None:
+    F.mse_loss(model(torch.randn(4, 7)), torch.randn(4, 5)).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _grads_freed_before_forward(rank: int, world: int) -> None:
+    """zero_grad(set_to_none=True) releases the sharded gradient storage by the next forward (FSDP2 frees its
+    sharded gradients then too); a gradient the user kept is left untouched."""
+    model = _sharded_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optimizer, set_to_none=False)
+    kept = next(p for p in model.parameters() if p.to_local().numel() > 0).grad
+    kept_values = kept.to_local().clone()
+    optimizer.zero_grad(set_to_none=True)
+    seen = []
+    hook = model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append([b.local_grad for b in _buffers(model)]))
+    _step(model, optimizer)
+    hook.remove()
+    assert seen and all(g is None for g in seen[0]), "sharded gradient storage still allocated during forward"
+    assert torch.equal(kept.to_local(), kept_values), "a gradient the user kept was overwritten"
+    # The new gradients live in new storage: the kept one is not a view of it.
+    assert all(b.local_grad is None or b.local_grad.untyped_storage()._cdata != kept.to_local().untyped_storage()._cdata
+               for b in _buffers(model))
+
+
+def _grads_freed_when_backward_starts(rank: int, world: int) -> None:
+    """Lightning zeroes gradients between forward and backward: the storage is released when backward starts,
+    before any group's ReduceScatter allocates its new piece."""
+    model = _sharded_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optimizer, set_to_none=False)
+    first_block = sharded_groups(model.blocks[0])[0]
+    seen = []
+    hook = model.blocks[-1].register_full_backward_pre_hook(
+        lambda m, g: seen.append([b.local_grad for b in first_block.buffers.values()]))
+    loss = F.mse_loss(model(torch.randn(4, 7)), torch.randn(4, 5))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    hook.remove()
+    assert seen and all(g is None for g in seen[0]), "sharded gradient storage kept into backward"
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def _grads_kept_without_set_to_none(rank: int, world: int) -> None:
+    """zero_grad(set_to_none=False) zeroes the gradients in place: the storage and the .grad objects stay."""
+    model = _sharded_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optimizer, set_to_none=False)
+    before = [b.local_grad.untyped_storage()._cdata for b in _buffers(model)]
+    grads = [p.grad for p in model.parameters()]
+    _step(model, optimizer, set_to_none=False)
+    assert [b.local_grad.untyped_storage()._cdata for b in _buffers(model)] == before
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+
+
+def _one_reduce_scatter_in_flight(rank: int, world: int) -> None:
+    """When a group issues its ReduceScatter, the previous group's has been finished and its unsharded gradient
+    buffer freed: at most one group's reduction overlaps compute (plus the root's buffer, still accumulating)."""
+    model = _sharded_mlp()
+    groups = sharded_groups(model)
+    root = groups[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    observed = []
+    original = collectives.reduce_scatter_tensor
+
+    def spy(out, inp, *args, **kwargs):
+        in_flight = [g for g in groups if any(b.reducing for b in g.buffers.values())]
+        allocated = [g for g in groups if g is not root and any(
+            b.unsharded_grad is not None and b.unsharded_grad.untyped_storage().nbytes() for b in g.buffers.values())]
+        observed.append((len(in_flight), len(allocated)))
+        return original(out, inp, *args, **kwargs)
+
+    collectives.reduce_scatter_tensor = spy
+    try:
+        for _ in range(2):
+            _step(model, optimizer)
+    finally:
+        collectives.reduce_scatter_tensor = original
+    assert len(observed) == 2 * len(groups), observed
+    # In flight beforehand: at most REDUCES_IN_FLIGHT - 1 others; allocated: only the issuing group's buffer.
+    assert all(n <= _param_group.REDUCES_IN_FLIGHT - 1 for n, _ in observed), observed
+    assert all(a <= 1 for _, a in observed), observed
+
+
+def _backward_prefetch_switch(rank: int, world: int) -> None:
+    """With the default, a block's backward has already started gathering the next block in backward order;
+    set_backward_prefetch(False) leaves it sharded until its own backward. The bytes sent are the same."""
+    sent, prefetched = {}, {}
+    for enabled in (True, False):
+        model = _sharded_mlp()
+        model.set_backward_prefetch(enabled)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _step(model, optimizer)  # records the forward order that prefetching follows
+        nxt = sharded_groups(model.blocks[-2])[0]
+        seen = []
+
+        def inside_last_block_backward(module, args, output):
+            output.register_hook(lambda grad: seen.append(nxt.is_unsharded))
+
+        hook = model.blocks[-1].up.register_forward_hook(inside_last_block_backward)
+        lv.comm_stats.step()
+        _step(model, optimizer)
+        sent[enabled] = lv.comm_stats.step()
+        hook.remove()
+        prefetched[enabled] = seen
+    assert prefetched[True] == [True] and prefetched[False] == [False], prefetched
+    assert sent[True]["all_gather"] == sent[False]["all_gather"], sent
+
+
+def _run(rank: int, world: int) -> None:
+    _grads_freed_before_forward(rank, world)
+    _grads_freed_when_backward_starts(rank, world)
+    _grads_kept_without_set_to_none(rank, world)
+    _one_reduce_scatter_in_flight(rank, world)
+    _backward_prefetch_switch(rank, world)
+
+
+def test_buffer_lifetimes() -> None:
+    run_distributed(_run, 2)
+
