@@ -431,7 +431,7 @@ class ParamGroup:
         have completed, freeing their unsharded gradient buffers (and the copy gloo keeps inside a
         ReduceScatter's handle until the handle is released)."""
         queue = self.reduce_queue
-        while len(queue) > keep or (queue and all(b.reduce_completed for b in queue[0].buffers.values())):
+        while len(queue) > keep or (queue and all(b.reduce_completed for b in queue[0].buffers.values() if b.reducing)):
             queue.pop(0).finalize_grads()
 
     def release_unused_grads(self) -> None:
@@ -439,8 +439,8 @@ class ParamGroup:
         (``zero_grad(set_to_none=True)``), so it does not stay allocated through the next forward and backward;
         the next ReduceScatter allocates it again (FSDP2 likewise allocates sharded gradients at reduction)."""
         for key, buf in self.buffers.items():
-            if buf.local_grad is None or buf.reducing:
-                continue
+            if isinstance(buf, QuantizedStorage) or buf.local_grad is None or buf.reducing:
+                continue  # frozen quantized weights have no gradients
             mine = [mp for mp in self.managed if mp.key == key]
             if all(mp.sharded.grad is None for mp in mine):
                 for mp in mine:

@@ -27,8 +27,8 @@ def newton_schulz_cost(shape: Sequence[int], ns_steps: int = 5) -> float:
         raise ValueError(f"Newton–Schulz orthogonalizes matrices; got shape {tuple(shape)} (expected 2 dims)")
     if ns_steps < 0:
         raise ValueError(f"ns_steps must be >= 0, got {ns_steps}")
-    s, l = sorted(int(d) for d in shape)
-    return float(ns_steps * s * s * (2 * l + s))
+    short, long = sorted(int(d) for d in shape)
+    return float(ns_steps * short * short * (2 * long + short))
 
 
 @dataclass(frozen=True)

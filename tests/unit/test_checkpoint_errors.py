@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+
 from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.checkpoint import _save_load
 from lightning_vescale.state_dict_report import mismatch_report

@@ -27,8 +27,9 @@ def test_newton_schulz_cost_formula() -> None:
     assert newton_schulz_cost((0, 9)) == 0.0
     # Matches the multiply-adds of torch's iteration on the short-side-first matrix X (s x l):
     # X Xᵀ (s·s·l), A·A (s·s·s), B·X (s·s·l) per step.
-    s, l, steps = 5, 11, 3
-    assert newton_schulz_cost((l, s), steps) == steps * (s * s * l + s * s * s + s * s * l)
+    short, long, steps = 5, 11, 3
+    expected = steps * (short * short * long + short**3 + short * short * long)
+    assert newton_schulz_cost((long, short), steps) == expected
     with pytest.raises(ValueError, match="matrices"):
         newton_schulz_cost((3, 4, 5))
 
