@@ -516,6 +516,7 @@ def parallelize(
     for p in resolved.params.values():
         for n in (p.name, *p.aliases):
             policies[n] = p
+    _declare_quantization(model, policies)
     shard_kwargs: dict[int, dict[str, Any]] = {}
     dense_mesh = mesh
     if expert_parallel:
@@ -556,6 +557,24 @@ def parallelize(
     logger.debug("lightning_vescale: parallelized %s with plan %r: %d groups", type(model).__name__,
                  resolved.plan.name, len(resolved.groups))
     return model
+
+
+def _declare_quantization(model: nn.Module, policies: Mapping[str, Any]) -> None:
+    """Apply the plan's ``quantization`` to the 2-D weights and 3-D expert stacks it covers (before sharding):
+    frozen ones are stored as codes + scales, trained ones gathered as codes + scales."""
+    by_format: dict[tuple[str, bool], list[str]] = {}
+    for name, p in model.named_parameters():
+        policy = policies.get(name)
+        if policy is None or policy.quantization == "none" or p.dim() not in (2, 3):
+            continue
+        by_format.setdefault((policy.quantization, p.requires_grad), []).append(name)
+    if not by_format:
+        return
+    from lightning_vescale.quant import parse_format, quantize_all_gather, quantize_frozen_weights
+
+    for (fmt_name, trained), names in by_format.items():
+        apply = quantize_all_gather if trained else quantize_frozen_weights
+        apply(model, parse_format(fmt_name), targets=names)
 
 
 # --------------------------------------------------------------------------------------------------------

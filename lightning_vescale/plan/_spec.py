@@ -15,9 +15,15 @@ Per parameter: ``granularity`` (what ``fully_shard`` accepts, plus ``"muon"``: w
 and ``tier``. A rule setting them applies to the parameters its glob matches and to every parameter of
 the modules it matches.
 
-``quantization`` and ``tier`` are declared now so plans can be written against them, and refused with a
-"not available yet" error for anything but their defaults until block quantization and the memory
-manager exist: a plan never silently ignores what it says.
+``quantization`` (``fp8_block`` / ``int8_block``: 128x128 blocks) applies to the 2-D weights and 3-D expert
+stacks a rule covers (1-D tensors stay unquantized): a frozen weight is stored as codes + scales
+(:func:`~lightning_vescale.quant.quantize_frozen_weights`), a trained one keeps fp32 master pieces and is
+gathered as codes + scales (:func:`~lightning_vescale.quant.quantize_all_gather`).
+
+``tier`` is declared so plans can be written against it, and refused for anything but ``device``: the memory
+manager places whole classes of state (optimizer states, activations, ...) through a
+:class:`~lightning_vescale.memory.MemoryPolicy`, not single parameters, and a plan never silently ignores
+what it says.
 """
 
 from __future__ import annotations
@@ -52,12 +58,12 @@ FIELDS = GROUP_FIELDS + PARAM_FIELDS
 GRANULARITY_WORDS = ("element", "row", "matrix", "tensor", "muon")
 OPTIMIZER_ROUTES = ("auto", "muon", "adamw")
 QUANTIZATION_FORMATS = ("none", "fp8_block", "int8_block")
-"""``none`` works; the block formats belong to the block-quantization work (refused until it lands)."""
+"""``none``, or block quantization with 128x128 blocks."""
 TIERS = ("device", "host", "disk")
-"""``device`` works; host and disk belong to the memory manager (refused until it lands)."""
+"""``device`` works; host and disk are chosen per class of state by a ``MemoryPolicy``, not per parameter."""
 _NOT_YET = {
-    "quantization": ("none", "block quantization (FP8/INT8 128x128 blocks) is not available yet"),
-    "tier": ("device", "memory tiers other than the training device (host, disk offload) are not available yet"),
+    "tier": ("device", "per-parameter memory tiers are not available yet: place classes of state with "
+                       "MemoryPolicy (VeScaleStrategy(memory=...), recipes: memory=offload_disk or memory.budget=...)"),
 }
 
 _DTYPES = {
@@ -119,6 +125,8 @@ def _check_value(name: str, value: Any, what: str) -> Any:
     allowed = QUANTIZATION_FORMATS if name == "quantization" else TIERS
     if value not in allowed:
         raise PlanError(f"{what}: {name} must be one of {', '.join(allowed)}, got {value!r}")
+    if name not in _NOT_YET:
+        return value
     default, reason = _NOT_YET[name]
     if value != default:
         raise PlanError(

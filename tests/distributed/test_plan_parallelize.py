@@ -189,3 +189,63 @@ def _two_meshes(rank: int, world: int, tmp: str) -> None:
 
 def test_two_disjoint_meshes_train_and_checkpoint_without_the_default_group(tmp_path):
     run_distributed(_two_meshes, 4, str(tmp_path), pg_timeout=45)
+
+
+QUANT_PLAN = {
+    "rules": [
+        {"match": "layers.*", "group": True},
+        {"match": "layers.*.mlp", "quantization": "fp8_block"},
+        {"match": "layers.0.attn", "quantization": "int8_block"},
+    ],
+}
+
+
+def _frozen_attention_copy(ref: nn.Module) -> nn.Module:
+    model = copy.deepcopy(ref)
+    model.layers[0].attn.requires_grad_(False)
+    return model
+
+
+def _two_steps(model: nn.Module, rank: int, world: int) -> list[float]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(2):
+        x, y = lm_batch(world * LOCAL_BATCH, step)
+        mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        loss = lm_loss(model(x[mine]), y[mine])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _plan_quantization(rank: int, world: int) -> None:
+    from lightning_vescale.quant import parse_format, quantize_all_gather, quantize_frozen_weights
+    from lightning_vescale.quant._gather import QuantizedGatherBuffer
+    from lightning_vescale.quant._storage import QuantizedStorage
+
+    torch.manual_seed(0)
+    ref = TinyTransformer(n_layers=2)
+    mesh = init_device_mesh("cpu", (world,))
+    planned = lv.parallelize(_frozen_attention_copy(ref), QUANT_PLAN, mesh)
+    # The same declarations made by hand, then the plan without quantization.
+    by_hand = _frozen_attention_copy(ref)
+    quantize_all_gather(by_hand, parse_format("fp8_block"), targets=["layers.*.mlp.*"])
+    quantize_frozen_weights(by_hand, parse_format("int8_block"), targets=["layers.0.attn.*"])
+    lv.parallelize(by_hand, {"rules": QUANT_PLAN["rules"][:1]}, mesh)
+    plain = lv.parallelize(_frozen_attention_copy(ref), {"rules": QUANT_PLAN["rules"][:1]}, mesh)
+
+    kinds = {type(b) for block in planned.layers for b in get_state(block).group.buffers.values()}
+    assert QuantizedGatherBuffer in kinds and QuantizedStorage in kinds, kinds
+    block1 = get_state(planned.layers[1]).group
+    quantized_gather = [mp.fqn for mp in block1.managed if isinstance(block1.buffers[mp.key], QuantizedGatherBuffer)]
+    assert sorted(quantized_gather) == ["mlp.down.weight", "mlp.up.weight"], quantized_gather  # biases stay plain
+
+    planned_losses, by_hand_losses = _two_steps(planned, rank, world), _two_steps(by_hand, rank, world)
+    assert planned_losses == by_hand_losses  # bitwise: the same declarations, the same ops
+    assert _two_steps(plain, rank, world) != planned_losses  # negative control: quantization changes the gathers
+
+
+def test_plan_quantization_equals_the_quant_api():
+    run_distributed(_plan_quantization, 2)
