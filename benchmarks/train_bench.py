@@ -342,8 +342,24 @@ def _classes_ddp(model: nn.Module, optimizer) -> dict[str, list]:
     named: dict[str, list] = {c: [] for c in _memory.CLASSES}
     named["sharded params"] = list(model.parameters()) + list(model.buffers())  # replicas: whole parameters
     named["gradients"] = [p.grad for p in model.parameters()]
+    named["comm buffers"] = list(getattr(model, "bench_buckets", {}).values())
     named["optimizer states"] = _optimizer_states(optimizer)
     return named
+
+
+def _record_ddp_buckets(model: nn.Module) -> None:
+    """Keep DDP's flat gradient buckets (allocated in C++, out of the ledger's sight, then touched by its ops):
+    tracked from the start they count once, as communication buffers, instead of inside "not tensors" and again
+    as untracked tensors. The hook is DDP's default all-reduce."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    model.bench_buckets = {}
+
+    def hook(state, bucket):
+        model.bench_buckets[bucket.index()] = bucket.buffer()
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, hook)
 
 
 def _optimizer_states(optimizer) -> list:
@@ -378,8 +394,13 @@ def memory_worker(rank: int, world: int, init_file: str, setup: Setup, engine: s
     record = {"sharding": _memory.peak_rss_bytes() - baseline, "after_sharding": _memory.rss_bytes() - baseline}
     classify = lambda: CLASSIFIERS[base_engine(engine)](model, optimizer)  # noqa: E731
     if use_ledger:
-        # A warm-up step first: libraries set up their workspaces and the optimizer its states, so "not tensors"
-        # is measured once and the ledger's steps are the steady state the peak comes from.
+        # Two warm-up steps first: libraries set up their workspaces and the optimizer its states, and DDP rebuilds
+        # its gradient buckets at the start of its second step (storage the ledger would otherwise count twice:
+        # the old buckets inside "not tensors", the new ones as untracked tensors), so "not tensors" is measured
+        # once and the ledger's steps are the steady state the peak comes from.
+        if base_engine(engine) == "ddp":
+            _record_ddp_buckets(model)
+        step(model, optimizer, batches[0], autocast)
         step(model, optimizer, batches[0], autocast)
         ledger = _memory.MemoryLedger(classify, baseline_rss=baseline, staging=staging)
         for tensors in classify().values():
