@@ -42,7 +42,7 @@ from lightning_vescale.plan import PlanError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MPMDModel", "check_stage_shapes", "lm_loss", "parallelize_mpmd"]
+__all__ = ["MPMDModel", "check_stage_plans", "check_stage_shapes", "lm_loss", "parallelize_mpmd"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -124,6 +124,22 @@ def check_stage_shapes(model: nn.Module, plan: MPMDPlan, inputs: Sequence[Any]) 
         boundaries.append((values, out))
         values = out
     return boundaries
+
+
+def check_stage_plans(model: nn.Module, plan: MPMDPlan) -> None:
+    """Resolve every stage's sharding plan against the stage's modules (on the meta device, on every rank, so a
+    bad plan of any stage stops every rank before a process group is created)."""
+    from lightning_vescale.parallelize import resolve_for
+
+    shadow = _meta_clone(model)
+    for stage in plan.stages:
+        container = nn.Module()
+        for name in stage.modules:
+            container.add_module(name, shadow.get_submodule(name))
+        try:
+            resolve_for(container, stage.plan)
+        except PlanError as err:
+            raise PlanError(f"MPMD plan {plan.name!r}, stage {stage.name!r}: {err}") from None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -352,9 +368,7 @@ def parallelize_mpmd(
         raise RuntimeError("parallelize with an MPMD plan needs an initialized process group (one rank per process)")
     plan.check_world_size(dist.get_world_size())
     plan.check_model(model)
-    if plan.schedule == "1f1b" and plan.microbatches < len(plan.stages):
-        raise PlanError(f"MPMD plan {plan.name!r}: schedule 1f1b needs at least as many micro-batches as stages "
-                        f"({len(plan.stages)}), got microbatches={plan.microbatches}")
+    check_stage_plans(model, plan)
     if example_inputs is not None:
         check_stage_shapes(model, plan, example_inputs)
     if device is None:

@@ -96,6 +96,9 @@ class MPMDPlan:
                     raise PlanError(f"{what}: module {m!r} is assigned to stage {seen[m]!r} and to stage {stage.name!r}; "
                                     f"a sub-module runs in exactly one stage")
                 seen[m] = stage.name
+        if self.schedule == "1f1b" and self.microbatches < len(self.stages):
+            raise PlanError(f"{what}: schedule 1f1b needs at least as many micro-batches as stages "
+                            f"({len(self.stages)}), got microbatches={self.microbatches}")
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names):
             raise PlanError(f"{what}: stage names must differ, got {names}")
