@@ -14,14 +14,20 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
-from lightning_vescale.models.llama import Embedding, FeedForward, LlamaConfig, RMSNorm, RotaryEmbedding
 from lightning_vescale.models.llama import Attention as LlamaAttention
+from lightning_vescale.models.llama import (
+    Embedding,
+    FeedForward,
+    LlamaConfig,
+    RMSNorm,
+    RotaryEmbedding,
+)
 from lightning_vescale.models.llama import TransformerBlock as LlamaBlock
 
-__all__ = ["VLM", "VLMConfig", "VLMDecoder", "VisionEncoder", "Projector", "synthetic_vlm_batch", "vlm_config"]
+__all__ = ["VLM", "Projector", "VLMConfig", "VLMDecoder", "VisionEncoder", "synthetic_vlm_batch", "vlm_config"]
 
 
 @dataclass

@@ -18,9 +18,25 @@ Modules: ``_spec`` (the plan), ``_team`` (a stage wider than its pipelines: [Not
 (groups, schedules, the step, clipping), ``_checkpoint`` (save from all stages, reload into other layouts).
 """
 
-from lightning_vescale.pipeline._checkpoint import load_full_into, load_mpmd, read_mpmd_full_state_dict, save_mpmd
-from lightning_vescale.pipeline._runtime import MPMDModel, check_stage_shapes, lm_loss, parallelize_mpmd, run_chain
-from lightning_vescale.pipeline._spec import SCHEDULES, MPMDPlan, StageSpec, is_mpmd_plan
+from lightning_vescale.pipeline._checkpoint import (
+    load_full_into,
+    load_mpmd,
+    read_mpmd_full_state_dict,
+    save_mpmd,
+)
+from lightning_vescale.pipeline._runtime import (
+    MPMDModel,
+    check_stage_shapes,
+    lm_loss,
+    parallelize_mpmd,
+    run_chain,
+)
+from lightning_vescale.pipeline._spec import (
+    SCHEDULES,
+    MPMDPlan,
+    StageSpec,
+    is_mpmd_plan,
+)
 
 __all__ = [
     "SCHEDULES",

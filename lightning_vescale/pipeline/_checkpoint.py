@@ -16,8 +16,9 @@ included). Into another layout, go through full tensors keyed by full-model name
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -34,8 +35,8 @@ def _stage_dir(path: PathLike, index: int, name: str) -> str:
     return os.path.join(os.fspath(path), f"stage{index}-{name}")
 
 
-def save_mpmd(path: PathLike, model: MPMDModel, optimizer: Optional[torch.optim.Optimizer] = None, *,
-              extra: Optional[Mapping[str, Any]] = None) -> None:
+def save_mpmd(path: PathLike, model: MPMDModel, optimizer: torch.optim.Optimizer | None = None, *,
+              extra: Mapping[str, Any] | None = None) -> None:
     """Save every stage of ``model`` under ``path`` (collective over every rank: each stage saves over its own
     sub-mesh, then all ranks wait for each other so the whole model is on disk when any rank returns)."""
     os.makedirs(os.fspath(path), exist_ok=True)
@@ -43,7 +44,7 @@ def save_mpmd(path: PathLike, model: MPMDModel, optimizer: Optional[torch.optim.
     dist.barrier()
 
 
-def load_mpmd(path: PathLike, model: MPMDModel, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+def load_mpmd(path: PathLike, model: MPMDModel, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load what :func:`save_mpmd` wrote into an MPMD model with the same stages (any number of ranks per stage)."""
     return ckpt.load(_stage_dir(path, model.stage_index, model.spec.name), model, optimizer)
 

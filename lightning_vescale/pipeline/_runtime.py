@@ -28,12 +28,13 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vescale.pipeline._spec import MPMDPlan, StageSpec
@@ -165,7 +166,7 @@ class MPMDModel(nn.Module):
         self.stage_index = stage_index
         self.num_stages = len(plan.stages)
         object.__setattr__(self, "_shadow", _meta_clone(model))
-        self._runtime: Optional[_Runtime] = None
+        self._runtime: _Runtime | None = None
 
     @property
     def spec(self) -> StageSpec:
@@ -185,12 +186,12 @@ class MPMDModel(nn.Module):
         return self._rt.mesh
 
     @property
-    def _rt(self) -> "_Runtime":
+    def _rt(self) -> _Runtime:
         if self._runtime is None:
             raise RuntimeError("this MPMDModel was not set up by parallelize_mpmd")
         return self._runtime
 
-    def step(self, *inputs: torch.Tensor, target: torch.Tensor, loss_fn: Optional[LossFn] = None) -> torch.Tensor:
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor, loss_fn: LossFn | None = None) -> torch.Tensor:
         """One forward and backward of the whole model on the whole batch (collective over every rank).
 
         Every rank passes the same global batch (``inputs`` of the first stage, ``target`` of the loss); each
@@ -266,7 +267,11 @@ class _Runtime:
         self._loss_fn: LossFn = lm_loss
 
     def _schedule(self, inputs: Sequence[torch.Tensor]) -> Any:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+        )
 
         M = self.plan.microbatches
         micro = tuple(x[: x.shape[0] // M] for x in inputs)
@@ -332,10 +337,10 @@ class _Runtime:
 
 def parallelize_mpmd(
     model: nn.Module,
-    plan: Union[MPMDPlan, dict],
+    plan: MPMDPlan | dict,
     *,
-    example_inputs: Optional[Sequence[torch.Tensor]] = None,
-    device: Optional[torch.device] = None,
+    example_inputs: Sequence[torch.Tensor] | None = None,
+    device: torch.device | None = None,
     sync_module_states: bool = False,
     timeout: Any = None,
 ) -> MPMDModel:

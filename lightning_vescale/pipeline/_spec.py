@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
-import torch.nn as nn
+from torch import nn
 
 from lightning_vescale.plan import Plan, PlanError, load_plan
 
@@ -59,7 +60,7 @@ class StageSpec:
     """Top-level sub-modules of the model this stage runs, in call order (see :class:`MPMDModel`)."""
     ranks: int
     """How many ranks run this stage (its sub-mesh); stages may differ."""
-    plan: Optional[Plan] = None
+    plan: Plan | None = None
     """The stage's sharding plan (None: the default plan, every ModuleList of identical blocks a group)."""
 
 
@@ -160,7 +161,7 @@ class MPMDPlan:
 
     # -- (de)serialization ----------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "MPMDPlan":
+    def from_dict(cls, data: Mapping[str, Any]) -> MPMDPlan:
         if isinstance(data, MPMDPlan):
             return data
         if not isinstance(data, Mapping):
@@ -217,5 +218,5 @@ def is_mpmd_plan(plan: Any) -> bool:
     return isinstance(plan, MPMDPlan) or (isinstance(plan, Mapping) and "stages" in plan)
 
 
-def load_mpmd_plan(source: Union[MPMDPlan, Mapping[str, Any]]) -> MPMDPlan:
+def load_mpmd_plan(source: MPMDPlan | Mapping[str, Any]) -> MPMDPlan:
     return MPMDPlan.from_dict(source)

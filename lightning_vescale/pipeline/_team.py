@@ -22,11 +22,12 @@ With a team of one rank (equal stage sizes) none of this runs: each rank is its 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 __all__ = ["Team", "TeamLeader", "serve_team"]
 
@@ -46,7 +47,7 @@ class Team:
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
 
-    def scatter(self, full: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
+    def scatter(self, full: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
         """The leader's ``full`` cut along dim 0 into ``size`` equal pieces; each member gets its own."""
         piece = torch.empty(tuple(shape), dtype=dtype, device=device)
@@ -54,7 +55,7 @@ class Team:
         dist.scatter(piece, pieces, group=self.group, group_src=0)
         return piece
 
-    def gather(self, piece: torch.Tensor) -> Optional[torch.Tensor]:
+    def gather(self, piece: torch.Tensor) -> torch.Tensor | None:
         """Every member's ``piece`` concatenated along dim 0 on the leader (None elsewhere)."""
         piece = piece.contiguous()
         pieces = [torch.empty_like(piece) for _ in range(self.size)] if self.is_leader else None
@@ -77,8 +78,8 @@ class _ScatterInputs(torch.autograd.Function):
         return pieces
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        out: list[Optional[torch.Tensor]] = [None]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out: list[torch.Tensor | None] = [None]
         for needs, g in zip(ctx.needs_input_grad[1:], grads):
             out.append(ctx.team.gather(g) if needs else None)
         return tuple(out)
@@ -95,8 +96,8 @@ class _SendInputGrads(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        out: list[Optional[torch.Tensor]] = [None]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out: list[torch.Tensor | None] = [None]
         for needs, g in zip(ctx.needs_input_grad[1:], grads):
             if needs:
                 ctx.team.gather(g)
@@ -116,10 +117,10 @@ class _GatherOutputs(torch.autograd.Function):
         return full
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         team = ctx.team
         team.command((BACKWARD, ctx.microbatch))
-        out: list[Optional[torch.Tensor]] = [None, None]
+        out: list[torch.Tensor | None] = [None, None]
         for d, g in zip(ctx.differentiable, grads):
             out.append(team.scatter(g, _piece_shape(g.shape, team.size), g.dtype, g.device) if d else None)
         return tuple(out)
@@ -150,7 +151,7 @@ class TeamLeader(nn.Module):
 
 
 def serve_team(stage: nn.Module, team: Team, device: torch.device,
-               on_command: Optional[Callable[[Any], None]] = None) -> None:
+               on_command: Callable[[Any], None] | None = None) -> None:
     """A member's loop for one step: run forward and backward on its slices as the leader says, until END."""
     saved: dict[int, tuple[torch.Tensor, ...]] = {}
     while True:

@@ -16,7 +16,7 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_vescale as lv
@@ -25,13 +25,13 @@ from lightning_vescale.models.llama import Llama, LlamaConfig
 from lightning_vescale.models.vlm import VLM, synthetic_vlm_batch, vlm_config
 from lightning_vescale.pipeline import (
     MPMDModel,
+    _runtime,
+    lm_loss,
     load_full_into,
     load_mpmd,
-    lm_loss,
     read_mpmd_full_state_dict,
     save_mpmd,
 )
-from lightning_vescale.pipeline import _runtime
 from tests.dist_utils import run_distributed
 
 BATCH, SEQ, LR, CLIP = 8, 6, 1e-2, 0.05
