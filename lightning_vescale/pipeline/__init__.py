@@ -15,40 +15,39 @@ sub-mesh, and returns this rank's :class:`MPMDModel`::
     opt.step(); opt.zero_grad()
 
 Modules: ``_spec`` (the plan), ``_team`` (a stage wider than its pipelines: [Note: teams]), ``_runtime``
-(groups, schedules, the step, clipping), ``_checkpoint`` (save from all stages, reload into other layouts).
+(groups, schedules, the step, clipping), ``_checkpoint`` (save from all stages, reload into other layouts),
+``_cost`` (predicted step time and bubble fraction next to uniform sharding; :func:`choose_layout`).
 """
 
-from lightning_vescale.pipeline._checkpoint import (
-    load_full_into,
-    load_mpmd,
-    read_mpmd_full_state_dict,
-    save_mpmd,
-)
+from lightning_vescale.pipeline._checkpoint import load_full_into, load_mpmd, read_mpmd_full_state_dict, save_mpmd
+from lightning_vescale.pipeline._cost import LayoutCost, StageCost, choose_layout, predict_mpmd, predict_uniform
 from lightning_vescale.pipeline._runtime import (
     MPMDModel,
+    check_batch,
     check_stage_shapes,
     lm_loss,
     parallelize_mpmd,
     run_chain,
 )
-from lightning_vescale.pipeline._spec import (
-    SCHEDULES,
-    MPMDPlan,
-    StageSpec,
-    is_mpmd_plan,
-)
+from lightning_vescale.pipeline._spec import SCHEDULES, MPMDPlan, StageSpec, is_mpmd_plan
 
 __all__ = [
     "SCHEDULES",
+    "LayoutCost",
     "MPMDModel",
     "MPMDPlan",
+    "StageCost",
     "StageSpec",
+    "check_batch",
     "check_stage_shapes",
+    "choose_layout",
     "is_mpmd_plan",
     "lm_loss",
     "load_full_into",
     "load_mpmd",
     "parallelize_mpmd",
+    "predict_mpmd",
+    "predict_uniform",
     "read_mpmd_full_state_dict",
     "run_chain",
     "save_mpmd",

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,7 +44,7 @@ from lightning_vescale.plan import PlanError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MPMDModel", "check_stage_plans", "check_stage_shapes", "lm_loss", "parallelize_mpmd"]
+__all__ = ["MPMDModel", "check_batch", "check_stage_plans", "check_stage_shapes", "lm_loss", "parallelize_mpmd"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -141,6 +142,19 @@ def check_stage_plans(model: nn.Module, plan: MPMDPlan) -> None:
             resolve_for(container, stage.plan)
         except PlanError as err:
             raise PlanError(f"MPMD plan {plan.name!r}, stage {stage.name!r}: {err}") from None
+
+
+def check_batch(plan: MPMDPlan, batch: int) -> None:
+    """A global batch of ``batch`` samples must split into the pipelines, their micro-batches, and every stage's
+    team (equal slices everywhere, so the mean loss and its gradient are the whole batch's)."""
+    R, M = plan.num_pipelines, plan.microbatches
+    teams = [s.ranks // R for s in plan.stages]
+    if batch % (R * M) or any((batch // (R * M)) % t for t in teams):
+        need = R * M * math.lcm(*teams)
+        raise ValueError(
+            f"MPMD plan {plan.name!r}: a batch of {batch} does not split into {R} pipeline(s) x {M} micro-batches "
+            f"with every micro-batch divisible by the stages' team sizes {teams}; use a multiple of {need} (or "
+            f"change 'microbatches')")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -293,22 +307,11 @@ class _Runtime:
                                        scale_grads=False)
         return self._schedules[key]
 
-    def _check_batch(self, batch: int) -> None:
-        R, M = self.num_pipelines, self.plan.microbatches
-        per_micro = batch // (R * M) if batch % (R * M) == 0 else None
-        bad = per_micro is None or any(per_micro % t for t in self.team_sizes)
-        if bad:
-            need = R * M * max(self.team_sizes)
-            raise ValueError(
-                f"MPMD step: a batch of {batch} does not split into {R} pipeline(s) x {M} micro-batches with every "
-                f"micro-batch divisible by the stages' team sizes {self.team_sizes}; use a multiple of {need} "
-                f"(or change 'microbatches')")
-
     def step(self, inputs: Sequence[torch.Tensor], target: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
         if not inputs:
             raise ValueError("MPMD step: give the first stage's inputs")
         batch = inputs[0].shape[0]
-        self._check_batch(batch)
+        check_batch(self.plan, batch)
         part = batch // self.num_pipelines
         mine = slice(self.pipeline * part, (self.pipeline + 1) * part)
         inputs = tuple(x[mine].to(self.device) for x in inputs)

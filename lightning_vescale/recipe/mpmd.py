@@ -54,12 +54,12 @@ class MPMDConfig:
         if arch.num_patches + self.seq_len > arch.decoder.max_seq_len:
             raise ValueError(f"mpmd.seq_len={self.seq_len} plus the {arch.num_patches} image patches exceed the "
                              f"decoder's max_seq_len={arch.decoder.max_seq_len}; lower mpmd.seq_len")
-        plan = MPMDPlan.from_dict(_plain(self.plan))
-        R, M = plan.num_pipelines, plan.microbatches
-        need = R * M * max(s.ranks // R for s in plan.stages)
-        if self.batch_size % need:
-            raise ValueError(f"mpmd.batch_size={self.batch_size} must be a multiple of {need} (pipelines {R} x "
-                             f"micro-batches {M} x the widest stage's team {need // (R * M)})")
+        from lightning_vescale.pipeline import check_batch
+
+        try:
+            check_batch(MPMDPlan.from_dict(_plain(self.plan)), self.batch_size)
+        except ValueError as err:
+            raise ValueError(f"mpmd.batch_size: {err}") from None
 
     def mpmd_plan(self) -> Any:
         from lightning_vescale.pipeline import MPMDPlan
