@@ -181,6 +181,8 @@ class MPMDModel(nn.Module):
         self.num_stages = len(plan.stages)
         object.__setattr__(self, "_shadow", _meta_clone(model))
         self._runtime: _Runtime | None = None
+        self._calls = 0
+        self._sync_at: int | None = None  # the forward call whose backward reduces the step's gradients
 
     @property
     def spec(self) -> StageSpec:
@@ -191,7 +193,20 @@ class MPMDModel(nn.Module):
         out = run_chain([getattr(self, m) for m in self.spec.modules], values)
         # torch's pipeline sends outputs as they are: carried inputs may be views of the batch
         out = tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in out)
+        call, self._calls = self._calls, self._calls + 1
+        if call == self._sync_at:
+            # [Note: one ReduceScatter per step] this micro-batch's backward comes last on this stage (GPipe and
+            # 1F1B run backward in micro-batch order): the gradients of all micro-batches, accumulated unsharded,
+            # are reduced as its backward starts.
+            needing = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
+            if needing:
+                torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self._set_sync(True), mode="any")
         return out if len(out) > 1 else out[0]
+
+    def _set_sync(self, enabled: bool) -> None:
+        from lightning_vescale.parallelize import set_gradient_sync
+
+        set_gradient_sync(self, enabled)
 
     # The runtime (set up by parallelize_mpmd)
     @property
@@ -319,6 +334,18 @@ class _Runtime:
         self._loss_fn = loss_fn
         g, last = self.model.stage_index, self.model.num_stages - 1
         loss = torch.zeros((), device=self.device)
+        # Gradients accumulate unsharded over the micro-batches and are reduced once, in the last one's backward.
+        self.model._calls, self.model._sync_at = 0, self.plan.microbatches - 1
+        self.model._set_sync(False)
+        try:
+            self._run(inputs, target, g, last, loss)
+        finally:
+            self.model._sync_at = None
+            self.model._set_sync(True)
+        dist.all_reduce(loss)  # only the last stage's leaders contribute
+        return loss
+
+    def _run(self, inputs: tuple, target: torch.Tensor, g: int, last: int, loss: torch.Tensor) -> None:
         if self.is_leader:
             schedule = self._schedule(inputs)
             if isinstance(schedule._stage.submod, TeamLeader):
@@ -327,15 +354,13 @@ class _Runtime:
             args = inputs if g == 0 else ()
             if g == last:
                 schedule.step(*args, target=target, losses=losses, return_outputs=False)
-                loss = torch.stack([x.detach().float() for x in losses]).mean() / self.num_pipelines
+                loss.copy_(torch.stack([x.detach().float() for x in losses]).mean() / self.num_pipelines)
             else:
                 schedule.step(*args, return_outputs=False)
             if self.team is not None:
                 self.team.command((END,))
         else:
             serve_team(self.model, self.team, self.device)
-        dist.all_reduce(loss)  # only the last stage's leaders contribute
-        return loss
 
 
 def parallelize_mpmd(

@@ -23,6 +23,7 @@ import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.models.llama import Llama, LlamaConfig
 from lightning_vescale.models.vlm import VLM, synthetic_vlm_batch, vlm_config
+from lightning_vescale.parallelize import resolve_for
 from lightning_vescale.pipeline import (
     MPMDModel,
     _runtime,
@@ -32,6 +33,8 @@ from lightning_vescale.pipeline import (
     read_mpmd_full_state_dict,
     save_mpmd,
 )
+from lightning_vescale.plan._dry_run import Workload, dry_run
+from lightning_vescale.plan._hardware import load_profile
 from tests.dist_utils import run_distributed
 
 BATCH, SEQ, LR, CLIP = 8, 6, 1e-2, 0.05
@@ -114,6 +117,22 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
     assert_same_run(losses, ref_losses)
     d = max_diff(mpmd, ref)
     assert d < 1e-5, d
+
+    # One ReduceScatter per group and step, whatever the number of micro-batches (gradients accumulate unsharded):
+    # the dry run's bytes of one step. (AllGathers run per micro-batch.)
+    lv.comm_stats.step()
+    vlm_step(config)(mpmd, 9)
+    sent = lv.comm_stats.step()
+    opt.zero_grad()
+    with torch.device("meta"):
+        meta = VLM(config)
+    stage = nn.Module()
+    for name in mpmd.spec.modules:
+        stage.add_module(name, getattr(meta, name))
+    predicted = dry_run(stage, resolve_for(stage, mpmd.spec.plan), mpmd.mesh.size(), activations={},
+                        hardware=load_profile("cpu"), workload=Workload(precision="32-true", clip_grad=False)).vescale
+    assert sent.get("reduce_scatter", 0) == predicted.collectives["reduce_scatter"], (sent, predicted.collectives)
+    assert (sent.get("reduce_scatter", 0) > 0) == (rank > 0)
 
     # Checkpoint of all stages -> plain sharding over every rank -> MPMD again, bitwise.
     save_mpmd(f"{tmp}/mpmd", mpmd, opt)
