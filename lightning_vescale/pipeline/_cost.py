@@ -8,12 +8,13 @@ profile (:mod:`lightning_vescale.plan._hardware`):
   rank;
 * sharding collectives: the dry run (:func:`~lightning_vescale.plan._dry_run.dry_run`) of each stage's modules on
   its own ranks (or of the whole model on all ranks), its AllGather and ReduceScatter seconds per forward and
-  backward; an MPMD stage pays them once per micro-batch (it gathers and reduces per micro-batch);
-* they overlap: a micro-batch (or the uniform step) takes ``max(compute, collectives)``;
+  backward; an MPMD stage gathers per micro-batch and reduces once per step (after the last micro-batch);
+* they overlap: a micro-batch takes ``max(compute, AllGathers)``, the uniform step ``max(compute, collectives)``;
 * MPMD adds the transfers between stages (activations forward, their gradients back, point to point) and,
   for a stage wider than its pipelines, the team's scatter and gather (see [Note: teams] in ``_team``);
 * the pipeline: with per-micro-batch stage times ``t_s`` and ``M`` micro-batches, GPipe and 1F1B both take
-  ``sum(t_s) + (M - 1) * max(t_s)``; a stage is busy ``M * t_s`` of it, and its *bubble fraction* is the rest.
+  ``sum(t_s) + (M - 1) * max(t_s)`` (plus the last ReduceScatters); a stage is busy ``M * t_s`` of it, and its
+  *bubble fraction* is the rest.
   (1F1B keeps fewer activations alive, not less idle time.)
 
 Then the optimizer step (the dry run's, per stage; stages step in parallel). :func:`choose_layout` ranks the
@@ -46,7 +47,7 @@ class StageCost:
     compute_seconds: float
     """Forward + backward of one micro-batch on one of the stage's ranks."""
     collective_seconds: float
-    """The stage's AllGathers and ReduceScatters for one micro-batch."""
+    """The stage's AllGathers for one micro-batch (uniform: AllGathers and ReduceScatters of the step)."""
     transfer_seconds: float
     """Point-to-point to the next stage and back, plus the team's scatter and gather, for one micro-batch."""
     microbatch_seconds: float
@@ -54,6 +55,8 @@ class StageCost:
     optimizer_seconds: float
     bubble_fraction: float = 0.0
     """Idle share of the pipeline's time on this stage's ranks."""
+    reduce_seconds: float = 0.0
+    """MPMD: the stage's ReduceScatters, once per step (gradients accumulate over the micro-batches)."""
 
 
 @dataclass
@@ -87,9 +90,9 @@ def _head(values: Sequence[Any], n: int) -> tuple:
 
 
 def _collectives(modules: Mapping[str, nn.Module], plan: Any, ranks: int, hardware: HardwareProfile,
-                 precision: str) -> tuple[float, float]:
-    """(AllGather + ReduceScatter seconds per forward and backward, optimizer seconds) of ``modules`` sharded by
-    ``plan`` over ``ranks`` ranks, from the dry run."""
+                 precision: str) -> tuple[float, float, float]:
+    """(AllGather seconds per forward and backward, ReduceScatter seconds, optimizer seconds) of ``modules`` sharded
+    by ``plan`` over ``ranks`` ranks, from the dry run."""
     from lightning_vescale.parallelize import resolve_for
 
     container = nn.Module()
@@ -98,8 +101,9 @@ def _collectives(modules: Mapping[str, nn.Module], plan: Any, ranks: int, hardwa
     resolved = resolve_for(container, plan)
     est = dry_run(container, resolved, ranks, workload=Workload(batch_size=1, seq_len=1, precision=precision,
                                                                clip_grad=False),
-                  hardware=hardware, activations={}).vescale
-    return est.comm_seconds, est.optimizer_seconds
+                  hardware=hardware, activations={})
+    reduce = sum(hardware.collective_seconds(g["reduce_scatter_bytes"], ranks) for g in est.groups)
+    return est.vescale.comm_seconds - reduce, reduce, est.vescale.optimizer_seconds
 
 
 def _link_seconds(nbytes: float, hardware: HardwareProfile, world_size: int) -> float:
@@ -119,9 +123,9 @@ def predict_uniform(model: nn.Module, inputs: Sequence[torch.Tensor], world_size
     dtype = next(shadow.parameters()).dtype
     compute = 3 * _forward_flops([shadow], _head(inputs, batch // world_size))
     compute /= hardware.flops_per_rank(dtype, world_size)
-    comm, opt = _collectives(dict(shadow.named_children()), plan, world_size, hardware, precision)
-    step = max(compute, comm)
-    stage = StageCost("all", world_size, compute, comm, 0.0, step, opt)
+    gather, reduce, opt = _collectives(dict(shadow.named_children()), plan, world_size, hardware, precision)
+    step = max(compute, gather + reduce)
+    stage = StageCost("all", world_size, compute, gather + reduce, 0.0, step, opt)
     return LayoutCost("uniform", step + opt, 0.0, [stage])
 
 
@@ -142,16 +146,18 @@ def predict_mpmd(model: nn.Module, plan: MPMDPlan, inputs: Sequence[torch.Tensor
         team = spec.ranks // R
         modules = {m: shadow.get_submodule(m) for m in spec.modules}
         compute = 3 * _forward_flops(list(modules.values()), _head(stage_in, micro // team)) / rate
-        comm, opt = _collectives(modules, spec.plan, spec.ranks, hardware, precision)
+        gather, reduce, opt = _collectives(modules, spec.plan, spec.ranks, hardware, precision)
         # Forward: receive the inputs, send the outputs; backward: the reverse (the first stage's inputs and the
         # last stage's loss do not travel). Inside a team: scatter in, gather out, and again for the gradients.
         is_last = spec is plan.stages[-1]
         p2p = 2 * _link_seconds(0.0 if is_last else _bytes(stage_out), hardware, world)
         team_bytes = 2 * (_bytes(stage_in) + _bytes(stage_out)) * (team - 1) / team if team > 1 else 0.0
         transfers = p2p + _link_seconds(team_bytes, hardware, world)
-        stages.append(StageCost(spec.name, spec.ranks, compute, comm, transfers, max(compute, comm) + transfers, opt))
+        stages.append(StageCost(spec.name, spec.ranks, compute, gather, transfers, max(compute, gather) + transfers,
+                                opt, reduce_seconds=reduce))
     times = [s.microbatch_seconds for s in stages]
-    pipeline = sum(times) + (M - 1) * max(times)
+    # The ReduceScatters run once per step, in the last micro-batch's backward: the first stage's come last.
+    pipeline = sum(times) + (M - 1) * max(times) + max(s.reduce_seconds for s in stages)
     for s in stages:
         s.bubble_fraction = 1.0 - M * s.microbatch_seconds / pipeline
     bubble = sum(s.bubble_fraction * s.ranks for s in stages) / world
