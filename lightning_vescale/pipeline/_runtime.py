@@ -295,7 +295,7 @@ class _Runtime:
         self._schedules: dict[tuple, Any] = {}
         self._loss_fn: LossFn = lm_loss
 
-    def _schedule(self, inputs: Sequence[torch.Tensor]) -> Any:
+    def _schedule(self, inputs: Sequence[torch.Tensor]) -> tuple[Any, nn.Module]:
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -318,8 +318,9 @@ class _Runtime:
                 group=self.pipeline_group,
             )
             cls = ScheduleGPipe if self.plan.schedule == "gpipe" else Schedule1F1B
-            self._schedules[key] = cls(stage, n_microbatches=M, loss_fn=lambda out, tgt: self._loss_fn(out, tgt),
-                                       scale_grads=False)
+            schedule = cls(stage, n_microbatches=M, loss_fn=lambda out, tgt: self._loss_fn(out, tgt),
+                           scale_grads=False)
+            self._schedules[key] = (schedule, submod)
         return self._schedules[key]
 
     def step(self, inputs: Sequence[torch.Tensor], target: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
@@ -347,9 +348,9 @@ class _Runtime:
 
     def _run(self, inputs: tuple, target: torch.Tensor, g: int, last: int, loss: torch.Tensor) -> None:
         if self.is_leader:
-            schedule = self._schedule(inputs)
-            if isinstance(schedule._stage.submod, TeamLeader):
-                schedule._stage.submod._microbatch = 0
+            schedule, submod = self._schedule(inputs)
+            if isinstance(submod, TeamLeader):
+                submod.start_step()
             losses: list[torch.Tensor] = []
             args = inputs if g == 0 else ()
             if g == last:

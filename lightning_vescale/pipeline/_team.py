@@ -139,6 +139,10 @@ class TeamLeader(nn.Module):
         self.team = team
         self._microbatch = 0
 
+    def start_step(self) -> None:
+        """Number the next step's micro-batches from 0 (the members number theirs per step too)."""
+        self._microbatch = 0
+
     def forward(self, *args: torch.Tensor) -> Any:
         team = self.team
         microbatch, self._microbatch = self._microbatch, self._microbatch + 1

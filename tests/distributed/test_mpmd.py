@@ -134,7 +134,7 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
     assert sent.get("reduce_scatter", 0) == predicted.collectives["reduce_scatter"], (sent, predicted.collectives)
     assert (sent.get("reduce_scatter", 0) > 0) == (rank > 0)
 
-    # Checkpoint of all stages -> plain sharding over every rank -> MPMD again, bitwise.
+    # Checkpoint of all stages -> plain sharding over every rank -> MPMD again (and another grouping), bitwise.
     save_mpmd(f"{tmp}/mpmd", mpmd, opt)
     full = read_mpmd_full_state_dict(f"{tmp}/mpmd")
     assert set(full) == set(ref.state_dict()), set(full) ^ set(ref.state_dict())
@@ -147,6 +147,14 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
     full_plain = {k.removeprefix("model."): v for k, v in ckpt.read_full_tensors(f"{tmp}/plain").items()}
     load_full_into(again, full_plain)
     for name, p in again.named_parameters():
+        assert torch.equal(p.full_tensor(), full[name]), name
+    # Into another grouping: the projector moves to the decoder's ranks.
+    regrouped_plan = {"schedule": "gpipe", "microbatches": 2, "stages": [
+        {"name": "vision", "modules": ["encoder"], "ranks": 1},
+        {"name": "language", "modules": ["projector", "decoder"], "ranks": 2}]}
+    regrouped = lv.parallelize(VLM(config), regrouped_plan)
+    load_full_into(regrouped, full)
+    for name, p in regrouped.named_parameters():
         assert torch.equal(p.full_tensor(), full[name]), name
     # And the sharded MPMD checkpoint resumes training exactly (optimizer states included).
     again_opt = torch.optim.AdamW(again.parameters(), lr=LR, eps=EPS)
