@@ -230,6 +230,11 @@ class MPMDModel(nn.Module):
         return self._rt.step(inputs, target, loss_fn or lm_loss)
 
     @torch.no_grad()
+    def evaluate(self, *inputs: torch.Tensor, target: torch.Tensor, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """The mean loss over the batch, forward only through the pipeline (collective over every rank)."""
+        return self._rt.step(inputs, target, loss_fn or lm_loss, train=False)
+
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every stage's gradients by the norm over all stages (collective over every rank); returns it."""
         rt = self._rt
@@ -323,7 +328,8 @@ class _Runtime:
             self._schedules[key] = (schedule, submod)
         return self._schedules[key]
 
-    def step(self, inputs: Sequence[torch.Tensor], target: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+    def step(self, inputs: Sequence[torch.Tensor], target: torch.Tensor, loss_fn: LossFn,
+             train: bool = True) -> torch.Tensor:
         if not inputs:
             raise ValueError("MPMD step: give the first stage's inputs")
         batch = inputs[0].shape[0]
@@ -335,6 +341,10 @@ class _Runtime:
         self._loss_fn = loss_fn
         g, last = self.model.stage_index, self.model.num_stages - 1
         loss = torch.zeros((), device=self.device)
+        if not train:
+            self._run(inputs, target, g, last, loss, train=False)
+            dist.all_reduce(loss)
+            return loss
         # Gradients accumulate unsharded over the micro-batches and are reduced once, in the last one's backward.
         self.model._calls, self.model._sync_at = 0, self.plan.microbatches - 1
         self.model._set_sync(False)
@@ -346,18 +356,20 @@ class _Runtime:
         dist.all_reduce(loss)  # only the last stage's leaders contribute
         return loss
 
-    def _run(self, inputs: tuple, target: torch.Tensor, g: int, last: int, loss: torch.Tensor) -> None:
+    def _run(self, inputs: tuple, target: torch.Tensor, g: int, last: int, loss: torch.Tensor,
+             train: bool = True) -> None:
         if self.is_leader:
             schedule, submod = self._schedule(inputs)
             if isinstance(submod, TeamLeader):
                 submod.start_step()
+            run = schedule.step if train else schedule.eval
             losses: list[torch.Tensor] = []
             args = inputs if g == 0 else ()
             if g == last:
-                schedule.step(*args, target=target, losses=losses, return_outputs=False)
+                run(*args, target=target, losses=losses, return_outputs=False)
                 loss.copy_(torch.stack([x.detach().float() for x in losses]).mean() / self.num_pipelines)
             else:
-                schedule.step(*args, return_outputs=False)
+                run(*args, return_outputs=False)
             if self.team is not None:
                 self.team.command((END,))
         else:

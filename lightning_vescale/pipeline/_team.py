@@ -172,7 +172,8 @@ def serve_team(stage: nn.Module, team: Team, device: torch.device,
             outs = _as_tuple(stage(*pieces))
             for o in outs:
                 team.gather(o.detach())
-            saved[microbatch] = outs
+            if torch.is_grad_enabled():  # (evaluation runs forward only)
+                saved[microbatch] = outs
         elif cmd[0] == BACKWARD:
             outs = saved.pop(cmd[1])
             diff = [o for o in outs if o.requires_grad]

@@ -263,6 +263,11 @@ def _four_ranks(rank: int, world: int) -> None:
     assert_same_run(losses, ref_losses)
     d = max_diff(mpmd, ref)
     assert d < 1e-5, d
+    images, tokens, target = synthetic_vlm_batch(config, 12, SEQ, 7)
+    with torch.no_grad():
+        expected = lm_loss(ref(images, tokens), target)
+    assert abs(float(mpmd.evaluate(images, tokens, target=target)) - float(expected)) < 1e-5  # forward only
+    assert all(p.grad is None for p in mpmd.parameters())
 
     # A Llama in two stages of 2 ranks: two pipelines side by side, each stage sharded over its 2 ranks.
     torch.manual_seed(0)
