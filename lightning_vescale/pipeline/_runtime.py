@@ -180,6 +180,9 @@ class MPMDModel(nn.Module):
         self.stage_index = stage_index
         self.num_stages = len(plan.stages)
         object.__setattr__(self, "_shadow", _meta_clone(model))
+        # Activations cross stage boundaries in the model's own dtype, whatever a stage computes in (a stage
+        # with param_dtype bf16 sends fp32): the pipeline's receive buffers are laid out from the model.
+        self._boundary_dtype = next(self._shadow.parameters()).dtype
         self._runtime: _Runtime | None = None
         self._calls = 0
         self._sync_at: int | None = None  # the forward call whose backward reduces the step's gradients
@@ -192,7 +195,7 @@ class MPMDModel(nn.Module):
         """This stage's chain (the pipeline calls it per micro-batch slice)."""
         out = run_chain([getattr(self, m) for m in self.spec.modules], values)
         # torch's pipeline sends outputs as they are: carried inputs may be views of the batch
-        out = tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in out)
+        out = tuple(self._boundary(o) for o in out)
         call, self._calls = self._calls, self._calls + 1
         if call == self._sync_at:
             # [Note: one ReduceScatter per step] this micro-batch's backward comes last on this stage (GPipe and
@@ -202,6 +205,13 @@ class MPMDModel(nn.Module):
             if needing:
                 torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self._set_sync(True), mode="any")
         return out if len(out) > 1 else out[0]
+
+    def _boundary(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.is_floating_point() and x.dtype != self._boundary_dtype:
+            x = x.to(self._boundary_dtype)
+        return x.contiguous()
 
     def _set_sync(self, enabled: bool) -> None:
         from lightning_vescale.parallelize import set_gradient_sync

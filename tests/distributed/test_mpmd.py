@@ -269,6 +269,30 @@ def _four_ranks(rank: int, world: int) -> None:
     assert abs(float(mpmd.evaluate(images, tokens, target=target)) - float(expected)) < 1e-5  # forward only
     assert all(p.grad is None for p in mpmd.parameters())
 
+    # A stage's own precision: both stages compute in bf16, activations still cross stages in fp32 (the
+    # receive buffers are laid out from the model).
+    bf16 = vlm_plan(1, 3, "1f1b")
+    bf16["stages"][0]["plan"] = {"fallback": {"param_dtype": "bf16"}, "rules": [
+        {"match": "encoder.blocks.*", "group": True}]}
+    bf16["stages"][1]["plan"] = {"fallback": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
+                                 "rules": [{"match": "decoder.layers.*", "group": True}]}
+    torch.manual_seed(0)
+    fresh_ref = VLM(config)
+    torch.manual_seed(0)
+    mixed = lv.parallelize(VLM(config), bf16)
+    received = []
+    if rank > 0:  # the decoder's team: member k gets samples 2k, 2k+1 of the first micro-batch (6 samples)
+        mixed.decoder.register_forward_pre_hook(lambda m, args: received.append(args[0].detach().clone()))
+    loss = float(mixed.step(images, tokens, target=target))
+    with torch.no_grad():
+        expected = float(lm_loss(fresh_ref(images, tokens), target))
+        embeds = fresh_ref.projector(fresh_ref.encoder(images))
+    assert abs(loss - expected) < 1e-3 * expected and loss != expected, (loss, expected)  # bf16 noise, no more
+    if rank > 0:
+        k = rank - 1
+        want = embeds[2 * k:2 * k + 2]
+        assert (received[0].float() - want).abs().max() < 3e-2 * want.abs().max(), "activations lost in transit"
+
     # A Llama in two stages of 2 ranks: two pipelines side by side, each stage sharded over its 2 ranks.
     torch.manual_seed(0)
     ref = SplitLlama()
