@@ -459,8 +459,15 @@ def parallelize(
     auto_wrap_policy: AutoWrapPolicy = None,
     sync_module_states: bool = False,
     init_weights: bool = True,
+    gradient_divide_factor: Optional[float] = None,
+    **mpmd_kwargs: Any,
 ) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says, over ``mesh``.
+
+    With an MPMD plan (a mapping with ``stages``, see :mod:`lightning_vescale.pipeline`), the model's top-level
+    sub-modules are placed on groups of ranks and pipelined instead: this returns this rank's
+    :class:`~lightning_vescale.pipeline.MPMDModel` (``mpmd_kwargs`` go to
+    :func:`~lightning_vescale.pipeline.parallelize_mpmd`).
 
     1. resolve the plan (:func:`~lightning_vescale.plan.resolve_plan`): every error a plan can have (unknown
        keys or values, rules matching nothing, conflicts, uncovered parameters, ties across groups) is raised
@@ -487,12 +494,23 @@ def parallelize(
         defaults, granularity, auto_wrap_policy: the integrations' older arguments, see :func:`resolve_for`.
         sync_module_states: broadcast the mesh's first rank's weights and buffers first.
         init_weights: initialize meta-device weights after sharding.
+        gradient_divide_factor: every group's reduced gradient is the sum over the mesh divided by this
+            (default: the mean over the mesh; MPMD stages divide by pipelines x micro-batches).
 
     Returns:
         ``model``, sharded in place. :func:`resolved_plan_of` gives the plan it was sharded with.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
+    from lightning_vescale.pipeline._spec import is_mpmd_plan
+
+    if is_mpmd_plan(plan):
+        from lightning_vescale.pipeline import parallelize_mpmd
+
+        return parallelize_mpmd(model, plan, sync_module_states=sync_module_states, **mpmd_kwargs)
+    if mpmd_kwargs:
+        raise TypeError(f"parallelize got unexpected keyword argument(s) {', '.join(mpmd_kwargs)} (they belong to "
+                        f"MPMD plans only)")
     expert_parallel = mesh is not None and _is_expert_parallel(mesh)
     resolved = resolve_for(
         model, plan, roots=roots, mp_policy=mp_policy, defaults=defaults, granularity=granularity,
@@ -542,6 +560,8 @@ def parallelize(
 
         kwargs = dict(mesh=dense_mesh, reshard_after_forward=g.reshard_after_forward, prefetch=g.prefetch,
                       mp_policy=_group_mp_policy(g.param_dtype, g.reduce_dtype, mp_policy), granularity=granularity_of)
+        if gradient_divide_factor is not None:
+            kwargs["gradient_divide_factor"] = gradient_divide_factor
         kwargs.update(shard_kwargs.get(id(module), {}))
         fully_shard(module, **kwargs)
     unsharded = [n for n, p in model.named_parameters() if not is_sharded_param(p)]

@@ -331,6 +331,10 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     config, resume = checked.config, checked.resume
     _limit_cpu_threads(config)
     run_dir = _run_dir(config)
+    if config.mpmd is not None:
+        from lightning_vescale.recipe.mpmd import run_mpmd
+
+        return run_mpmd(config, run_dir)
     datamodule = build_datamodule(config.data, seed=config.seed)
     ckpt_path = str(resume.checkpoint) if resume is not None else None
     init_state = None

@@ -40,6 +40,7 @@ from lightning_vescale.models.families import FAMILIES, family_of
 from lightning_vescale.models.llama import LlamaConfig
 from lightning_vescale.models.moe import MoEConfig
 from lightning_vescale.models.qwen3_moe import Qwen3MoEConfig
+from lightning_vescale.recipe.mpmd import MPMDConfig
 from lightning_vescale.recipe.targets import check_config_targets
 
 __all__ = [
@@ -795,6 +796,10 @@ class TrainConfig:
     """Block-quantized weights (group ``quant``: ``fp8_block`` / ``int8_block`` for QLoRA-style fine-tuning,
     ``fp8_gather`` / ``int8_gather`` for a quantized AllGather); null: none."""
 
+    mpmd: Optional[MPMDConfig] = None
+    """Sub-models on different groups of ranks, pipelined (``experiment=vlm_mpmd``; see
+    :mod:`lightning_vescale.recipe.mpmd`); null: the Lightning Trainer with ``strategy``."""
+
     notes: Dict[str, Any] = field(default_factory=dict)
     """Free-form: anything to keep with the run (``+notes.purpose=lr_sweep``); stored in ``config.yaml`` and
     ``summary.json``. The only section that accepts keys the schema does not define."""
@@ -853,6 +858,9 @@ class TrainConfig:
                    "quant=fp8_gather or int8_gather for a quantized AllGather while pre-training)")
         if self.plan is not None:
             self.plan = _check_plan(self.plan, self.model, self.strategy)
+        if self.mpmd is not None and isinstance(self.trainer.devices, int):
+            world = self.trainer.devices * self.trainer.num_nodes
+            self.mpmd.mpmd_plan().check_world_size(world)
         if self.memory is not None:
             _check(isinstance(self.strategy, VeScaleStrategyConfig),
                    f"memory=... needs strategy=vescale (its engine owns the buffers that move between tiers), got "

@@ -1,0 +1,174 @@
+"""MPMD vs uniform sharding of the small VLM at 4 ranks: measured step time on this machine, predicted step time and
+bubble fraction from the dry-run cost model (:mod:`lightning_vescale.pipeline._cost`) on the ``cpu`` and ``h200``
+profiles.
+
+Run: ``python benchmarks/mpmd_bench.py`` (writes ``benchmarks/results/mpmd.{json,md}``); ``--steps`` and
+``--warmup`` change the number of timed and untimed steps per layout.
+
+Layouts (global batch 12 images + 16 caption tokens, fp32, AdamW, clipping at 1.0):
+
+* ``uniform``: the whole VLM sharded over all 4 ranks with the default plan (each transformer block a group),
+  3 samples per rank;
+* ``mpmd 1+3 1f1b`` / ``gpipe``: encoder + projector on rank 0, the decoder sharded over ranks 1-3 (one
+  pipeline, a team of 3), 4 micro-batches;
+* ``mpmd 2+2 1f1b``: encoder + projector sharded over ranks 0-1, the decoder over ranks 2-3 (two pipelines side
+  by side), 3 micro-batches.
+
+All layouts live in the same 4 processes and their steps are interleaved (one step of each in turn), so a change
+in the machine's load hits them alike. A step is timed on rank 0 between two barriers of all ranks. The 4
+processes share 2 CPU cores (with whatever else runs on the machine): compute does not speed up with ranks, so
+this machine measures overheads (collectives, pipeline bubbles, team traffic) more than parallel speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BATCH, SEQ, WORLD = 12, 16, 4
+ENCODER_PLAN = {"rules": [{"match": "encoder.blocks.*", "group": True}]}
+
+
+def mpmd_plan(vision: int, language: int, schedule: str, microbatches: int) -> dict:
+    return {"name": f"{vision}+{language} {schedule} M={microbatches}", "schedule": schedule,
+            "microbatches": microbatches, "stages": [
+                {"name": "vision", "modules": ["encoder", "projector"], "ranks": vision, "plan": ENCODER_PLAN},
+                {"name": "language", "modules": ["decoder"], "ranks": language, "plan": "llama"}]}
+
+
+LAYOUTS = {
+    "uniform": None,
+    "mpmd 1+3 1f1b": mpmd_plan(1, 3, "1f1b", 4),
+    "mpmd 1+3 gpipe": mpmd_plan(1, 3, "gpipe", 4),
+    "mpmd 2+2 1f1b": mpmd_plan(2, 2, "1f1b", 3),
+}
+
+
+def _worker(rank: int, init_file: str, steps: int, warmup: int, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import lightning_vescale as lv
+    from lightning_vescale.models.vlm import VLM, synthetic_vlm_batch, vlm_config
+    from lightning_vescale.pipeline import MPMDModel, lm_loss
+
+    config = vlm_config("small")
+    models = {}
+    for name, plan in LAYOUTS.items():
+        torch.manual_seed(0)
+        model = VLM(config)
+        model = lv.parallelize(model, plan) if plan else lv.parallelize(model, None, init_device_mesh("cpu", (WORLD,)))
+        models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def step(model, opt, i):
+        images, tokens, target = synthetic_vlm_batch(config, BATCH, SEQ, i)
+        if isinstance(model, MPMDModel):
+            loss = model.step(images, tokens, target=target)
+            model.clip_grad_norm_(1.0)
+        else:
+            mine = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+            loss = lm_loss(model(images[mine], tokens[mine]), target[mine])
+            loss.backward()
+            lv.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    times = {name: [] for name in LAYOUTS}
+    for i in range(warmup + steps):
+        for name, (model, opt) in models.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(model, opt, i)
+            dist.barrier()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def predictions() -> dict:
+    from lightning_vescale.models.vlm import VLM, synthetic_vlm_batch, vlm_config
+    from lightning_vescale.pipeline import choose_layout
+    from lightning_vescale.plan._hardware import load_profile
+
+    config = vlm_config("small")
+    with torch.device("meta"):
+        model = VLM(config)
+    images, tokens, _ = synthetic_vlm_batch(config, BATCH, SEQ, 0)
+    out = {}
+    for hardware in ("cpu", "h200"):
+        best, costs = choose_layout(model, (images, tokens), WORLD, load_profile(hardware),
+                                    [p for p in LAYOUTS.values() if p])
+        out[hardware] = {"chosen": "uniform" if best is None else best.name, "costs": [c.to_dict() for c in costs]}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    predicted = predictions()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, os.path.join(tmp, "pg"), args.steps, args.warmup, out))
+                 for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        times = json.loads(Path(out).read_text())
+    measured = {name: {"median_s": statistics.median(t), "min_s": min(t), "steps": len(t)} for name, t in times.items()}
+    load = os.getloadavg()
+    result = {"batch": BATCH, "seq_len": SEQ, "world_size": WORLD, "measured": measured, "predicted": predicted,
+              "load_average": load, "command": "python benchmarks/mpmd_bench.py " + " ".join(sys.argv[1:])}
+    results = ROOT / "benchmarks" / "results"
+    (results / "mpmd.json").write_text(json.dumps(result, indent=2))
+    (results / "mpmd.md").write_text(_markdown(result))
+    print(_markdown(result))
+
+
+def _markdown(r: dict) -> str:
+    base = r["measured"]["uniform"]["median_s"]
+    lines = [
+        "# MPMD vs uniform sharding: the small VLM at 4 ranks",
+        "",
+        f"`{r['command'].strip()}`; global batch {r['batch']} images + {r['seq_len']} caption tokens, fp32, AdamW. "
+        f"Load average at the end {r['load_average'][0]:.1f} (2 shared CPU cores).",
+        "",
+        "| layout | measured median ms/step | vs uniform | predicted cpu ms | predicted bubble | predicted h200 ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    pred = {hw: {c["name"]: c for c in r["predicted"][hw]["costs"]} for hw in r["predicted"]}
+    for name, m in r["measured"].items():
+        key = "uniform" if name == "uniform" else f"mpmd:{next(p for n, p in LAYOUTS.items() if n == name)['name']}"
+        cpu, h200 = pred["cpu"][key], pred["h200"][key]
+        lines.append(f"| {name} | {1e3 * m['median_s']:.1f} | {m['median_s'] / base:.2f}x | "
+                     f"{1e3 * cpu['step_seconds']:.1f} | {cpu['bubble_fraction']:.2f} | {1e3 * h200['step_seconds']:.3f} |")
+    lines += ["", f"Chosen by the cost model: cpu -> {r['predicted']['cpu']['chosen']}, "
+                  f"h200 -> {r['predicted']['h200']['chosen']}.", ""]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""``recipes/train.py experiment=vlm_mpmd`` end to end on 4 CPU processes, and its config errors before start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lightning_vescale.models.vlm import VLM, vlm_config
+from lightning_vescale.pipeline import read_mpmd_full_state_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_train(*overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "experiment=vlm_mpmd", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_vlm_mpmd_recipe_trains_on_four_processes_and_saves_every_stage(tmp_path):
+    run = tmp_path / "run"
+    proc = run_train("mpmd.model=tiny", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=6",
+                     f"output_root={tmp_path}", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["steps"] == 6 and summary["loss_is_finite"]
+    assert summary["final_loss"] < summary["first_loss"] - 1.0, summary["losses"]
+    assert [s["ranks"] for s in summary["plan"]["stages"]] == [1, 3]
+    full = read_mpmd_full_state_dict(run / "checkpoints" / "final")
+    assert {k: tuple(v.shape) for k, v in full.items()} == {
+        k: tuple(v.shape) for k, v in VLM(vlm_config("tiny")).state_dict().items()}
+
+
+def test_vlm_mpmd_recipe_refuses_a_world_size_the_plan_does_not_fill_before_starting(tmp_path):
+    proc = run_train("trainer.devices=3", f"output_root={tmp_path}")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "add up to 1 (vision) + 3 (language) = 4, but the world has 3 ranks" in proc.stdout + proc.stderr
+    assert not any(tmp_path.iterdir())  # no run directory
