@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from lightning_vescale.memory.activations import ActivationOffload, checkpoint_blocks, offload_activations
 from lightning_vescale.memory.optimizer_states import StateOffload, offload_optimizer_states
+from lightning_vescale.memory.pieces import PieceOffload, offload_pieces
 from lightning_vescale.memory.policy import MemoryPolicy
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ class MemoryHandles:
     """What :func:`apply_memory_policy` installed; ``close()`` undoes the offloads (states come back)."""
 
     states: list[StateOffload] = field(default_factory=list)
+    pieces: Optional[PieceOffload] = None
     activations: Optional[ActivationOffload] = None
     checkpointed: list[str] = field(default_factory=list)
 
@@ -31,6 +33,9 @@ class MemoryHandles:
         for offload in self.states:
             offload.close()
         self.states.clear()
+        if self.pieces is not None:
+            self.pieces.close()
+            self.pieces = None
         if self.activations is not None:
             self.activations.close()
             self.activations = None
@@ -39,8 +44,9 @@ class MemoryHandles:
 def apply_memory_policy(
     model: nn.Module, optimizers: Iterable[torch.optim.Optimizer], policy: Optional[MemoryPolicy], *, rank: int = 0,
 ) -> MemoryHandles:
-    """Put ``model``'s activations and ``optimizers``' states where ``policy`` says (a no-op for ``None`` or the
-    all-device policy). Disk files go under ``policy.disk_dir/rank<rank>``."""
+    """Put ``model``'s weights and gradient pieces, activations and ``optimizers``' states where ``policy`` says (a
+    no-op for ``None`` or the all-device policy). Disk files go under ``policy.disk_dir/rank<rank>``. Call it once
+    the model is sharded and its weights initialized (or loaded)."""
     handles = MemoryHandles()
     if policy is None:
         return handles
@@ -50,12 +56,15 @@ def apply_memory_policy(
     elif policy.activations != "device":
         handles.activations = offload_activations(model, policy.activation_blocks, policy.activations,
                                                   disk_dir=disk_dir, prefetch=policy.prefetch)
-    if policy.optimizer_states != "device":
-        local = MemoryPolicy(optimizer_states=policy.optimizer_states, disk_dir=disk_dir, prefetch=policy.prefetch,
-                             bucket_bytes=policy.bucket_bytes)
-        handles.states = [offload_optimizer_states(opt, local) for opt in optimizers]
-    logger.info("lightning_vescale memory: optimizer states on %s, activations %s%s", policy.optimizer_states,
-                policy.activations, f" ({len(handles.checkpointed)} blocks recomputed)" if handles.checkpointed else "")
+    local = MemoryPolicy(optimizer_states=policy.optimizer_states, params=policy.params, grads=policy.grads,
+                         disk_dir=disk_dir, prefetch=policy.prefetch, bucket_bytes=policy.bucket_bytes)
+    if policy.params != "device" or policy.grads != "device":
+        handles.pieces = offload_pieces(model, local)
+    if policy.optimizer_states != "device" or handles.pieces is not None:
+        handles.states = [offload_optimizer_states(opt, local, pieces=handles.pieces) for opt in optimizers]
+    logger.info("lightning_vescale memory: master weights on %s, gradients on %s, optimizer states on %s, "
+                "activations %s%s", policy.params, policy.grads, policy.optimizer_states, policy.activations,
+                f" ({len(handles.checkpointed)} blocks recomputed)" if handles.checkpointed else "")
     return handles
 
 

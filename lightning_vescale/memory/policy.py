@@ -40,6 +40,12 @@ class MemoryPolicy:
 
     optimizer_states: Tier = "device"
     """Per-element optimizer states (Adam's moments, Muon's momentum)."""
+    params: Tier = "device"
+    """This rank's pieces of the sharded master weights (each group's DBuffer piece): on ``host`` / ``disk`` they
+    are read back just before the group's AllGather (the next group's ahead) and for the optimizer step."""
+    grads: Tier = "device"
+    """This rank's pieces of the reduced gradients: on ``host`` / ``disk`` each is written there as soon as its
+    ReduceScatter finished and read back by the optimizer step (and by clipping, gradient accumulation)."""
     activations: str = "device"
     """Activations saved for backward by ``activation_blocks``: ``device``, ``host``, ``disk``, or ``checkpoint``
     (recompute the blocks' forward in backward instead of keeping them)."""
@@ -56,7 +62,7 @@ class MemoryPolicy:
     """Target size of one swapped bucket of optimizer states: the transient memory offload needs."""
 
     def __post_init__(self) -> None:
-        for name in ("optimizer_states",):  # a tier
+        for name in ("optimizer_states", "params", "grads"):  # a tier
             value = getattr(self, name)
             if value not in TIERS:
                 raise ValueError(f"MemoryPolicy.{name} must be one of {TIERS}, got {value!r}")
@@ -68,7 +74,7 @@ class MemoryPolicy:
             parse_bytes(self.budget)
         if self.bucket_bytes <= 0:
             raise ValueError(f"MemoryPolicy.bucket_bytes must be > 0, got {self.bucket_bytes}")
-        if "disk" in (self.optimizer_states, self.activations):
+        if "disk" in (self.optimizer_states, self.params, self.grads, self.activations):
             if not self.disk_dir:
                 raise ValueError("MemoryPolicy: a 'disk' tier needs disk_dir=<a directory on a local disk>")
             _check_writable(self.disk_dir)
