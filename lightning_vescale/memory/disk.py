@@ -15,13 +15,24 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DiskStore", "DiskTierError"]
+__all__ = ["DiskStore", "DiskTierError", "check_disk_space"]
 
 CHUNK_BYTES = 16 * 2**20  # large sequential I/O, as ZeRO-Infinity's swapper does
 
 
 class DiskTierError(RuntimeError):
     """The disk tier cannot hold or return a tensor (full, read-only or missing directory); nothing was lost."""
+
+
+def check_disk_space(directory: str, need: int, what: str) -> None:
+    """Refuse (before anything moves) a disk tier without room for ``need`` bytes (``what`` says whose)."""
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise DiskTierError(
+            f"the disk tier at {directory} has {free / 2**20:.1f} MiB free, but {what} need about "
+            f"{need / 2**20:.1f} MiB on this rank: free space, choose another disk_dir, or keep some of them on the "
+            f"device (nothing was moved)"
+        )
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -55,7 +56,9 @@ class MemoryPolicy:
     """Bytes per rank (e.g. ``"6GiB"``): the recipes then choose ``optimizer_states`` and ``activations`` by the
     cost model of :mod:`lightning_vescale.memory.budget` and print the table before training."""
     disk_dir: Optional[str] = None
-    """Directory for the ``disk`` tier (created if missing; must be writable)."""
+    """Directory for the ``disk`` tier, on a local disk: created if only its last component is missing (a missing
+    parent is more likely a typo or an unmounted disk: an error); must be writable, and have room for what goes
+    there (checked by :func:`~lightning_vescale.memory.apply_memory_policy` before anything moves)."""
     prefetch: bool = True
     """Read the next bucket's states on a background thread while this bucket steps."""
     bucket_bytes: int = 64 * 2**20
@@ -81,9 +84,21 @@ class MemoryPolicy:
 
 
 def _check_writable(directory: str) -> None:
+    parent = os.path.dirname(os.path.abspath(directory))
+    if not os.path.isdir(directory) and not os.path.isdir(parent):
+        raise ValueError(f"MemoryPolicy.disk_dir={directory!r} does not exist, nor does its parent {parent!r} (a typo, "
+                         f"or a disk that is not mounted?); create it or pick an existing directory on a local disk")
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
         raise ValueError(f"MemoryPolicy.disk_dir={directory!r} cannot be created ({e}); pick a writable directory")
+    if not os.path.isdir(directory):
+        raise ValueError(f"MemoryPolicy.disk_dir={directory!r} is not a directory; pick a directory on a local disk")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ValueError(f"MemoryPolicy.disk_dir={directory!r} is not writable; pick a writable directory")
+    try:  # a read-only mount can pass os.access: write a byte to be sure
+        with tempfile.TemporaryFile(dir=directory) as f:
+            f.write(b"0")
+    except OSError as e:
+        raise ValueError(f"MemoryPolicy.disk_dir={directory!r} cannot be written ({e}); pick a writable directory") \
+            from None

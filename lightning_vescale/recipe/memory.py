@@ -9,7 +9,12 @@ from typing import Optional
 
 import torch
 
-from lightning_vescale.memory import MemoryEstimate, MemoryPolicy, choose_placement, measure_disk_bandwidth
+from lightning_vescale.memory import (
+    MemoryEstimate,
+    MemoryPolicy,
+    choose_placement,
+    measure_disk_bandwidth,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +77,6 @@ def memory_policy_for(config, run_dir: Path, world_size: int) -> Optional[Memory
         placement = choose_placement(estimate, m.budget, disk_bandwidth=measure_disk_bandwidth(disk_dir))
         optimizer_states, activations = placement.tiers["optimizer_states"], placement.tiers["activations"]
         logger.info("memory budget %s per rank: placement chosen by the cost model\n%s", m.budget, placement.table())
-    return MemoryPolicy(optimizer_states=optimizer_states, activations=activations,
+    return MemoryPolicy(optimizer_states=optimizer_states, params=m.params, grads=m.grads, activations=activations,
                         activation_blocks=tuple(m.activation_blocks), disk_dir=disk_dir, prefetch=m.prefetch,
                         bucket_bytes=m.bucket_bytes)

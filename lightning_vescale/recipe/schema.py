@@ -530,6 +530,12 @@ class MemoryConfig:
 
     optimizer_states: str = "device"
     """``device``, ``host`` or ``disk`` (swapped bucket by bucket, prefetched)."""
+    params: str = "device"
+    """The sharded master weights: ``device``, ``host`` or ``disk`` (read back before each AllGather, the next
+    group's ahead, and for the optimizer step)."""
+    grads: str = "device"
+    """The sharded gradient pieces: ``device``, ``host`` or ``disk`` (written out after each ReduceScatter, read
+    back by the optimizer step and clipping)."""
     activations: str = "device"
     """``device``, ``host``, ``disk`` or ``checkpoint`` (recompute the blocks' forward in backward)."""
     activation_blocks: List[str] = field(default_factory=lambda: ["*layers.*"])
@@ -544,8 +550,9 @@ class MemoryConfig:
     """Optimizer states swapped per bucket."""
 
     def __post_init__(self) -> None:
-        _check(self.optimizer_states in ("device", "host", "disk"),
-               f"memory.optimizer_states must be device, host or disk, got {self.optimizer_states!r}")
+        for name in ("optimizer_states", "params", "grads"):
+            value = getattr(self, name)
+            _check(value in ("device", "host", "disk"), f"memory.{name} must be device, host or disk, got {value!r}")
         _check(self.activations in ("device", "host", "disk", "checkpoint"),
                f"memory.activations must be device, host, disk or checkpoint, got {self.activations!r}")
         if self.budget is not None:

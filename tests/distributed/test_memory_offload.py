@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+from unittest import mock
 
 import pytest
 import torch
@@ -18,7 +20,13 @@ import torch.nn.functional as F
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
-from lightning_vescale.memory import MemoryPolicy, memory_stats, offload_optimizer_states, resident_states
+from lightning_vescale.memory import (
+    DiskTierError,
+    MemoryPolicy,
+    memory_stats,
+    offload_optimizer_states,
+    resident_states,
+)
 from lightning_vescale.optim import build_optimizer
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP
@@ -164,6 +172,13 @@ def _pieces(rank: int, world: int, tmp: str) -> None:
 
     def released(model) -> list[bool]:
         return [p.to_local().untyped_storage().nbytes() == 0 for p in model.parameters() if p.to_local().numel()]
+
+    # A disk without room for what goes there is refused before anything moves.
+    full = sharded(MLP())
+    with mock.patch("shutil.disk_usage", return_value=shutil._ntuple_diskusage(10**9, 10**9 - 100, 100)):
+        with pytest.raises(DiskTierError, match=r"has 0.0 MiB free, but master weights \+ gradients need about"):
+            apply_memory_policy(full, [], MemoryPolicy(params="disk", grads="disk", disk_dir=os.path.join(tmp, "f")))
+    assert not any(released(full)), "nothing was moved"
 
     for kind in ("adamw", "muon"):
         torch.manual_seed(0)

@@ -52,3 +52,22 @@ def test_the_cheapest_combination_that_fits_is_chosen() -> None:
 def test_a_budget_too_small_says_the_minimum_and_what_needs_it() -> None:
     with pytest.raises(ValueError, match=r"too small .* still needs 340\.0 MiB \(params 100\.0 MiB, grads 100\.0 MiB"):
         choose_placement(estimate(), "200MiB", disk_bandwidth=1e9)
+
+
+def test_a_disk_dir_whose_parent_is_missing_is_refused(tmp_path) -> None:
+    missing = tmp_path / "not_mounted" / "swap"
+    with pytest.raises(ValueError, match=r"does not exist, nor does its parent .* create it or pick an existing"):
+        MemoryPolicy(params="disk", disk_dir=str(missing))
+    assert not missing.parent.exists(), "nothing was created"
+    MemoryPolicy(params="disk", disk_dir=str(tmp_path / "swap"))  # only the last component missing: created
+    assert (tmp_path / "swap").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="cannot be created|is not a directory"):
+        MemoryPolicy(grads="disk", disk_dir=str(tmp_path / "file"))
+
+
+def test_weights_and_gradient_tiers_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"MemoryPolicy.params must be one of"):
+        MemoryPolicy(params="nvme")
+    with pytest.raises(ValueError, match="needs disk_dir"):
+        MemoryPolicy(grads="disk")
