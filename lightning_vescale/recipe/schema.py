@@ -541,7 +541,8 @@ class MemoryConfig:
     activation_blocks: List[str] = field(default_factory=lambda: ["*layers.*"])
     """Globs on module names (the recipe's LightningModule's: ``model.layers.0``) of the blocks ``activations`` acts on."""
     budget: Optional[str] = None
-    """Bytes per rank (``6GiB``): choose ``optimizer_states`` and ``activations`` by the cost model instead."""
+    """Bytes per rank (``6GiB``): choose ``params``, ``grads``, ``optimizer_states`` and ``activations`` by the cost
+    model instead."""
     disk_dir: Optional[str] = None
     """Directory of the disk tier (``null``: ``<run dir>/swap``)."""
     prefetch: bool = True
@@ -796,7 +797,7 @@ class TrainConfig:
     """Let ``_target_`` name anything importable (Hydra's own blocklist still applies): trusted configs only."""
 
     memory: Optional[MemoryConfig] = None
-    """Where optimizer states and activations live (group ``memory``: ``offload_disk``, ``checkpoint``, ``budget``);
+    """Where weights, gradients, optimizer states and activations live (group ``memory``: ``offload_disk``, ``checkpoint``, ``budget``);
     null: everything on the device."""
     quant: Optional[QuantConfig] = None
     """Block-quantized weights (group ``quant``: ``fp8_block`` / ``int8_block`` for QLoRA-style fine-tuning,

@@ -37,21 +37,26 @@ def test_everything_stays_on_the_device_when_it_fits() -> None:
 
 
 def test_the_cheapest_combination_that_fits_is_chosen() -> None:
-    # Fast disk: moving activations (saves 300 MiB for 0.84 s) alone fits; adding the optimizer states would cost
-    # more, and the states alone (saves 180 MiB) do not fit.
+    # Fast disk (850 -> 600 MiB): gradients (saves 80 MiB for 0.21 s) and optimizer states (180 MiB, 0.42 s) to disk
+    # cost less than the activations (300 MiB, 0.84 s); weights (80 MiB, 0.42 s) are not needed.
     fast = choose_placement(estimate(), "600MiB", disk_bandwidth=1e9)
-    assert fast.tiers["activations"] == "disk" and fast.tiers["optimizer_states"] == "device"
-    # Slow disk: recomputing is cheaper; the optimizer states move only when that is not enough.
+    assert (fast.tiers["grads"], fast.tiers["optimizer_states"]) == ("disk", "disk")
+    assert (fast.tiers["params"], fast.tiers["activations"]) == ("device", "device") and fast.total <= 600 * MiB
+    # Slow disk: recomputing is cheaper; states, then weights and gradients move only when that is not enough.
     slow = choose_placement(estimate(), "600MiB", disk_bandwidth=1e8)
     assert slow.tiers["activations"] == "checkpoint" and slow.total <= 600 * MiB
+    assert {slow.tiers[c] for c in ("params", "grads", "optimizer_states")} == {"device"}
     tight = choose_placement(estimate(), "350MiB", disk_bandwidth=1e8)
-    assert tight.tiers["optimizer_states"] == "disk" and tight.total <= 350 * MiB
+    assert tight.tiers["optimizer_states"] == "disk" and tight.tiers["params"] == "device" and tight.total <= 350 * MiB
     assert "| optimizer_states | disk |" in tight.table()
+    tighter = choose_placement(estimate(), "200MiB", disk_bandwidth=1e8)
+    assert (tighter.tiers["params"], tighter.tiers["grads"]) == ("disk", "disk") and tighter.total <= 200 * MiB
+    assert "| params | disk |" in tighter.table()
 
 
 def test_a_budget_too_small_says_the_minimum_and_what_needs_it() -> None:
-    with pytest.raises(ValueError, match=r"too small .* still needs 340\.0 MiB \(params 100\.0 MiB, grads 100\.0 MiB"):
-        choose_placement(estimate(), "200MiB", disk_bandwidth=1e9)
+    with pytest.raises(ValueError, match=r"too small .* still needs 180\.0 MiB \(params 20\.0 MiB, grads 20\.0 MiB"):
+        choose_placement(estimate(), "130MiB", disk_bandwidth=1e9)
 
 
 def test_a_disk_dir_whose_parent_is_missing_is_refused(tmp_path) -> None:
