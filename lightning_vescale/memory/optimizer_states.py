@@ -211,10 +211,9 @@ class StateOffload:
         if set_to_none:
             return self._original_zero_grad(set_to_none=True)
         for offload in self.pieces.buffers_of(self._params()):
-            with self.pieces.resident([offload], changes=True):
-                pass_params = [p for p in self._params() if self.pieces._by_param.get(id(p)) is offload]
-                for p in pass_params:
-                    if p.grad is not None:
+            with self.pieces.resident([offload], changes=True, weights=False):
+                for p in self._params():
+                    if self.pieces._by_param.get(id(p)) is offload and p.grad is not None:
                         p.grad.zero_()
         rest = [p for p in self._params() if not self.pieces.owns(p) and p.grad is not None]
         for p in rest:

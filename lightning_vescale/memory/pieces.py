@@ -193,17 +193,21 @@ class BufferOffload:
             if piece is not None:
                 piece.start_read(executor)
 
-    def bring_in(self) -> None:
+    def _pieces(self, weights: bool) -> tuple[Optional[_Piece], ...]:
+        return (self.params, self.grads) if weights else (self.grads,)
+
+    def bring_in(self, *, weights: bool = True) -> None:
+        """The gradient piece, and the weights piece unless ``weights=False``, in memory until :meth:`put_back`."""
         self._stepping = True
-        for piece in (self.params, self.grads):
+        for piece in self._pieces(weights):
             if piece is not None:
                 piece.fetch()
 
-    def put_back(self, *, params_changed: bool, grads_changed: bool = False) -> None:
+    def put_back(self, *, params_changed: bool, grads_changed: bool = False, weights: bool = True) -> None:
         self._stepping = False
-        for piece, changed in ((self.params, params_changed), (self.grads, grads_changed)):
+        for piece in self._pieces(weights):
             if piece is not None:
-                if changed:
+                if params_changed if piece is self.params else grads_changed:
                     piece.current = False
                 piece.release()
 
@@ -289,17 +293,18 @@ class PieceOffload:
 
     # -- everything in memory -----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def resident(self, buffers: Optional[list[BufferOffload]] = None, *, changes: bool = True) -> Iterator[None]:
-        """Every piece of ``buffers`` (default: all) in memory inside the block; written back after it when
-        ``changes`` (a checkpoint load, a clip), else released as it was."""
+    def resident(self, buffers: Optional[list[BufferOffload]] = None, *, changes: bool = True,
+                 weights: bool = True) -> Iterator[None]:
+        """Every piece of ``buffers`` (default: all; only the gradients when ``weights=False``) in memory inside the
+        block; written back after it when ``changes`` (a checkpoint load, a clip), else released as it was."""
         buffers = self.buffers if buffers is None else buffers
         for offload in buffers:
-            offload.bring_in()
+            offload.bring_in(weights=weights)
         try:
             yield
         finally:
             for offload in buffers:
-                offload.put_back(params_changed=changes, grads_changed=changes)
+                offload.put_back(params_changed=changes, grads_changed=changes, weights=weights)
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
                         error_if_nonfinite: bool) -> torch.Tensor:
@@ -311,7 +316,7 @@ class PieceOffload:
         chunks = self._chunks(with_grads)
         norms: list[torch.Tensor] = []
         for chunk, buffers in chunks:
-            with self.resident(buffers, changes=False):
+            with self.resident(buffers, changes=False, weights=False):
                 norms.extend(torch._foreach_norm([p.grad for p in chunk], norm_type))
         total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
@@ -319,7 +324,7 @@ class PieceOffload:
                                f"so it cannot be clipped. To disable this error and scale the gradients by the "
                                f"non-finite norm anyway, set `error_if_nonfinite=False`")
         for chunk, buffers in chunks:
-            with self.resident(buffers, changes=True):
+            with self.resident(buffers, changes=True, weights=False):
                 torch.nn.utils.clip_grads_with_norm_(chunk, max_norm, total, foreach=True)
         return total
 

@@ -156,14 +156,15 @@ def test_offloaded_and_recomputed_activations_give_the_same_gradients(tmp_path) 
 
 
 def train_step_clipped(model, opt, step: int, rank: int, world: int, micro: int = 2) -> None:
-    """``micro`` micro-batches accumulated (the second adds to the offloaded gradient pieces), clipped, stepped."""
+    """``micro`` micro-batches accumulated (the second adds to the offloaded gradient pieces), clipped, stepped;
+    step 1 zeroes the gradients in place (the next backward adds to the zeroed pieces on disk)."""
     for m in range(micro):
         g = torch.Generator().manual_seed(1000 * step + m)
         x, y = torch.randn(4 * world, 7, generator=g), torch.randn(4 * world, 5, generator=g)
         F.mse_loss(model(x[rank::world]), y[rank::world]).backward()
     lv.clip_grad_norm_(model.parameters(), 0.05)
     opt.step()
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=step != 1)
 
 
 def _pieces(rank: int, world: int, tmp: str) -> None:
