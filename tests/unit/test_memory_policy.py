@@ -76,3 +76,16 @@ def test_weights_and_gradient_tiers_are_checked() -> None:
         MemoryPolicy(params="nvme")
     with pytest.raises(ValueError, match="needs disk_dir"):
         MemoryPolicy(grads="disk")
+
+
+def test_a_read_only_disk_dir_is_refused(tmp_path) -> None:
+    """A read-only file system refuses even root (who passes os.access): the policy writes a byte to be sure."""
+    import errno
+    from unittest import mock
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    with mock.patch("tempfile.TemporaryFile", read_only):
+        with pytest.raises(ValueError, match=r"cannot be written \(\[Errno 30\] Read-only file system\); pick a writable"):
+            MemoryPolicy(params="disk", disk_dir=str(tmp_path))
