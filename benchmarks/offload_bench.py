@@ -17,6 +17,7 @@ blocks' activations (goal a).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
 os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "131072")
@@ -67,27 +69,28 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _rank(rank: int, world: int, init: str, model_name: str, config_name: str, steps: int, swap: str, out) -> None:
+def _rank(rank: int, world: int, init: str, model_name: str, spec, shape: dict, steps: int, swap: str, out) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     baseline = _rss_now()
     torch.manual_seed(0)
+    config = dataclasses.replace(MODELS[model_name], n_layers=shape.get("n_layers", MODELS[model_name].n_layers),
+                                 max_seq_len=max(MODELS[model_name].max_seq_len, shape["seq"]))
     with torch.device("meta"):
-        model = Llama(MODELS[model_name])
+        model = Llama(config)
     first_use = _rss_now() - baseline  # torch's first use in the process (not state: the same in every run)
     for block in model.layers:
         lv.fully_shard(block)
     lv.fully_shard(model)
     lv.init_sharded_weights(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    spec = CONFIGS[config_name]
     if spec is not None:
         apply_memory_policy(model, [opt], MemoryPolicy(disk_dir=swap, bucket_bytes=BUCKET_BYTES, **spec), rank=rank)
     g = torch.Generator().manual_seed(rank)
     times, opt_times = [], []
     for _ in range(steps):
-        tokens = torch.randint(0, MODELS[model_name].vocab_size, (2, 129), generator=g)
+        tokens = torch.randint(0, config.vocab_size, (shape["batch"], shape["seq"] + 1), generator=g)
         start = time.perf_counter()
         logits = model(tokens[:, :-1])
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
@@ -102,12 +105,15 @@ def _rank(rank: int, world: int, init: str, model_name: str, config_name: str, s
     dist.destroy_process_group()
 
 
-def run(model_name: str, config_name: str, world: int, steps: int) -> dict:
+def run(model_name: str, config_name: str, world: int, steps: int, shape: Optional[dict] = None,
+        spec: Optional[dict] = None) -> dict:
+    shape = shape or {"batch": 2, "seq": 128}
+    spec = CONFIGS.get(config_name) if spec is None else spec
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/pg"
-        procs = [ctx.Process(target=_rank, args=(r, world, init, model_name, config_name, steps, tmp, out))
+        procs = [ctx.Process(target=_rank, args=(r, world, init, model_name, spec, shape, steps, tmp, out))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -121,6 +127,105 @@ def run(model_name: str, config_name: str, world: int, steps: int) -> dict:
             "first_use_mb": max(r[5] for r in rows) / 2**20}
 
 
+CAPACITY = {
+    # (b) the largest model (more blocks of bench_small) whose peak stays within the budget, batch 2x128 per rank
+    "model": {
+        "in memory": None,
+        "states + weights + grads + activations on disk": dict(optimizer_states="disk", params="disk", grads="disk",
+                                                                activations="disk"),
+    },
+    # (c) the longest sequence (batch 1 per rank) whose peak stays within the budget
+    "sequence": {
+        "in memory": None,
+        "activations checkpointed, states + weights + grads on disk": dict(optimizer_states="disk", params="disk",
+                                                                           grads="disk", activations="checkpoint"),
+        "activations + states + weights + grads on disk": dict(optimizer_states="disk", params="disk", grads="disk",
+                                                               activations="disk"),
+    },
+}
+
+
+def _largest(fits, start: int, limit: int, unit: int) -> tuple[int, list]:
+    """The largest multiple of ``unit`` in [start, limit] for which ``fits`` holds (doubling, then one bisection
+    between the last that fit and the first that did not); 0 if ``start`` does not fit. Returns it and the trials."""
+    trials, good, bad, n = [], 0, None, start
+    while n <= limit:
+        ok, record = fits(n)
+        trials.append(record)
+        if not ok:
+            bad = n
+            break
+        good, n = n, 2 * n
+    if good and bad is not None:
+        mid = (good + bad) // 2 // unit * unit
+        if good < mid < bad:
+            ok, record = fits(mid)
+            trials.append(record)
+            good = mid if ok else good
+    return good, trials
+
+
+def capacity(args) -> None:
+    """Goals (b) and (c): under a per-rank budget on the OS peak, the largest model and the longest sequence."""
+    budget = args.budget_mib
+    result: dict = {"budget_mib": budget}
+    lines = [
+        "# What fits under a per-rank memory budget, with and without offload",
+        "",
+        f"Budget: {budget} MiB of peak RSS growth per rank (the OS high-water mark over the baseline after imports and "
+        f"the process group, max over ranks; the same measure as `offload.md`; the budget is enforced on that measure, "
+        f"not on the ledger). {args.world_size} gloo ranks, AdamW fp32, {args.capacity_steps} steps per trial; "
+        f"search: doubling, then one bisection.",
+        f"Command: `python benchmarks/offload_bench.py --capacity --budget-mib {budget} --world-size {args.world_size}`",
+        "",
+    ]
+    n_params = {}
+
+    def model_fits(spec):
+        def fits(layers):
+            r = run(args.model, "", args.world_size, args.capacity_steps, {"batch": 2, "seq": 128, "n_layers": layers},
+                    spec=spec)
+            cfg = dataclasses.replace(MODELS[args.model], n_layers=layers)
+            with torch.device("meta"):
+                n_params[layers] = sum(p.numel() for p in Llama(cfg).parameters())
+            return r["peak_rss_mb"] <= budget, {"n_layers": layers, "params": n_params[layers], **r}
+        return fits
+
+    lines += ["## (b) Largest model (blocks of `%s`, batch 2x128 tokens per rank)" % args.model, "",
+              "| placement | largest that fits (blocks) | parameters | trials (blocks: peak MiB) |", "|---|---|---|---|"]
+    result["model"] = {}
+    for name, spec in CAPACITY["model"].items():
+        best, trials = _largest(model_fits(spec), 2, args.max_layers, 1)
+        result["model"][name] = {"n_layers": best, "params": n_params.get(best, 0), "trials": trials}
+        lines.append(f"| {name} | {best} | {n_params.get(best, 0) / 1e6:.1f}M | "
+                     + ", ".join(f"{t['n_layers']}: {t['peak_rss_mb']:.0f}" for t in trials) + " |")
+    sizes = [v["params"] for v in result["model"].values()]
+    lines += ["", f"Ratio (offload / in memory): {sizes[1] / sizes[0]:.2f}x parameters"
+              + (f" (the search stopped at --max-layers {args.max_layers})"
+                 if result["model"][list(CAPACITY['model'])[1]]["n_layers"] >= args.max_layers else "") + ".", ""]
+
+    def seq_fits(spec):
+        def fits(seq):
+            r = run(args.model, "", args.world_size, args.capacity_steps, {"batch": 1, "seq": seq}, spec=spec)
+            return r["peak_rss_mb"] <= budget, {"seq": seq, **r}
+        return fits
+
+    lines += [f"## (c) Longest sequence (`{args.model}`, batch 1 per rank)", "",
+              "| placement | longest that fits (tokens) | trials (tokens: peak MiB) |", "|---|---|---|"]
+    result["sequence"] = {}
+    for name, spec in CAPACITY["sequence"].items():
+        best, trials = _largest(seq_fits(spec), 256, args.max_seq, 64)
+        result["sequence"][name] = {"seq": best, "trials": trials}
+        lines.append(f"| {name} | {best} | " + ", ".join(f"{t['seq']}: {t['peak_rss_mb']:.0f}" for t in trials) + " |")
+    base_seq = result["sequence"]["in memory"]["seq"]
+    for name in list(CAPACITY["sequence"])[1:]:
+        seq = result["sequence"][name]["seq"]
+        lines.append(f"\nRatio ({name} / in memory): {seq / base_seq:.2f}x tokens" if base_seq else "")
+    Path(args.out + "_capacity.md").write_text("\n".join(lines) + "\n")
+    Path(args.out + "_capacity.json").write_text(json.dumps(result, indent=2))
+    print("\n".join(lines))
+
+
 def _median_of(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"repeats": runs}
 
@@ -132,7 +237,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "offload"))
+    parser.add_argument("--capacity", action="store_true", help="goals (b) and (c) instead: what fits in a budget")
+    parser.add_argument("--budget-mib", type=float, default=512.0)
+    parser.add_argument("--capacity-steps", type=int, default=3)
+    parser.add_argument("--max-layers", type=int, default=64)
+    parser.add_argument("--max-seq", type=int, default=8192)
     args = parser.parse_args()
+    if args.capacity:
+        capacity(args)
+        return
     runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     for _ in range(args.repeats):  # interleaved: a slow spell of the shared machine hits every configuration
         for name in CONFIGS:
