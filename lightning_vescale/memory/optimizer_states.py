@@ -97,7 +97,7 @@ class StateOffload:
         pieces = self.pieces
         per_element = (2 if self.moves_states else 0) + (
             0 if pieces is None else (pieces.params_io is not None) + (pieces.grads_io is not None))
-        owner = [pieces._by_param.get(id(p)) if pieces is not None else None for p in params]
+        owner = [pieces.buffer_of(p) if pieces is not None else None for p in params]
         for i, p in enumerate(params):
             share = p.layout_info.world_size if is_ragged(p) else 1
             size += per_element * p.numel() * p.element_size() // share
@@ -213,7 +213,7 @@ class StateOffload:
         for offload in self.pieces.buffers_of(self._params()):
             with self.pieces.resident([offload], changes=True, weights=False):
                 for p in self._params():
-                    if self.pieces._by_param.get(id(p)) is offload and p.grad is not None:
+                    if self.pieces.buffer_of(p) is offload and p.grad is not None:
                         p.grad.zero_()
         rest = [p for p in self._params() if not self.pieces.owns(p) and p.grad is not None]
         for p in rest:

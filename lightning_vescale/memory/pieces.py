@@ -288,6 +288,10 @@ class PieceOffload:
                 out.setdefault(id(offload), offload)
         return list(out.values())
 
+    def buffer_of(self, p: torch.Tensor) -> Optional[BufferOffload]:
+        """The buffer holding ``p``'s piece (``None`` for a parameter this offload does not manage)."""
+        return self._by_param.get(id(p))
+
     def owns(self, p: torch.Tensor) -> bool:
         return id(p) in self._by_param
 
