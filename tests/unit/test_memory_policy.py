@@ -89,3 +89,20 @@ def test_a_read_only_disk_dir_is_refused(tmp_path) -> None:
     with mock.patch("tempfile.TemporaryFile", read_only):
         with pytest.raises(ValueError, match=r"cannot be written \(\[Errno 30\] Read-only file system\); pick a writable"):
             MemoryPolicy(params="disk", disk_dir=str(tmp_path))
+
+
+def test_swap_files_of_a_killed_process_are_removed(tmp_path) -> None:
+    """A process killed before close() leaves its swap directory; the next store under the directory removes it
+    (never one of a live process)."""
+    import os
+
+    from lightning_vescale.memory import DiskStore
+
+    dead = tmp_path / "lightning_vescale_swap_999999999_pieces"  # no such pid
+    dead.mkdir()
+    (dead / "b0_params.bin").write_bytes(b"x" * 10)
+    alive = tmp_path / f"lightning_vescale_swap_{os.getppid()}"
+    alive.mkdir()
+    store = DiskStore(str(tmp_path))
+    assert not dead.exists() and alive.exists() and os.path.isdir(store.root)
+    store.close()
