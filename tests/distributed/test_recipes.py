@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +21,13 @@ import torch
 import yaml
 
 from lightning_vescale.export import read_model_state
-from lightning_vescale.models import Llama, MoE, llama_config, moe_config, save_pretrained
+from lightning_vescale.models import (
+    Llama,
+    MoE,
+    llama_config,
+    moe_config,
+    save_pretrained,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
