@@ -21,13 +21,7 @@ import torch
 import yaml
 
 from lightning_vescale.export import read_model_state
-from lightning_vescale.models import (
-    Llama,
-    MoE,
-    llama_config,
-    moe_config,
-    save_pretrained,
-)
+from lightning_vescale.models import Llama, MoE, llama_config, moe_config, save_pretrained
 
 ROOT = Path(__file__).resolve().parents[2]
 
