@@ -19,9 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.strategies.launchers.subprocess_script import (
-    _SubprocessScriptLauncher,
-)
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl

@@ -7,30 +7,13 @@ optimizer states on the host or disk tier between steps, swapped bucket by bucke
 (:data:`memory_stats`).
 """
 
-from lightning_vescale.memory.activations import (
-    ActivationOffload,
-    checkpoint_blocks,
-    offload_activations,
-)
+from lightning_vescale.memory.activations import ActivationOffload, checkpoint_blocks, offload_activations
 from lightning_vescale.memory.apply import MemoryHandles, apply_memory_policy
-from lightning_vescale.memory.budget import (
-    MemoryEstimate,
-    Placement,
-    choose_placement,
-    measure_disk_bandwidth,
-)
+from lightning_vescale.memory.budget import MemoryEstimate, Placement, choose_placement, measure_disk_bandwidth
 from lightning_vescale.memory.disk import DiskStore, DiskTierError
 from lightning_vescale.memory.ledger import MemoryLedger, memory_stats
-from lightning_vescale.memory.optimizer_states import (
-    StateOffload,
-    offload_optimizer_states,
-    resident_states,
-)
-from lightning_vescale.memory.pieces import (
-    PieceOffload,
-    offload_pieces,
-    resident_pieces,
-)
+from lightning_vescale.memory.optimizer_states import StateOffload, offload_optimizer_states, resident_states
+from lightning_vescale.memory.pieces import PieceOffload, offload_pieces, resident_pieces
 from lightning_vescale.memory.policy import TIERS, MemoryPolicy, parse_bytes
 
 __all__ = [

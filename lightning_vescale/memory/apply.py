@@ -10,16 +10,9 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
-from lightning_vescale.memory.activations import (
-    ActivationOffload,
-    checkpoint_blocks,
-    offload_activations,
-)
+from lightning_vescale.memory.activations import ActivationOffload, checkpoint_blocks, offload_activations
 from lightning_vescale.memory.disk import check_disk_space
-from lightning_vescale.memory.optimizer_states import (
-    StateOffload,
-    offload_optimizer_states,
-)
+from lightning_vescale.memory.optimizer_states import StateOffload, offload_optimizer_states
 from lightning_vescale.memory.pieces import PieceOffload, offload_pieces
 from lightning_vescale.memory.policy import MemoryPolicy
 

@@ -37,10 +37,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgre
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_vescale.collectives import comm_stats
-from lightning_vescale.lightning._signals import (
-    agree_on_sigterm,
-    install_deferred_sigterm,
-)
+from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
 from lightning_vescale.memory.ledger import memory_stats
 
 __all__ = [

@@ -9,12 +9,7 @@ from typing import Optional
 
 import torch
 
-from lightning_vescale.memory import (
-    MemoryEstimate,
-    MemoryPolicy,
-    choose_placement,
-    measure_disk_bandwidth,
-)
+from lightning_vescale.memory import MemoryEstimate, MemoryPolicy, choose_placement, measure_disk_bandwidth
 
 logger = logging.getLogger(__name__)
 

@@ -22,11 +22,7 @@ from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_vescale as lv
-from lightning_vescale.accelerate import (
-    VeScaleAccelerator,
-    VeScaleConfig,
-    prepare_vescale,
-)
+from lightning_vescale.accelerate import VeScaleAccelerator, VeScaleConfig, prepare_vescale
 from lightning_vescale.fully_shard import sharded_groups
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP, TinyTransformer
