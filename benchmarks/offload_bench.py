@@ -1,18 +1,23 @@
-"""Optimizer states on the disk tier: peak memory (as the operating system sees it) and step time, side by side.
+"""Training state on the disk tier: peak memory (as the operating system sees it) and step time, side by side.
 
-    python benchmarks/offload_bench.py                      # bench_small (33.6M), 2 ranks, 6 steps
-    python benchmarks/offload_bench.py --world-size 2 --steps 6 --model bench_small
+    python benchmarks/offload_bench.py                      # bench_small (33.6M), 2 ranks, 6 steps, 2 repeats
+    python benchmarks/offload_bench.py --world-size 2 --steps 6 --repeats 2 --model bench_small
 
 Each configuration runs in fresh rank processes (the peak resident set is a high-water mark), with glibc told
 to return freed blocks of 128 KiB or more to the system (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``),
-so the peak follows live memory. Reported per rank (max over ranks): peak RSS growth over the baseline taken
-after imports, and the median step time after one warm-up step. Configurations: states in memory; states on
-disk with prefetch; states on disk without prefetch (the cost prefetch hides).
+so the peak follows live memory. Reported per rank (max over ranks): peak RSS growth (``ru_maxrss``, the
+``VmHWM`` high-water mark) over the baseline taken after imports and the process group, and the median step
+time after one warm-up step; each configuration runs ``--repeats`` times, interleaved with the others (the
+machine is shared), and the median of the repeats is reported. Configurations (``MemoryPolicy`` placements,
+applied by ``apply_memory_policy``): everything in memory; optimizer states on disk with and without prefetch
+(goal d: the step-time cost prefetch hides); optimizer states + master weights; + gradient pieces; + the
+blocks' activations (goal a).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -21,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
 os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "131072")
@@ -33,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning_vescale as lv  # noqa: E402
-from lightning_vescale.memory import MemoryPolicy, offload_optimizer_states  # noqa: E402
+from lightning_vescale.memory import MemoryPolicy, apply_memory_policy, memory_stats  # noqa: E402
 from lightning_vescale.models import Llama, LlamaConfig  # noqa: E402
 
 MODELS = {
@@ -42,10 +48,15 @@ MODELS = {
     "bench_tiny": LlamaConfig(vocab_size=1024, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=352,
                               max_seq_len=128),
 }
+BUCKET_BYTES = 16 * 2**20  # optimizer-step buckets: a quarter of this model's per-rank states
 CONFIGS = {
     "in memory": None,
-    "disk, prefetch": dict(optimizer_states="disk", prefetch=True),
-    "disk, no prefetch": dict(optimizer_states="disk", prefetch=False),
+    "states on disk, prefetch": dict(optimizer_states="disk", prefetch=True),
+    "states on disk, no prefetch": dict(optimizer_states="disk", prefetch=False),
+    "states + weights on disk": dict(optimizer_states="disk", params="disk"),
+    "states + weights + grads on disk": dict(optimizer_states="disk", params="disk", grads="disk"),
+    "states + weights + grads + activations on disk": dict(optimizer_states="disk", params="disk", grads="disk",
+                                                            activations="disk"),
 }
 
 
@@ -58,42 +69,51 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _rank(rank: int, world: int, init: str, model_name: str, config_name: str, steps: int, swap: str, out) -> None:
+def _rank(rank: int, world: int, init: str, model_name: str, spec, shape: dict, steps: int, swap: str, out) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     baseline = _rss_now()
     torch.manual_seed(0)
+    config = dataclasses.replace(MODELS[model_name], n_layers=shape.get("n_layers", MODELS[model_name].n_layers),
+                                 max_seq_len=max(MODELS[model_name].max_seq_len, shape["seq"]))
     with torch.device("meta"):
-        model = Llama(MODELS[model_name])
+        model = Llama(config)
+    first_use = _rss_now() - baseline  # torch's first use in the process (not state: the same in every run)
     for block in model.layers:
         lv.fully_shard(block)
     lv.fully_shard(model)
     lv.init_sharded_weights(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    spec = CONFIGS[config_name]
     if spec is not None:
-        offload_optimizer_states(opt, MemoryPolicy(disk_dir=os.path.join(swap, f"rank{rank}"), **spec))
+        apply_memory_policy(model, [opt], MemoryPolicy(disk_dir=swap, bucket_bytes=BUCKET_BYTES, **spec), rank=rank)
     g = torch.Generator().manual_seed(rank)
-    times = []
+    times, opt_times = [], []
     for _ in range(steps):
-        tokens = torch.randint(0, MODELS[model_name].vocab_size, (2, 129), generator=g)
+        tokens = torch.randint(0, config.vocab_size, (shape["batch"], shape["seq"] + 1), generator=g)
         start = time.perf_counter()
         logits = model(tokens[:, :-1])
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+        opt_start = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    out.put((rank, _peak_rss() - baseline, statistics.median(times[1:])))
+        opt_times.append(time.perf_counter() - opt_start)
+    off_device = sum(v for (_, tier), v in memory_stats.peak.items() if tier != "device")
+    out.put((rank, _peak_rss() - baseline, statistics.median(times[1:]), off_device, statistics.median(opt_times[1:]),
+             first_use))
     dist.destroy_process_group()
 
 
-def run(model_name: str, config_name: str, world: int, steps: int) -> dict:
+def run(model_name: str, config_name: str, world: int, steps: int, shape: Optional[dict] = None,
+        spec: Optional[dict] = None) -> dict:
+    shape = shape or {"batch": 2, "seq": 128}
+    spec = CONFIGS.get(config_name) if spec is None else spec
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/pg"
-        procs = [ctx.Process(target=_rank, args=(r, world, init, model_name, config_name, steps, tmp, out))
+        procs = [ctx.Process(target=_rank, args=(r, world, init, model_name, spec, shape, steps, tmp, out))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -102,7 +122,116 @@ def run(model_name: str, config_name: str, world: int, steps: int) -> dict:
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"{config_name}: a rank failed")
     rows = [out.get() for _ in range(world)]
-    return {"peak_rss_mb": max(r[1] for r in rows) / 2**20, "step_s": max(r[2] for r in rows)}
+    return {"peak_rss_mb": max(r[1] for r in rows) / 2**20, "step_s": max(r[2] for r in rows),
+            "off_device_peak_mb": max(r[3] for r in rows) / 2**20, "optimizer_step_s": max(r[4] for r in rows),
+            "first_use_mb": max(r[5] for r in rows) / 2**20}
+
+
+CAPACITY = {
+    # (b) the largest model (more blocks of bench_small) whose peak stays within the budget, batch 2x128 per rank
+    "model": {
+        "in memory": None,
+        "states + weights + grads + activations on disk": dict(optimizer_states="disk", params="disk", grads="disk",
+                                                                activations="disk"),
+    },
+    # (c) the longest sequence (batch 1 per rank) whose peak stays within the budget
+    "sequence": {
+        "in memory": None,
+        "states + weights + grads on disk (activations on the device)": dict(optimizer_states="disk", params="disk",
+                                                                             grads="disk"),
+        "activations checkpointed, states + weights + grads on disk": dict(optimizer_states="disk", params="disk",
+                                                                           grads="disk", activations="checkpoint"),
+        "activations + states + weights + grads on disk": dict(optimizer_states="disk", params="disk", grads="disk",
+                                                               activations="disk"),
+    },
+}
+
+
+def _largest(fits, start: int, limit: int, unit: int) -> tuple[int, list]:
+    """The largest multiple of ``unit`` in [start, limit] for which ``fits`` holds (doubling, then one bisection
+    between the last that fit and the first that did not); 0 if ``start`` does not fit. Returns it and the trials."""
+    trials, good, bad, n = [], 0, None, start
+    while n <= limit:
+        ok, record = fits(n)
+        trials.append(record)
+        if not ok:
+            bad = n
+            break
+        good, n = n, 2 * n
+    if good and bad is not None:
+        mid = (good + bad) // 2 // unit * unit
+        if good < mid < bad:
+            ok, record = fits(mid)
+            trials.append(record)
+            good = mid if ok else good
+    return good, trials
+
+
+def capacity(args) -> None:
+    """Goals (b) and (c): under a per-rank budget on the OS peak, the largest model and the longest sequence."""
+    budget = args.budget_mib
+    result: dict = {"budget_mib": budget}
+    lines = [
+        "# What fits under a per-rank memory budget, with and without offload",
+        "",
+        f"Budget: {budget} MiB of peak RSS growth per rank (the OS high-water mark over the baseline after imports and "
+        f"the process group, max over ranks; the same measure as `offload.md`; the budget is enforced on that measure, "
+        f"not on the ledger). {args.world_size} gloo ranks, AdamW fp32, {args.capacity_steps} steps per trial; "
+        f"search: doubling, then one bisection.",
+        f"Command: `python benchmarks/offload_bench.py --capacity --budget-mib {budget} --world-size {args.world_size}`",
+        "",
+    ]
+    n_params = {}
+
+    def model_fits(spec):
+        def fits(layers):
+            r = run(args.model, "", args.world_size, args.capacity_steps, {"batch": 2, "seq": 128, "n_layers": layers},
+                    spec=spec)
+            cfg = dataclasses.replace(MODELS[args.model], n_layers=layers)
+            with torch.device("meta"):
+                n_params[layers] = sum(p.numel() for p in Llama(cfg).parameters())
+            return r["peak_rss_mb"] <= budget, {"n_layers": layers, "params": n_params[layers], **r}
+        return fits
+
+    lines += ["## (b) Largest model (blocks of `%s`, batch 2x128 tokens per rank)" % args.model, "",
+              "| placement | largest that fits (blocks) | parameters | trials (blocks: peak MiB) |", "|---|---|---|---|"]
+    result["model"] = {}
+    for name, spec in CAPACITY["model"].items():
+        best, trials = _largest(model_fits(spec), 2, args.max_layers, 1)
+        result["model"][name] = {"n_layers": best, "params": n_params.get(best, 0), "trials": trials}
+        lines.append(f"| {name} | {best} | {n_params.get(best, 0) / 1e6:.1f}M | "
+                     + ", ".join(f"{t['n_layers']}: {t['peak_rss_mb']:.0f}" for t in trials) + " |")
+    sizes = [v["params"] for v in result["model"].values()]
+    lines += ["", f"Ratio (offload / in memory): {sizes[1] / sizes[0]:.2f}x parameters"
+              + (f" (the search stopped at --max-layers {args.max_layers})"
+                 if result["model"][list(CAPACITY['model'])[1]]["n_layers"] >= args.max_layers else "") + ".", ""]
+
+    def seq_fits(spec):
+        def fits(seq):
+            r = run(args.model, "", args.world_size, args.capacity_steps, {"batch": 1, "seq": seq}, spec=spec)
+            return r["peak_rss_mb"] <= budget, {"seq": seq, **r}
+        return fits
+
+    lines += [f"## (c) Longest sequence (`{args.model}`, batch 1 per rank)", "",
+              "| placement | longest that fits (tokens) | trials (tokens: peak MiB) |", "|---|---|---|"]
+    result["sequence"] = {}
+    for name, spec in CAPACITY["sequence"].items():
+        best, trials = _largest(seq_fits(spec), 256, args.max_seq, 64)
+        result["sequence"][name] = {"seq": best, "trials": trials}
+        lines.append(f"| {name} | {best} | " + ", ".join(f"{t['seq']}: {t['peak_rss_mb']:.0f}" for t in trials) + " |")
+    base_name = list(CAPACITY["sequence"])[1]  # the same placement but activations: what they alone change
+    base_seq = result["sequence"][base_name]["seq"]
+    lines.append("")
+    for name in list(CAPACITY["sequence"])[2:]:
+        seq = result["sequence"][name]["seq"]
+        lines.append(f"Ratio ({name} / {base_name}): {seq / base_seq:.2f}x tokens" if base_seq else "")
+    Path(args.out + "_capacity.md").write_text("\n".join(lines) + "\n")
+    Path(args.out + "_capacity.json").write_text(json.dumps(result, indent=2))
+    print("\n".join(lines))
+
+
+def _median_of(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"repeats": runs}
 
 
 def main() -> None:
@@ -110,24 +239,61 @@ def main() -> None:
     parser.add_argument("--model", default="bench_small", choices=sorted(MODELS))
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "offload"))
+    parser.add_argument("--capacity", action="store_true", help="goals (b) and (c) instead: what fits in a budget")
+    parser.add_argument("--budget-mib", type=float, default=512.0)
+    parser.add_argument("--capacity-steps", type=int, default=3)
+    parser.add_argument("--max-layers", type=int, default=64)
+    parser.add_argument("--max-seq", type=int, default=8192)
     args = parser.parse_args()
-    results = {name: run(args.model, name, args.world_size, args.steps) for name in CONFIGS}
+    if args.capacity:
+        capacity(args)
+        return
+    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    for _ in range(args.repeats):  # interleaved: a slow spell of the shared machine hits every configuration
+        for name in CONFIGS:
+            runs[name].append(run(args.model, name, args.world_size, args.steps))
+    results = {name: _median_of(r) for name, r in runs.items()}
     base = results["in memory"]
+    params = sum(p.numel() for p in Llama(MODELS[args.model]).parameters()) if args.model else 0
+    cost = {name: results[name]["optimizer_step_s"] - base["optimizer_step_s"] for name in results}
+    full = results["states + weights on disk"]
     lines = [
-        "# Optimizer states on the disk tier",
+        "# Training state on the disk tier",
         "",
-        f"Model `{args.model}`, {args.world_size} gloo ranks on this machine's CPUs (shared with other work), AdamW "
-        f"fp32, batch 2x128 tokens per rank, {args.steps} steps (median after the first).",
+        f"Model `{args.model}` ({params / 1e6:.1f}M parameters), {args.world_size} gloo ranks on this machine's CPUs "
+        f"(2 cores shared with other work), AdamW fp32, batch 2x128 tokens per rank, {args.steps} steps (median "
+        f"step time after the first), optimizer-step buckets of {BUCKET_BYTES // 2**20} MiB; each configuration "
+        f"run {args.repeats} times interleaved, medians shown. Peak RSS: the OS high-water mark (ru_maxrss) over "
+        f"the baseline after imports and the process group, with MALLOC_MMAP_THRESHOLD_=131072 "
+        f"MALLOC_TRIM_THRESHOLD_=131072; max over ranks. Off the device: the ledger's peak bytes on the disk tier.",
         f"Command: `python benchmarks/offload_bench.py --model {args.model} --world-size {args.world_size} "
-        f"--steps {args.steps}`",
+        f"--steps {args.steps} --repeats {args.repeats}`",
         "",
-        "| optimizer states | peak RSS growth / rank (MiB) | vs in memory | median step (s) | vs in memory |",
-        "|---|---|---|---|---|",
+        "| placement | peak RSS growth / rank (MiB) | vs in memory | on disk, ledger peak (MiB) | median step (s) "
+        "| vs in memory | of which optimizer step (s) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         lines.append(f"| {name} | {r['peak_rss_mb']:.1f} | {r['peak_rss_mb'] / base['peak_rss_mb']:.3f} | "
-                     f"{r['step_s']:.3f} | {r['step_s'] / base['step_s']:.3f} |")
+                     f"{r['off_device_peak_mb']:.1f} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.3f} | "
+                     f"{r['optimizer_step_s']:.3f} |")
+    with_grads = results["states + weights + grads on disk"]
+    pre, nopre = cost["states on disk, prefetch"], cost["states on disk, no prefetch"]
+    lines += [
+        "",
+        f"- Goal (a), peak RSS at least 40% lower with optimizer states and master weights on disk: "
+        f"{1 - full['peak_rss_mb'] / base['peak_rss_mb']:.1%} lower (gradient pieces too: "
+        f"{1 - with_grads['peak_rss_mb'] / base['peak_rss_mb']:.1%}; with the activations too: "
+        f"{1 - results[list(CONFIGS)[-1]]['peak_rss_mb'] / base['peak_rss_mb']:.1%}), at "
+        f"{full['step_s'] / base['step_s']:.2f}x (resp. {with_grads['step_s'] / base['step_s']:.2f}x) the step time. "
+        f"Every peak includes about {base['first_use_mb']:.0f} MiB that torch's first use in the process adds "
+        f"(measured after building the model on the meta device, before any state exists).",
+        f"- Goal (d), the optimizer step's extra time with states on disk, prefetch on vs off: "
+        f"{pre:+.3f} s vs {nopre:+.3f} s "
+        f"({'ratio ' + format(pre / nopre, '.2f') if nopre > 0 else 'no measurable cost without prefetch'}).",
+    ]
     Path(args.out + ".md").parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     Path(args.out + ".json").write_text(json.dumps(results, indent=2))

@@ -452,6 +452,8 @@ class ParamGroup:
         mine = [mp for mp in self.managed if self.buffers[mp.key] is buf]
         if all(mp.sharded.grad is None for mp in mine) or buf.local_grad is None:
             return False
+        if buf.offload is not None:
+            buf.offload.fetch_grad()  # the piece to add to, back from its tier
         with torch.no_grad():
             for mp in mine:
                 view = buf.local_grad_view(mp.index)
@@ -473,6 +475,8 @@ class ParamGroup:
                         if mp.grad is None:
                             mp.grad = RaggedTensor(buf.local_grad_view(mp.index), mp.layout)
                         mp.sharded.grad = mp.grad
+                if buf.offload is not None:
+                    buf.offload.after_reduce()  # the reduced piece to its tier (after its views exist)
         if self.training_state is TrainingState.PRE_BACKWARD:
             # Backward ended before every gradient arrived (unused parameters): treat it as complete.
             self.post_backward()

@@ -35,6 +35,7 @@ from accelerate.utils import DistributedType
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.clip_grad import clip_grad_norm_
 from lightning_vescale.fully_shard import GranularityArg
+from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy
 from lightning_vescale.parallelize import (
     AutoWrapPolicy,
     PlanLike,
@@ -76,8 +77,17 @@ class VeScaleConfig:
     """None: shard over every rank. An int R: HSDP on a (R, world_size // R) (replicate, shard) mesh."""
     sync_module_states: bool = True
     """Broadcast the main process's weights before sharding, so every rank cuts the same model."""
+    memory: Optional[MemoryPolicy] = None
+    """Where weights, gradients, optimizer states and activations live (explicit placements, as
+    ``VeScaleStrategy(memory=...)``): applied when the model is sharded and to each optimizer prepared with or
+    after it. None: everything on the device."""
 
     def __post_init__(self) -> None:
+        if self.memory is not None and not isinstance(self.memory, MemoryPolicy):
+            raise TypeError(f"VeScaleConfig.memory must be a MemoryPolicy, got {type(self.memory).__name__}")
+        if self.memory is not None and self.memory.budget is not None:
+            raise ValueError("VeScaleConfig.memory takes explicit placements; a budget is turned into them by "
+                             "lightning_vescale.memory.choose_placement")
         if self.plan is not None and self.auto_wrap_policy is not None:
             raise ValueError("VeScaleConfig got both plan and auto_wrap_policy: the plan's group rules decide the groups")
         if self.plan is not None and not isinstance(self.plan, ResolvedPlan):
@@ -111,6 +121,7 @@ class VeScaleAccelerator(Accelerator):
             kwargs["cpu"] = True
         super().__init__(*args, **kwargs)
         self.vescale_config = vescale or VeScaleConfig()
+        self._vescale_memory: list[tuple[nn.Module, MemoryHandles]] = []
         if not self._vescale_active:
             if dist.is_initialized() and dist.get_world_size() > 1:
                 raise RuntimeError(
@@ -160,6 +171,9 @@ class VeScaleAccelerator(Accelerator):
         model._is_accelerate_prepared = True
         if model not in self._models:
             self._models.append(model)
+        if self.vescale_config.memory is not None:
+            handles = apply_memory_policy(model, [], self.vescale_config.memory, rank=self.process_index)
+            self._vescale_memory.append((model, handles))
         return model
 
     def prepare(self, *args: Any, device_placement: Optional[list] = None) -> Any:
@@ -179,6 +193,12 @@ class VeScaleAccelerator(Accelerator):
             for obj in args:
                 if isinstance(obj, torch.optim.Optimizer):
                     remap_optimizer(obj, mapping)
+        for obj in args:  # optimizers of offloaded models step bucket by bucket with their states and pieces
+            if isinstance(obj, torch.optim.Optimizer):
+                params = {id(p) for g in obj.param_groups for p in g["params"]}
+                for model, handles in self._vescale_memory:
+                    if any(id(p) in params for p in model.parameters()):
+                        handles.add_optimizer(obj)
         return super().prepare(*args, device_placement=device_placement)
 
     # -- training-step helpers ----------------------------------------------------------------------------

@@ -22,8 +22,15 @@ def clip_grad_norm_(
     global norm (one all-reduce per process group for the whole list), so this is
     ``torch.nn.utils.clip_grad_norm_`` with ``foreach=True``; calling torch's directly gives the same result.
     Expert stacks of expert parallelism are laid out over all dp x ep ranks, so each element counts once.
-    Returns the total norm (the same on every rank).
+    Returns the total norm (the same on every rank). Gradient pieces offloaded by the memory manager
+    (``MemoryPolicy(grads=...)``) are brought in one buffer at a time, with bitwise the same result.
     """
+    from lightning_vescale.memory.pieces import offload_of_grads
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    offload = offload_of_grads(params)
+    if offload is not None:
+        return offload.clip_grad_norm_(params, max_norm, float(norm_type), error_if_nonfinite)
     return torch.nn.utils.clip_grad_norm_(
-        parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=True
+        params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=True
     )

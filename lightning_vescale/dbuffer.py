@@ -21,7 +21,9 @@ The AllGather reads ``local`` (or, under mixed precision, its one-op cast writte
 rank's slot of ``unsharded``) and writes ``unsharded``; the ReduceScatter reads ``unsharded_grad``
 and writes ``local_grad``. Nothing is copied into or out of a staging buffer around a collective
 (FSDP2 copies every parameter in before its AllGather and out after it, and chunk-cats gradients
-before its ReduceScatter). All storage is owned here, so a memory tier change is one place.
+before its ReduceScatter). All storage is owned here, so a memory tier change is one place: ``offload`` (set by
+:mod:`lightning_vescale.memory`) is told before and after the AllGather reads ``local``, and when ``local_grad``
+is dropped; it releases and re-allocates their storage in place, as ``unsharded`` is.
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ class DBuffer:
         self._reduce_output: Optional[torch.Tensor] = None
         self._reduce_accumulate = False
         self.grad_allocated = False
+        self.offload = None  # lightning_vescale.memory's tier moves of local / local_grad; None: always in memory
 
     def enable_grad(self) -> None:
         """Give the buffer gradient storage (a frozen parameter of it was unfrozen); its layout is unchanged."""
@@ -185,6 +188,8 @@ class DBuffer:
         """Gather every rank's piece into ``unsharded`` with one in-place AllGather."""
         if self.state is not BufferState.SHARDED:
             return
+        if self.offload is not None:
+            self.offload.before_gather()  # ``local`` back from its tier
         _alloc_storage(self.unsharded)
         # The gather mutates storage that autograd may have saved (the parameters' views) while the
         # values it restores are the same ones: keep the version counter so backward accepts them.
@@ -200,12 +205,16 @@ class DBuffer:
         self.state = BufferState.GATHERING if self._gather_handle is not None and async_op else BufferState.UNSHARDED
         if self.state is BufferState.UNSHARDED:
             self._gather_handle = None
+            if self.offload is not None:
+                self.offload.after_gather()
 
     def wait_unshard(self) -> None:
         if self.state is BufferState.GATHERING:
             self._gather_handle.wait()
             self._gather_handle = None
             self.state = BufferState.UNSHARDED
+            if self.offload is not None:
+                self.offload.after_gather()
 
     def reshard(self) -> None:
         """Free the unsharded storage (views stay valid objects and refill on the next unshard)."""
@@ -272,6 +281,8 @@ class DBuffer:
         """Drop the sharded gradient storage (every gradient of the buffer was set to None): the next
         ReduceScatter allocates it again. Tensors the user still holds keep their own reference."""
         assert not self.reducing, "release_grad_piece during a ReduceScatter"
+        if self.offload is not None:
+            self.offload.grad_dropped()
         self.local_grad = None
 
     def wait_reduce(self) -> None:

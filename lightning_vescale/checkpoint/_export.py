@@ -26,6 +26,7 @@ from lightning_vescale.checkpoint._state import (
     optimizer_params,
 )
 from lightning_vescale.memory.optimizer_states import resident_states
+from lightning_vescale.memory.pieces import resident_pieces
 from lightning_vescale.placement import redistribute_flat
 from lightning_vescale.tensor import is_ragged
 
@@ -66,13 +67,14 @@ def export_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict
     exporting = not rank0_only or _dist.rank() == 0
     out: dict[str, Any] = {}
     done: dict[int, Any] = {}
-    for name, value in model_entries(model, dedupe=False):
-        if isinstance(value, torch.Tensor):
-            if id(value) not in done:
-                done[id(value)] = _full(value, rank0_only)
-            value = done[id(value)]
-        if exporting:
-            out[name] = value
+    with resident_pieces(model, changes=False):
+        for name, value in model_entries(model, dedupe=False):
+            if isinstance(value, torch.Tensor):
+                if id(value) not in done:
+                    done[id(value)] = _full(value, rank0_only)
+                value = done[id(value)]
+            if exporting:
+                out[name] = value
     return out
 
 
@@ -91,7 +93,7 @@ def export_full_optimizer_state_dict(
         rank0_only: gather onto global rank 0 only (other ranks get ``{}``); False gives every rank all.
     """
     check_idle(model)
-    with resident_states(optimizer):
+    with resident_states(optimizer), resident_pieces(model, changes=False):
         return _export_optimizer(model, optimizer, rank0_only)
 
 
@@ -184,4 +186,5 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
             with False, missing and unexpected names are skipped, but shapes must still match.
     """
     check_idle(model)
-    apply_model_state(model, state_dict, dedupe=False, strict=strict, what="full state dict")
+    with resident_pieces(model):
+        apply_model_state(model, state_dict, dedupe=False, strict=strict, what="full state dict")

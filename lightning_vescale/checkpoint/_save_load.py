@@ -56,6 +56,7 @@ from lightning_vescale.checkpoint._state import (
 from lightning_vescale.checkpoint._storage import CheckpointError
 from lightning_vescale.checkpoint._values import from_bytes_tensor, to_bytes_tensor
 from lightning_vescale.memory.optimizer_states import resident_states
+from lightning_vescale.memory.pieces import resident_pieces
 from lightning_vescale.state_dict_report import listing, mismatch_report
 from lightning_vescale.tensor import RaggedTensor, is_ragged
 
@@ -260,7 +261,7 @@ def save(
         replaced (ValueError). When the save fails (on any rank, or a rank dies), the temporary directory is
         removed; leftovers of a killed rank 0 are removed by the next save of the same ``path``.
     """
-    with resident_states(optimizer):
+    with resident_states(optimizer), resident_pieces(model, changes=False):
         _save(os.fspath(path), model, optimizer, extra, schedulers)
 
 
@@ -457,6 +458,12 @@ def load(
         ValueError: the checkpoint does not match the model, optimizer or schedulers; nothing changed.
     """
     check_idle(model)
+    with resident_pieces(model):  # offloaded weights are loaded in memory, then written back to their tier
+        return _load(path, model, optimizer, schedulers, weights_only)
+
+
+def _load(path: "os.PathLike | str", model: nn.Module, optimizer: Optional[torch.optim.Optimizer], schedulers: Any,
+          weights_only: bool) -> dict[str, Any]:
     directory = _directory.resolve_checkpoint_dir(path)
     metadata = _storage.read_metadata(directory)
     saved = _saved_layout(metadata)

@@ -51,6 +51,7 @@ from lightning_vescale.lightning._common import (
     precision_of_plugin,
     register_vescale_names,
 )
+from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy
 from lightning_vescale.parallelize import (
     AutoWrapPolicy,
     PlanLike,
@@ -100,7 +101,8 @@ class VeScaleFabricStrategy(ParallelStrategy):
 
     Args: as :class:`~lightning_vescale.lightning.VeScaleStrategy` (``plan``, ``auto_wrap_policy``,
     ``reshard_after_forward``, ``mp_policy``, ``granularity``, ``replicate_size``, ``sync_module_states``,
-    ``process_group_backend``, ``timeout``). ``fabric.init_module(empty_init=True)`` builds the model on the
+    ``process_group_backend``, ``timeout``, ``memory``: where weights, gradients, optimizer states and
+    activations live, applied when the model is set up and to each optimizer set up with or after it). ``fabric.init_module(empty_init=True)`` builds the model on the
     meta device; ``setup_module`` initializes it piece by piece with each module's ``reset_parameters``.
     """
 
@@ -118,6 +120,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         sync_module_states: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Union[None, float, timedelta] = None,
+        memory: Optional[MemoryPolicy] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -144,6 +147,13 @@ class VeScaleFabricStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._sharded_modules: list[Module] = []
+        if memory is not None and not isinstance(memory, MemoryPolicy):
+            raise TypeError(f"memory must be a lightning_vescale.memory.MemoryPolicy, got {type(memory).__name__}")
+        if memory is not None and memory.budget is not None:
+            raise ValueError("VeScaleFabricStrategy(memory=...) takes explicit placements; a budget is turned into "
+                             "them by lightning_vescale.memory.choose_placement")
+        self._memory_policy = memory
+        self._memory: dict[int, tuple[Module, MemoryHandles]] = {}  # per set-up module
         check_accelerator(accelerator)
         if cluster_environment is None and ProcessGroupEnvironment.detect():
             cluster_environment = ProcessGroupEnvironment()
@@ -277,7 +287,19 @@ class VeScaleFabricStrategy(ParallelStrategy):
             materialize(module)  # sharded on the meta device by the user
         if module not in self._sharded_modules:
             self._sharded_modules.append(module)
+        if self._memory_policy is not None and id(module) not in self._memory:
+            handles = apply_memory_policy(module, [], self._memory_policy, rank=self.global_rank)
+            self._memory[id(module)] = (module, handles)
         return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """An optimizer built on a set-up model's parameters steps as the memory policy says."""
+        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for module, handles in self._memory.values():
+            if any(id(p) in params for p in module.parameters()):
+                handles.add_optimizer(optimizer)
+        return optimizer
 
     @override
     def setup_module_and_optimizers(
@@ -290,6 +312,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         mapping = param_mapping(module, before)
         for optimizer in optimizers:
             remap_optimizer(optimizer, mapping)
+            self.setup_optimizer(optimizer)
         return module, optimizers, scheduler
 
     @override
@@ -456,6 +479,9 @@ class VeScaleFabricStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        for _, handles in self._memory.values():
+            handles.close()
+        self._memory.clear()
         self.cluster_environment.teardown()
         self.precision.teardown()
         self.accelerator.teardown()

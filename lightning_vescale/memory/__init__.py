@@ -1,6 +1,7 @@
 """The memory manager: tiers (device, host, disk), a ledger of bytes per state class and tier, and offload.
 
-Today: optimizer states on the host or disk tier between steps, swapped bucket by bucket with prefetch
+Today: sharded master weights and gradient pieces on the host or disk tier between uses (:func:`offload_pieces`);
+optimizer states on the host or disk tier between steps, swapped bucket by bucket with prefetch
 (:func:`offload_optimizer_states`); activations saved for backward on the host or disk tier
 (:func:`offload_activations`) and selective activation checkpointing (:func:`checkpoint_blocks`); the ledger
 (:data:`memory_stats`).
@@ -12,6 +13,7 @@ from lightning_vescale.memory.budget import MemoryEstimate, Placement, choose_pl
 from lightning_vescale.memory.disk import DiskStore, DiskTierError
 from lightning_vescale.memory.ledger import MemoryLedger, memory_stats
 from lightning_vescale.memory.optimizer_states import StateOffload, offload_optimizer_states, resident_states
+from lightning_vescale.memory.pieces import PieceOffload, offload_pieces, resident_pieces
 from lightning_vescale.memory.policy import TIERS, MemoryPolicy, parse_bytes
 
 __all__ = [
@@ -29,9 +31,12 @@ __all__ = [
     "DiskTierError",
     "MemoryLedger",
     "MemoryPolicy",
+    "PieceOffload",
     "StateOffload",
     "memory_stats",
     "offload_optimizer_states",
+    "offload_pieces",
     "parse_bytes",
+    "resident_pieces",
     "resident_states",
 ]

@@ -6,6 +6,9 @@ activations of one micro-batch) come from the dry run (:mod:`lightning_vescale.p
 Each way to free device memory has a saving and a cost per step:
 
 * optimizer states to disk: saves all but two swap buckets; costs writing and reading them once per step;
+* master weights to disk: saves all but two buckets; costs reading them for the forward's and the backward's
+  AllGathers and the optimizer step, and writing them once per step;
+* gradient pieces to disk: saves all but two buckets; costs writing and reading them once per step;
 * activations to disk: saves all but about two blocks' worth; costs writing and reading them once per step;
 * activation checkpointing: saves all but the blocks' inputs and one block's activations; costs one more
   forward of the checkpointed blocks.
@@ -92,16 +95,20 @@ def measure_disk_bandwidth(directory: str, nbytes: int = 64 * 2**20) -> float:
 
 
 def choose_placement(estimate: MemoryEstimate, budget: "int | str", *, disk_bandwidth: float,
-                     allow: tuple[str, ...] = ("optimizer_states", "activations_disk", "checkpoint")) -> Placement:
+                     allow: tuple[str, ...] = ("optimizer_states", "params", "grads", "activations_disk",
+                                               "checkpoint")) -> Placement:
     """The cheapest placement of ``estimate`` within ``budget`` bytes per rank (see [Note: choosing placements])."""
     limit = float(parse_bytes(budget))
     device = {c: float(getattr(estimate, c)) for c in CLASSES}
     tiers = {c: "device" for c in CLASSES}
     cost: dict = {}
     per_block = estimate.activations / max(estimate.num_blocks, 1)
+    two_buckets = 2 * estimate.bucket_bytes
     options = {
-        "optimizer_states": (device["optimizer_states"] - min(device["optimizer_states"], 2 * estimate.bucket_bytes),
+        "optimizer_states": (device["optimizer_states"] - min(device["optimizer_states"], two_buckets),
                              2 * device["optimizer_states"] / disk_bandwidth),
+        "params": (device["params"] - min(device["params"], two_buckets), 4 * device["params"] / disk_bandwidth),
+        "grads": (device["grads"] - min(device["grads"], two_buckets), 2 * device["grads"] / disk_bandwidth),
         "activations_disk": (device["activations"] - min(device["activations"], 2 * per_block),
                              2 * device["activations"] / disk_bandwidth),
         "checkpoint": (device["activations"] - min(device["activations"], estimate.block_inputs + per_block),
@@ -124,10 +131,10 @@ def choose_placement(estimate: MemoryEstimate, budget: "int | str", *, disk_band
     combo = best[1] if best is not None else smallest[1]  # the most that can be freed, for the error
     for option in combo:
         saved, seconds = options[option]
-        if option == "optimizer_states":
-            device["optimizer_states"] -= saved
-            tiers["optimizer_states"] = "disk"
-            cost["optimizer_states"] = seconds
+        if option in ("optimizer_states", "params", "grads"):
+            device[option] -= saved
+            tiers[option] = "disk"
+            cost[option] = seconds
         else:
             device["activations"] -= saved
             tiers["activations"] = "disk" if option == "activations_disk" else "checkpoint"

@@ -15,13 +15,42 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DiskStore", "DiskTierError"]
+__all__ = ["DiskStore", "DiskTierError", "check_disk_space"]
 
 CHUNK_BYTES = 16 * 2**20  # large sequential I/O, as ZeRO-Infinity's swapper does
 
 
 class DiskTierError(RuntimeError):
     """The disk tier cannot hold or return a tensor (full, read-only or missing directory); nothing was lost."""
+
+
+_PREFIX = "lightning_vescale_swap_"
+
+
+def _remove_stale(directory: str) -> None:
+    """Remove the swap directories of processes that no longer run (killed before ``close``): scratch nobody reads,
+    which would otherwise fill the disk run after run."""
+    for name in os.listdir(directory):
+        pid = name[len(_PREFIX):].split("_", 1)[0]
+        if not name.startswith(_PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
+def check_disk_space(directory: str, need: int, what: str) -> None:
+    """Refuse (before anything moves) a disk tier without room for ``need`` bytes (``what`` says whose)."""
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise DiskTierError(
+            f"the disk tier at {directory} has {free / 2**20:.1f} MiB free, but {what} need about "
+            f"{need / 2**20:.1f} MiB on this rank: free space, choose another disk_dir, or keep some of them on the "
+            f"device (nothing was moved)"
+        )
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -37,11 +66,12 @@ class DiskStore:
     """Tensors kept as files under ``directory`` (a private subdirectory, removed by :meth:`close`)."""
 
     def __init__(self, directory: str, *, tag: str = "") -> None:
-        self.root = os.path.join(directory, f"lightning_vescale_swap_{os.getpid()}{tag}")
+        self.root = os.path.join(directory, f"{_PREFIX}{os.getpid()}{tag}")
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:
             raise DiskTierError(f"cannot create the disk tier's directory {self.root} ({e})") from None
+        _remove_stale(directory)
         self.sizes: dict[str, int] = {}
 
     def _path(self, key: str) -> str:

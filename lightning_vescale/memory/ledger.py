@@ -33,9 +33,16 @@ class MemoryLedger:
             return out
 
     def reset(self) -> None:
+        """Restart the peaks from the current values (what is on each tier now stays counted)."""
         with self._lock:
-            for d in (self.current, self.step_peak, self.peak):
-                d.clear()
+            self.step_peak = defaultdict(int, self.current)
+            self.peak = defaultdict(int, self.current)
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """``{"class/tier": (current, peak since the last step())}`` of every class and tier seen."""
+        with self._lock:
+            keys = sorted(set(self.current) | set(self.step_peak))
+            return {f"{k}/{t}": (self.current[(k, t)], self.step_peak[(k, t)]) for k, t in keys}
 
 
 memory_stats = MemoryLedger()

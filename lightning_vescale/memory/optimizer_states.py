@@ -15,6 +15,10 @@ A state whose storage is present when a bucket is brought in (a checkpoint load 
 created by the optimizer) is newer than the tier's copy and is used as it is. Scalar states (``step``) stay
 in memory. The swap files are scratch: a checkpoint never reads them, so a killed process leaves nothing a
 resume could read half-written.
+
+With the weights and gradient pieces offloaded too (``pieces``, see [Note: offloading the pieces]), a bucket's
+pieces are read with its states (the next bucket's ahead), and its weights written back after the step; the
+buckets are then cut only between DBuffers, so a buffer's piece is read and written once per step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 
 from lightning_vescale.memory.disk import DiskStore
 from lightning_vescale.memory.ledger import memory_stats
+from lightning_vescale.memory.pieces import PieceOffload
 from lightning_vescale.memory.policy import MemoryPolicy
 from lightning_vescale.tensor import is_ragged
 
@@ -57,18 +62,26 @@ class StateOffload:
     Made by :func:`offload_optimizer_states`; ``close()`` brings every state back and stops offloading.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, policy: MemoryPolicy) -> None:
-        if policy.optimizer_states == "device":
-            raise ValueError("offload_optimizer_states needs MemoryPolicy(optimizer_states='host' or 'disk')")
+    def __init__(self, optimizer: torch.optim.Optimizer, policy: MemoryPolicy,
+                 pieces: Optional[PieceOffload] = None) -> None:
+        if policy.optimizer_states == "device" and pieces is None:
+            raise ValueError("offload_optimizer_states needs MemoryPolicy(optimizer_states='host' or 'disk') or "
+                             "offloaded pieces (pieces=offload_pieces(model, policy))")
         self.optimizer = optimizer
         self.policy = policy
+        self.pieces = pieces
         self.tier = policy.optimizer_states
+        self.moves_states = self.tier != "device"
         self.store: Optional[DiskStore] = DiskStore(policy.disk_dir) if self.tier == "disk" else None
+        self._known: set[str] = set()  # states counted in the ledger
         self._host: dict[str, torch.Tensor] = {}
         self._offloaded: dict[str, tuple[torch.Tensor, int]] = {}  # key -> (storage tensor, nbytes) on the tier
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lv-prefetch") if policy.prefetch else None
         self._original_step = optimizer.step
+        self._original_zero_grad = optimizer.zero_grad
         optimizer.step = self.step  # type: ignore[method-assign]
+        if pieces is not None and pieces.grads_io is not None:
+            optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
         _OFFLOADS[optimizer] = self
 
     # -- buckets --------------------------------------------------------------------------------------------
@@ -80,11 +93,18 @@ class StateOffload:
         states per element of this rank's share of each parameter). The same cuts on every rank, from global
         sizes: optimizers that communicate inside ``step`` (Muon) must step the same parameters everywhere."""
         out, current, size = [], [], 0
-        for p in self._params():
+        params = self._params()
+        pieces = self.pieces
+        per_element = (2 if self.moves_states else 0) + (
+            0 if pieces is None else (pieces.params_io is not None) + (pieces.grads_io is not None))
+        owner = [pieces.buffer_of(p) if pieces is not None else None for p in params]
+        for i, p in enumerate(params):
             share = p.layout_info.world_size if is_ragged(p) else 1
-            size += 2 * p.numel() * p.element_size() // share
+            size += per_element * p.numel() * p.element_size() // share
             current.append(p)
-            if size >= self.policy.bucket_bytes:
+            # With offloaded pieces, never cut inside a buffer: its piece would be read and written twice.
+            same_buffer = i + 1 < len(params) and owner[i] is not None and owner[i + 1] is owner[i]
+            if size >= self.policy.bucket_bytes and not same_buffer:
                 out.append(current)
                 current, size = [], 0
         if current:
@@ -93,6 +113,8 @@ class StateOffload:
 
     # -- moving states ---------------------------------------------------------------------------------------
     def _entries(self, params: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self.moves_states:
+            return
         for p in params:
             for key, value in (self.optimizer.state.get(p) or {}).items():
                 if _is_swappable(value):
@@ -104,6 +126,9 @@ class StateOffload:
             if storage.nbytes() == 0:
                 continue  # already on the tier
             nbytes = _nbytes(t)
+            if key not in self._known:  # first seen (the optimizer just created it): on the device until now
+                self._known.add(key)
+                memory_stats.add("optimizer_states", "device", nbytes)
             if self.store is not None:
                 self.store.write(key, t)
             else:
@@ -136,6 +161,9 @@ class StateOffload:
     def _prefetch(self, params: Optional[list[torch.Tensor]]) -> Optional[Future]:
         if params is None:
             return None
+        if self.pieces is not None:
+            for offload in self.pieces.buffers_of(params):
+                offload.start_reads(self.pieces.reader)
         if self._reader is None:
             self._read_in(params)
             return None
@@ -161,14 +189,35 @@ class StateOffload:
                 mine = {id(p) for p in bucket}
                 for g, params in zip(groups, originals):
                     g["params"] = [p for p in params if id(p) in mine]
+                pieces = self.pieces.buffers_of(bucket) if self.pieces is not None else []
+                for offload in pieces:
+                    offload.bring_in()
                 self._original_step()
                 self._write_out(bucket)
+                for offload in pieces:
+                    offload.put_back(params_changed=True)
         finally:
             if pending is not None:
                 pending.result()
             for g, params in zip(groups, originals):
                 g["params"] = params
+            if self.pieces is not None:
+                self.pieces.step_done()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's ``zero_grad``; zeroing in place (``set_to_none=False``) brings offloaded gradient pieces
+        in one buffer at a time (dropping them, the default, needs nothing)."""
+        if set_to_none:
+            return self._original_zero_grad(set_to_none=True)
+        for offload in self.pieces.buffers_of(self._params()):
+            with self.pieces.resident([offload], changes=True, weights=False):
+                for p in self._params():
+                    if self.pieces.buffer_of(p) is offload and p.grad is not None:
+                        p.grad.zero_()
+        rest = [p for p in self._params() if not self.pieces.owns(p) and p.grad is not None]
+        for p in rest:
+            p.grad.zero_()
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
@@ -184,6 +233,7 @@ class StateOffload:
         """Bring every state back and stop offloading."""
         self._read_in(self._params())
         self.optimizer.step = self._original_step  # type: ignore[method-assign]
+        self.optimizer.zero_grad = self._original_zero_grad  # type: ignore[method-assign]
         _OFFLOADS.pop(self.optimizer, None)
         if self._reader is not None:
             self._reader.shutdown()
@@ -191,15 +241,18 @@ class StateOffload:
             self.store.close()
 
 
-def offload_optimizer_states(optimizer: torch.optim.Optimizer, policy: MemoryPolicy) -> StateOffload:
+def offload_optimizer_states(optimizer: torch.optim.Optimizer, policy: MemoryPolicy, *,
+                             pieces: Optional[PieceOffload] = None) -> StateOffload:
     """Keep ``optimizer``'s per-element states on ``policy.optimizer_states`` between steps.
 
     Works with any optimizer whose states are per-element tensors and scalars (every elementwise
     ``torch.optim`` optimizer, this package's Muon): training is bitwise the same as without offload.
+    ``pieces``: the model's offloaded weights and gradient pieces (:func:`~lightning_vescale.memory.offload_pieces`),
+    brought in bucket by bucket with the states (which may then stay on the device).
     """
     if optimizer in _OFFLOADS:
         raise ValueError("this optimizer's states are already offloaded")
-    return StateOffload(optimizer, policy)
+    return StateOffload(optimizer, policy, pieces)
 
 
 @contextlib.contextmanager

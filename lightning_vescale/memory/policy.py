@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -40,6 +41,12 @@ class MemoryPolicy:
 
     optimizer_states: Tier = "device"
     """Per-element optimizer states (Adam's moments, Muon's momentum)."""
+    params: Tier = "device"
+    """This rank's pieces of the sharded master weights (each group's DBuffer piece): on ``host`` / ``disk`` they
+    are read back just before the group's AllGather (the next group's ahead) and for the optimizer step."""
+    grads: Tier = "device"
+    """This rank's pieces of the reduced gradients: on ``host`` / ``disk`` each is written there as soon as its
+    ReduceScatter finished and read back by the optimizer step (and by clipping, gradient accumulation)."""
     activations: str = "device"
     """Activations saved for backward by ``activation_blocks``: ``device``, ``host``, ``disk``, or ``checkpoint``
     (recompute the blocks' forward in backward instead of keeping them)."""
@@ -49,14 +56,16 @@ class MemoryPolicy:
     """Bytes per rank (e.g. ``"6GiB"``): the recipes then choose ``optimizer_states`` and ``activations`` by the
     cost model of :mod:`lightning_vescale.memory.budget` and print the table before training."""
     disk_dir: Optional[str] = None
-    """Directory for the ``disk`` tier (created if missing; must be writable)."""
+    """Directory for the ``disk`` tier, on a local disk: created if only its last component is missing (a missing
+    parent is more likely a typo or an unmounted disk: an error); must be writable, and have room for what goes
+    there (checked by :func:`~lightning_vescale.memory.apply_memory_policy` before anything moves)."""
     prefetch: bool = True
     """Read the next bucket's states on a background thread while this bucket steps."""
     bucket_bytes: int = 64 * 2**20
     """Target size of one swapped bucket of optimizer states: the transient memory offload needs."""
 
     def __post_init__(self) -> None:
-        for name in ("optimizer_states",):  # a tier
+        for name in ("optimizer_states", "params", "grads"):  # a tier
             value = getattr(self, name)
             if value not in TIERS:
                 raise ValueError(f"MemoryPolicy.{name} must be one of {TIERS}, got {value!r}")
@@ -68,16 +77,28 @@ class MemoryPolicy:
             parse_bytes(self.budget)
         if self.bucket_bytes <= 0:
             raise ValueError(f"MemoryPolicy.bucket_bytes must be > 0, got {self.bucket_bytes}")
-        if "disk" in (self.optimizer_states, self.activations):
+        if "disk" in (self.optimizer_states, self.params, self.grads, self.activations):
             if not self.disk_dir:
                 raise ValueError("MemoryPolicy: a 'disk' tier needs disk_dir=<a directory on a local disk>")
             _check_writable(self.disk_dir)
 
 
 def _check_writable(directory: str) -> None:
+    parent = os.path.dirname(os.path.abspath(directory))
+    if not os.path.isdir(directory) and not os.path.isdir(parent):
+        raise ValueError(f"MemoryPolicy.disk_dir={directory!r} does not exist, nor does its parent {parent!r} (a typo, "
+                         f"or a disk that is not mounted?); create it or pick an existing directory on a local disk")
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
         raise ValueError(f"MemoryPolicy.disk_dir={directory!r} cannot be created ({e}); pick a writable directory")
+    if not os.path.isdir(directory):
+        raise ValueError(f"MemoryPolicy.disk_dir={directory!r} is not a directory; pick a directory on a local disk")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ValueError(f"MemoryPolicy.disk_dir={directory!r} is not writable; pick a writable directory")
+    try:  # a read-only mount can pass os.access: write a byte to be sure
+        with tempfile.TemporaryFile(dir=directory) as f:
+            f.write(b"0")
+    except OSError as e:
+        raise ValueError(f"MemoryPolicy.disk_dir={directory!r} cannot be written ({e}); pick a writable directory") \
+            from None

@@ -3,7 +3,9 @@
 * :class:`StepStats` times every optimizer step and closes the engine's byte counters
   (``lightning_vescale.comm_stats.step()``), logging ``tok/s`` (tokens of all ranks per second) and
   ``comm/step`` (bytes this rank sent in the step's collectives) to the progress bar, and the bytes per
-  collective kind to the loggers. It keeps the per-step history the summary and the plot use.
+  collective kind to the loggers, and, when the memory manager moves state (``memory=...``), its ledger: bytes per
+  state class and tier, current and the step's peak (``mem/<class>/<tier>`` and ``.../peak`` to the loggers, one
+  ``mem`` field in the progress bar and log line). It keeps the per-step history the summary and the plot use.
 * :class:`RecipeProgressBar` is Lightning's TQDM bar with readable units (for a terminal); :class:`LineProgress`
   prints one line every N steps instead (for a log file or a scheduler's output, where the bar's carriage
   returns would turn every update into a line).
@@ -36,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_vescale.collectives import comm_stats
 from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
+from lightning_vescale.memory.ledger import memory_stats
 
 __all__ = [
     "LineProgress",
@@ -146,6 +149,11 @@ class StepStats(Callback):
             pl_module.log("comm/step", float(step_bytes), prog_bar=True, rank_zero_only=True)
             for kind, num in by_kind.items():
                 pl_module.log(f"comm/{kind}_bytes", float(num), rank_zero_only=True)
+        ledger = memory_stats.snapshot()
+        memory_stats.step()
+        for key, (current, peak) in ledger.items():  # empty unless the memory manager moves state
+            pl_module.log(f"mem/{key}", float(current), prog_bar=True, rank_zero_only=True)
+            pl_module.log(f"mem/{key}/peak", float(peak), prog_bar=True, rank_zero_only=True)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         comm_stats.step()  # validation's AllGathers are not a training step's traffic
@@ -156,8 +164,31 @@ class StepStats(Callback):
             self.val_losses.append((trainer.global_step, float(val)))
 
 
+_TIER_NAMES = {"device": "dev", "host": "host", "disk": "disk"}
+
+
+def format_ledger(metrics: dict[str, Any]) -> Optional[str]:
+    """The ``mem/<class>/<tier>`` (current) and ``.../peak`` metrics (removed from ``metrics``) as one field:
+    ``params dev 0 B/12.6 MB disk 64 MB/64 MB | grads ...`` (current/peak of the step, per tier)."""
+    keys = [k for k in metrics if k.startswith("mem/")]
+    if not keys:
+        return None
+    values = {k: float(metrics.pop(k)) for k in keys}
+    by_class: dict[str, list[str]] = {}
+    for key in sorted(k for k in values if not k.endswith("/peak")):
+        _, cls, tier = key.split("/", 2)
+        current, peak = values[key], values.get(key + "/peak", values[key])
+        if current or peak:
+            by_class.setdefault(cls, []).append(
+                f"{_TIER_NAMES.get(tier, tier)} {format_bytes(current)}/{format_bytes(peak)}")
+    return " | ".join(f"{cls} {' '.join(parts)}" for cls, parts in by_class.items()) or None
+
+
 def _readable(metrics: dict[str, Any]) -> dict[str, Any]:
     metrics.pop("v_num", None)
+    ledger = format_ledger(metrics)
+    if ledger is not None:
+        metrics["mem"] = ledger
     if "tok/s" in metrics:
         metrics["tok/s"] = f"{float(metrics['tok/s']):,.0f}"
     if "comm/step" in metrics:
@@ -166,8 +197,9 @@ def _readable(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 class RecipeProgressBar(TQDMProgressBar):
-    """Lightning's TQDM bar: ``loss``, ``tok/s`` (all ranks), ``comm/step`` (bytes this rank sent) and
-    ``val_loss``, in readable units, without the logger's version number."""
+    """Lightning's TQDM bar: ``loss``, ``tok/s`` (all ranks), ``comm/step`` (bytes this rank sent), ``mem`` (the
+    memory manager's ledger, when it moves state) and ``val_loss``, in readable units, without the logger's
+    version number."""
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         return _readable(super().get_metrics(trainer, pl_module))
@@ -218,7 +250,7 @@ class LineProgress(ProgressBar):
             return  # disabled (ranks other than zero), or an accumulation micro-batch
         self._last_step = step
         if step % self.every_n_steps == 0 or step >= trainer.max_steps:
-            line = self._line(trainer, pl_module, ("loss", "tok/s", "comm/step"))
+            line = self._line(trainer, pl_module, ("loss", "tok/s", "comm/step", "mem"))
             logger.info("%s  elapsed %.1f s", line, time.perf_counter() - self._start)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -66,12 +66,13 @@ def memory_policy_for(config, run_dir: Path, world_size: int) -> Optional[Memory
     if m is None:
         return None
     disk_dir = m.disk_dir or os.path.join(str(run_dir), "swap")
-    optimizer_states, activations = m.optimizer_states, m.activations
+    optimizer_states, params, grads, activations = m.optimizer_states, m.params, m.grads, m.activations
     if m.budget is not None:
         estimate = estimate_for(config, world_size)
         placement = choose_placement(estimate, m.budget, disk_bandwidth=measure_disk_bandwidth(disk_dir))
         optimizer_states, activations = placement.tiers["optimizer_states"], placement.tiers["activations"]
+        params, grads = placement.tiers["params"], placement.tiers["grads"]
         logger.info("memory budget %s per rank: placement chosen by the cost model\n%s", m.budget, placement.table())
-    return MemoryPolicy(optimizer_states=optimizer_states, activations=activations,
+    return MemoryPolicy(optimizer_states=optimizer_states, params=params, grads=grads, activations=activations,
                         activation_blocks=tuple(m.activation_blocks), disk_dir=disk_dir, prefetch=m.prefetch,
                         bucket_bytes=m.bucket_bytes)

@@ -531,12 +531,19 @@ class MemoryConfig:
 
     optimizer_states: str = "device"
     """``device``, ``host`` or ``disk`` (swapped bucket by bucket, prefetched)."""
+    params: str = "device"
+    """The sharded master weights: ``device``, ``host`` or ``disk`` (read back before each AllGather, the next
+    group's ahead, and for the optimizer step)."""
+    grads: str = "device"
+    """The sharded gradient pieces: ``device``, ``host`` or ``disk`` (written out after each ReduceScatter, read
+    back by the optimizer step and clipping)."""
     activations: str = "device"
     """``device``, ``host``, ``disk`` or ``checkpoint`` (recompute the blocks' forward in backward)."""
     activation_blocks: List[str] = field(default_factory=lambda: ["*layers.*"])
     """Globs on module names (the recipe's LightningModule's: ``model.layers.0``) of the blocks ``activations`` acts on."""
     budget: Optional[str] = None
-    """Bytes per rank (``6GiB``): choose ``optimizer_states`` and ``activations`` by the cost model instead."""
+    """Bytes per rank (``6GiB``): choose ``params``, ``grads``, ``optimizer_states`` and ``activations`` by the cost
+    model instead."""
     disk_dir: Optional[str] = None
     """Directory of the disk tier (``null``: ``<run dir>/swap``)."""
     prefetch: bool = True
@@ -545,8 +552,9 @@ class MemoryConfig:
     """Optimizer states swapped per bucket."""
 
     def __post_init__(self) -> None:
-        _check(self.optimizer_states in ("device", "host", "disk"),
-               f"memory.optimizer_states must be device, host or disk, got {self.optimizer_states!r}")
+        for name in ("optimizer_states", "params", "grads"):
+            value = getattr(self, name)
+            _check(value in ("device", "host", "disk"), f"memory.{name} must be device, host or disk, got {value!r}")
         _check(self.activations in ("device", "host", "disk", "checkpoint"),
                f"memory.activations must be device, host, disk or checkpoint, got {self.activations!r}")
         if self.budget is not None:
@@ -790,7 +798,7 @@ class TrainConfig:
     """Let ``_target_`` name anything importable (Hydra's own blocklist still applies): trusted configs only."""
 
     memory: Optional[MemoryConfig] = None
-    """Where optimizer states and activations live (group ``memory``: ``offload_disk``, ``checkpoint``, ``budget``);
+    """Where weights, gradients, optimizer states and activations live (group ``memory``: ``offload_disk``, ``checkpoint``, ``budget``);
     null: everything on the device."""
     quant: Optional[QuantConfig] = None
     """Block-quantized weights (group ``quant``: ``fp8_block`` / ``int8_block`` for QLoRA-style fine-tuning,

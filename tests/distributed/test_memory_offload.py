@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+from unittest import mock
 
 import pytest
 import torch
@@ -18,7 +20,13 @@ import torch.nn.functional as F
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
-from lightning_vescale.memory import MemoryPolicy, memory_stats, offload_optimizer_states, resident_states
+from lightning_vescale.memory import (
+    DiskTierError,
+    MemoryPolicy,
+    memory_stats,
+    offload_optimizer_states,
+    resident_states,
+)
 from lightning_vescale.optim import build_optimizer
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP
@@ -145,3 +153,90 @@ def _activations(rank: int, world: int, tmp: str) -> None:
 
 def test_offloaded_and_recomputed_activations_give_the_same_gradients(tmp_path) -> None:
     run_distributed(_activations, 2, str(tmp_path), timeout=300)
+
+
+def train_step_clipped(model, opt, step: int, rank: int, world: int, micro: int = 2) -> None:
+    """``micro`` micro-batches accumulated (the second adds to the offloaded gradient pieces), clipped, stepped;
+    step 1 zeroes the gradients in place (the next backward adds to the zeroed pieces on disk)."""
+    for m in range(micro):
+        g = torch.Generator().manual_seed(1000 * step + m)
+        x, y = torch.randn(4 * world, 7, generator=g), torch.randn(4 * world, 5, generator=g)
+        F.mse_loss(model(x[rank::world]), y[rank::world]).backward()
+    lv.clip_grad_norm_(model.parameters(), 0.05)
+    opt.step()
+    opt.zero_grad(set_to_none=step != 1)
+
+
+def _pieces(rank: int, world: int, tmp: str) -> None:
+    from lightning_vescale.memory import apply_memory_policy, resident_pieces
+    from lightning_vescale.memory.pieces import PieceOffload
+
+    def released(model) -> list[bool]:
+        return [p.to_local().untyped_storage().nbytes() == 0 for p in model.parameters() if p.to_local().numel()]
+
+    # A disk without room for what goes there is refused before anything moves.
+    full = sharded(MLP())
+    with mock.patch("shutil.disk_usage", return_value=shutil._ntuple_diskusage(10**9, 10**9 - 100, 100)):
+        with pytest.raises(DiskTierError, match=r"has 0.0 MiB free, but master weights \+ gradients need about"):
+            apply_memory_policy(full, [], MemoryPolicy(params="disk", grads="disk", disk_dir=os.path.join(tmp, "f")))
+    assert not any(released(full)), "nothing was moved"
+
+    for kind in ("adamw", "muon"):
+        torch.manual_seed(0)
+        ref = MLP()
+        plain, swapped = sharded(ref), sharded(ref)
+        plain_opt, opt = make_optimizer(kind, plain), make_optimizer(kind, swapped)
+        policy = MemoryPolicy(params="disk", grads="disk", optimizer_states="disk", bucket_bytes=1024,
+                              disk_dir=os.path.join(tmp, f"p{kind}"))
+        handles = apply_memory_policy(swapped, [opt], policy, rank=rank)
+        assert isinstance(handles.pieces, PieceOffload) and len(handles.states[0].buckets()) > 2
+        assert all(released(swapped)), "the master weights live on disk between uses"
+        memory_stats.reset()
+        for step in range(STEPS):
+            train_step_clipped(plain, plain_opt, step, rank, world)
+            train_step_clipped(swapped, opt, step, rank, world)
+            assert all(released(swapped)), (kind, step)
+            with resident_pieces(swapped):
+                for p, q in zip(plain.parameters(), swapped.parameters()):
+                    assert torch.equal(p.to_local(), q.to_local()), (kind, step)
+        # After backward the gradient pieces wait on disk for the step; the step reads them back bitwise.
+        g = torch.Generator().manual_seed(9)
+        x = torch.randn(4 * world, 7, generator=g)
+        swapped(x[rank::world]).sum().backward()
+        grads = [p.grad for p in swapped.parameters() if p.grad.to_local().numel()]
+        assert grads and all(gr.to_local().untyped_storage().nbytes() == 0 for gr in grads), "gradients on disk"
+        assert memory_stats.current[("grads", "disk")] > 0 and memory_stats.current[("params", "disk")] > 0
+        assert memory_stats.peak[("params", "device")] > 0, "the ledger follows the pieces' trips to memory"
+        opt.zero_grad()
+        swapped(x[rank::world]).sum().backward()  # zero_grad dropped the offloaded gradients: a fresh one
+        opt.zero_grad()
+        assert memory_stats.current[("grads", "disk")] >= 0
+
+        # Save while everything is on disk; resume into a fresh offloaded model and optimizer: the same run.
+        path = os.path.join(tmp, f"ckp_{kind}")
+        ckpt.save(path, swapped, opt)
+        assert all(released(swapped)), "put back on disk after the save"
+        torch.manual_seed(5)
+        resumed = sharded(MLP())
+        resumed_opt = make_optimizer(kind, resumed)
+        apply_memory_policy(resumed, [resumed_opt], MemoryPolicy(
+            params="disk", grads="disk", optimizer_states="disk", bucket_bytes=1024,
+            disk_dir=os.path.join(tmp, f"r{kind}")), rank=rank)
+        ckpt.load(path, resumed, resumed_opt)
+        assert all(released(resumed)), "loaded weights written back to disk"
+        for step in range(STEPS, STEPS + 2):
+            train_step_clipped(plain, plain_opt, step, rank, world)
+            train_step_clipped(resumed, resumed_opt, step, rank, world)
+        with resident_pieces(resumed):
+            for p, q in zip(plain.parameters(), resumed.parameters()):
+                assert torch.equal(p.to_local(), q.to_local()), f"{kind}: resumed run differs"
+        full = ckpt.export_full_state_dict(resumed, rank0_only=False)
+        assert torch.equal(full["out.weight"], plain.out.weight.full_tensor())
+        handles.close()
+        assert not any(released(swapped)), "close() brings the weights back"
+
+
+def test_disk_offloaded_weights_and_gradients_train_bitwise(tmp_path) -> None:
+    """Master weights, gradient pieces and optimizer states on disk (AdamW; Muon + AdamW), with gradient
+    accumulation and clipping: bitwise the run without offload, and a save/resume from disk continues it."""
+    run_distributed(_pieces, 2, str(tmp_path), timeout=300)

@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -178,16 +179,20 @@ def test_config_mistakes_stop_before_anything_is_written(tmp_path):
 
 
 def test_memory_placements_train_like_the_device(tmp_path):
-    """memory=offload_disk and memory=budget (which chooses by the cost model and prints its table) give the
-    losses of the plain run, bitwise (the same ops on the same bytes); memory= with another strategy is refused."""
+    """memory=offload_disk (weights, gradients, optimizer states and activations on disk, the ledger in the log
+    line) and memory=budget (which chooses by the cost model and prints its table) give the losses of the plain
+    run, bitwise (the same ops on the same bytes); memory= with another strategy is refused."""
     common = ("trainer.max_steps=6", "trainer.checkpoint_every_n_steps=0", "trainer.val_every_n_steps=6",
               f"output_root={tmp_path}")
     losses = {}
-    for name, extra in [("device", ()), ("disk", ("memory=offload_disk",)),
+    for name, extra in [("device", ()), ("disk", ("memory=offload_disk", "trainer.enable_progress_bar=true")),
                         ("budget", ("memory=budget", "memory.budget=5MiB"))]:
         run_dir = tmp_path / name
         proc = run_recipe("train.py", *common, f"hydra.run.dir={run_dir}", *extra)
         losses[name] = [p["loss"] for p in json.loads((run_dir / "summary.json").read_text())["losses"]]
+        if name == "disk":  # the ledger in the log line: weights on disk between steps, brought in during them
+            assert re.search(r"mem activations disk .*\| grads dev .*\| optimizer_states .*\| params dev \S+ \S+/\S+ \S+ disk [1-9]",
+                             proc.stdout + proc.stderr), proc.stderr[-2000:]
         if name == "budget":
             assert "placement chosen by the cost model" in proc.stdout + proc.stderr
             assert "| activations | checkpoint |" in proc.stdout + proc.stderr

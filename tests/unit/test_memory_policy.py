@@ -37,18 +37,72 @@ def test_everything_stays_on_the_device_when_it_fits() -> None:
 
 
 def test_the_cheapest_combination_that_fits_is_chosen() -> None:
-    # Fast disk: moving activations (saves 300 MiB for 0.84 s) alone fits; adding the optimizer states would cost
-    # more, and the states alone (saves 180 MiB) do not fit.
+    # Fast disk (850 -> 600 MiB): gradients (saves 80 MiB for 0.21 s) and optimizer states (180 MiB, 0.42 s) to disk
+    # cost less than the activations (300 MiB, 0.84 s); weights (80 MiB, 0.42 s) are not needed.
     fast = choose_placement(estimate(), "600MiB", disk_bandwidth=1e9)
-    assert fast.tiers["activations"] == "disk" and fast.tiers["optimizer_states"] == "device"
-    # Slow disk: recomputing is cheaper; the optimizer states move only when that is not enough.
+    assert (fast.tiers["grads"], fast.tiers["optimizer_states"]) == ("disk", "disk")
+    assert (fast.tiers["params"], fast.tiers["activations"]) == ("device", "device") and fast.total <= 600 * MiB
+    # Slow disk: recomputing is cheaper; states, then weights and gradients move only when that is not enough.
     slow = choose_placement(estimate(), "600MiB", disk_bandwidth=1e8)
     assert slow.tiers["activations"] == "checkpoint" and slow.total <= 600 * MiB
+    assert {slow.tiers[c] for c in ("params", "grads", "optimizer_states")} == {"device"}
     tight = choose_placement(estimate(), "350MiB", disk_bandwidth=1e8)
-    assert tight.tiers["optimizer_states"] == "disk" and tight.total <= 350 * MiB
+    assert tight.tiers["optimizer_states"] == "disk" and tight.tiers["params"] == "device" and tight.total <= 350 * MiB
     assert "| optimizer_states | disk |" in tight.table()
+    tighter = choose_placement(estimate(), "200MiB", disk_bandwidth=1e8)
+    assert (tighter.tiers["params"], tighter.tiers["grads"]) == ("disk", "disk") and tighter.total <= 200 * MiB
+    assert "| params | disk |" in tighter.table()
 
 
 def test_a_budget_too_small_says_the_minimum_and_what_needs_it() -> None:
-    with pytest.raises(ValueError, match=r"too small .* still needs 340\.0 MiB \(params 100\.0 MiB, grads 100\.0 MiB"):
-        choose_placement(estimate(), "200MiB", disk_bandwidth=1e9)
+    with pytest.raises(ValueError, match=r"too small .* still needs 180\.0 MiB \(params 20\.0 MiB, grads 20\.0 MiB"):
+        choose_placement(estimate(), "130MiB", disk_bandwidth=1e9)
+
+
+def test_a_disk_dir_whose_parent_is_missing_is_refused(tmp_path) -> None:
+    missing = tmp_path / "not_mounted" / "swap"
+    with pytest.raises(ValueError, match=r"does not exist, nor does its parent .* create it or pick an existing"):
+        MemoryPolicy(params="disk", disk_dir=str(missing))
+    assert not missing.parent.exists(), "nothing was created"
+    MemoryPolicy(params="disk", disk_dir=str(tmp_path / "swap"))  # only the last component missing: created
+    assert (tmp_path / "swap").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="cannot be created|is not a directory"):
+        MemoryPolicy(grads="disk", disk_dir=str(tmp_path / "file"))
+
+
+def test_weights_and_gradient_tiers_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"MemoryPolicy.params must be one of"):
+        MemoryPolicy(params="nvme")
+    with pytest.raises(ValueError, match="needs disk_dir"):
+        MemoryPolicy(grads="disk")
+
+
+def test_a_read_only_disk_dir_is_refused(tmp_path) -> None:
+    """A read-only file system refuses even root (who passes os.access): the policy writes a byte to be sure."""
+    import errno
+    from unittest import mock
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    with mock.patch("tempfile.TemporaryFile", read_only):
+        with pytest.raises(ValueError, match=r"cannot be written \(\[Errno 30\] Read-only file system\); pick a writable"):
+            MemoryPolicy(params="disk", disk_dir=str(tmp_path))
+
+
+def test_swap_files_of_a_killed_process_are_removed(tmp_path) -> None:
+    """A process killed before close() leaves its swap directory; the next store under the directory removes it
+    (never one of a live process)."""
+    import os
+
+    from lightning_vescale.memory import DiskStore
+
+    dead = tmp_path / "lightning_vescale_swap_999999999_pieces"  # no such pid
+    dead.mkdir()
+    (dead / "b0_params.bin").write_bytes(b"x" * 10)
+    alive = tmp_path / f"lightning_vescale_swap_{os.getppid()}"
+    alive.mkdir()
+    store = DiskStore(str(tmp_path))
+    assert not dead.exists() and alive.exists() and os.path.isdir(store.root)
+    store.close()
