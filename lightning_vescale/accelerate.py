@@ -35,7 +35,7 @@ from accelerate.utils import DistributedType
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.clip_grad import clip_grad_norm_
 from lightning_vescale.fully_shard import GranularityArg
-from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy
+from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy, check_explicit_policy
 from lightning_vescale.parallelize import (
     AutoWrapPolicy,
     PlanLike,
@@ -83,11 +83,7 @@ class VeScaleConfig:
     after it. None: everything on the device."""
 
     def __post_init__(self) -> None:
-        if self.memory is not None and not isinstance(self.memory, MemoryPolicy):
-            raise TypeError(f"VeScaleConfig.memory must be a MemoryPolicy, got {type(self.memory).__name__}")
-        if self.memory is not None and self.memory.budget is not None:
-            raise ValueError("VeScaleConfig.memory takes explicit placements; a budget is turned into them by "
-                             "lightning_vescale.memory.choose_placement")
+        check_explicit_policy(self.memory, "VeScaleConfig.memory")
         if self.plan is not None and self.auto_wrap_policy is not None:
             raise ValueError("VeScaleConfig got both plan and auto_wrap_policy: the plan's group rules decide the groups")
         if self.plan is not None and not isinstance(self.plan, ResolvedPlan):

@@ -51,7 +51,7 @@ from lightning_vescale.lightning._common import (
     precision_of_plugin,
     register_vescale_names,
 )
-from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy
+from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy, check_explicit_policy
 from lightning_vescale.parallelize import (
     AutoWrapPolicy,
     PlanLike,
@@ -147,11 +147,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._sharded_modules: list[Module] = []
-        if memory is not None and not isinstance(memory, MemoryPolicy):
-            raise TypeError(f"memory must be a lightning_vescale.memory.MemoryPolicy, got {type(memory).__name__}")
-        if memory is not None and memory.budget is not None:
-            raise ValueError("VeScaleFabricStrategy(memory=...) takes explicit placements; a budget is turned into "
-                             "them by lightning_vescale.memory.choose_placement")
+        check_explicit_policy(memory, "VeScaleFabricStrategy(memory=...)")
         self._memory_policy = memory
         self._memory: dict[int, tuple[Module, MemoryHandles]] = {}  # per set-up module
         check_accelerator(accelerator)

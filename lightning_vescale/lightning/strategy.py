@@ -55,7 +55,7 @@ from lightning_vescale.lightning._common import (
     warn_if_policy_ignored,
 )
 from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
-from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy
+from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy, check_explicit_policy
 from lightning_vescale.parallelize import (
     AutoWrapPolicy,
     PlanLike,
@@ -233,11 +233,7 @@ class VeScaleStrategy(ParallelStrategy):
 
     @memory_policy.setter
     def memory_policy(self, memory: Optional[MemoryPolicy]) -> None:
-        if memory is not None and not isinstance(memory, MemoryPolicy):
-            raise TypeError(f"memory must be a lightning_vescale.memory.MemoryPolicy, got {type(memory).__name__}")
-        if memory is not None and memory.budget is not None:
-            raise ValueError("VeScaleStrategy(memory=...) takes explicit placements; a budget is turned into them by "
-                             "lightning_vescale.memory.choose_placement (the recipes do this with memory.budget=...)")
+        check_explicit_policy(memory, "VeScaleStrategy(memory=...)")
         self._memory_policy = memory
 
     # -- registry -----------------------------------------------------------------------------------------

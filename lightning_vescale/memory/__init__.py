@@ -14,9 +14,10 @@ from lightning_vescale.memory.disk import DiskStore, DiskTierError
 from lightning_vescale.memory.ledger import MemoryLedger, memory_stats
 from lightning_vescale.memory.optimizer_states import StateOffload, offload_optimizer_states, resident_states
 from lightning_vescale.memory.pieces import PieceOffload, offload_pieces, resident_pieces
-from lightning_vescale.memory.policy import TIERS, MemoryPolicy, parse_bytes
+from lightning_vescale.memory.policy import TIERS, MemoryPolicy, check_explicit_policy, parse_bytes
 
 __all__ = [
+    "check_explicit_policy",
     "TIERS",
     "MemoryEstimate",
     "MemoryHandles",

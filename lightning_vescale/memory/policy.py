@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
-__all__ = ["TIERS", "MemoryPolicy", "Tier", "parse_bytes"]
+__all__ = ["TIERS", "MemoryPolicy", "Tier", "check_explicit_policy", "parse_bytes"]
 
 Tier = Literal["device", "host", "disk"]
 TIERS: tuple[str, ...] = ("device", "host", "disk")
@@ -102,3 +102,15 @@ def _check_writable(directory: str) -> None:
     except OSError as e:
         raise ValueError(f"MemoryPolicy.disk_dir={directory!r} cannot be written ({e}); pick a writable directory") \
             from None
+
+
+def check_explicit_policy(memory: object, where: str) -> None:
+    """Raise unless ``memory`` is ``None`` or a :class:`MemoryPolicy` with explicit placements (the integrations
+    take placements; a budget is turned into them by ``choose_placement``, as the recipes do)."""
+    if memory is None:
+        return
+    if not isinstance(memory, MemoryPolicy):
+        raise TypeError(f"{where} must be a lightning_vescale.memory.MemoryPolicy, got {type(memory).__name__}")
+    if memory.budget is not None:
+        raise ValueError(f"{where} takes explicit placements; a budget is turned into them by "
+                         "lightning_vescale.memory.choose_placement (the recipes do this with memory.budget=...)")
