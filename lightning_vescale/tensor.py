@@ -482,8 +482,9 @@ directly (under no_grad, between RaggedTensors of one layout and Python scalars)
 dispatch path does, without its cost."""
 
 
-def _elementwise_direct(func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
-    """``func`` on the pieces, or NotImplemented unless every tensor argument is a RaggedTensor of one layout."""
+def _pieces_of_one_layout(args: tuple) -> tuple[Optional["RaggedLayout"], list]:
+    """``(layout, pieces)`` when the tensor arguments are RaggedTensors of one layout object and the rest Python
+    scalars (the fast paths; the single-tensor optimizer step runs ~8 ops per parameter); ``(None, [])`` else."""
     layout = None
     local_args = []
     for a in args:
@@ -491,12 +492,25 @@ def _elementwise_direct(func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
             if layout is None:
                 layout = a._layout
             elif a._layout is not layout:
-                return NotImplemented
+                return None, []
             local_args.append(a._local)
         elif isinstance(a, _NOT_SCALARS):
-            return NotImplemented
+            return None, []
         else:
             local_args.append(a)
+    return layout, local_args
+
+
+def _wrap_piece(out: torch.Tensor, layout: "RaggedLayout") -> "RaggedTensor":
+    r = _make_wrapper(RaggedTensor, layout.shape, dtype=out.dtype, device=out.device)
+    r._local = out
+    r._layout = layout
+    return r
+
+
+def _elementwise_direct(func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
+    """``func`` on the pieces, or NotImplemented unless every tensor argument is a RaggedTensor of one layout."""
+    layout, local_args = _pieces_of_one_layout(args)
     if layout is None:
         return NotImplemented
     if kwargs:
@@ -509,28 +523,11 @@ def _elementwise_direct(func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
     if out is local_args[0]:
         _increment_version(args[0])  # as the dispatcher does for an in-place op on the wrapper
         return args[0]
-    r = _make_wrapper(RaggedTensor, layout.shape, dtype=out.dtype, device=out.device)  # every listed op returns one
-    r._local = out
-    r._layout = layout
-    return r
+    return _wrap_piece(out, layout)  # every listed op returns one tensor
 
 
 def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
-    # Fast path (the single-tensor optimizer step runs ~8 of these per parameter, so every bytecode counts):
-    # RaggedTensors of one layout object and Python scalars only; anything else takes the checked path.
-    layout = None
-    local_args = []
-    for a in args:
-        if type(a) is RaggedTensor:
-            if layout is None:
-                layout = a._layout
-            elif a._layout is not layout:
-                return _elementwise_checked(func, args, kwargs)
-            local_args.append(a._local)
-        elif isinstance(a, _NOT_SCALARS):
-            return _elementwise_checked(func, args, kwargs)
-        else:
-            local_args.append(a)
+    layout, local_args = _pieces_of_one_layout(args)
     if layout is None:
         return _elementwise_checked(func, args, kwargs)
     if kwargs:
@@ -541,10 +538,7 @@ def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
     if out is local_args[0]:
         return args[0]  # in-place on the first argument
     if type(out) is torch.Tensor:
-        r = _make_wrapper(RaggedTensor, layout.shape, dtype=out.dtype, device=out.device)
-        r._local = out
-        r._layout = layout
-        return r
+        return _wrap_piece(out, layout)
     return _elementwise_checked(func, args, kwargs)
 
 

@@ -73,3 +73,19 @@ def run_distributed(
         bad = [p.exitcode for p in procs if p.exitcode != 0]
         if bad:
             raise AssertionError(f"ranks exited with codes {bad}")
+
+
+def max_piece_diff(model: torch.nn.Module, ref: torch.nn.Module, group=None) -> float:
+    """Largest difference between this rank's pieces of ``model``'s sharded parameters and the same elements
+    of ``ref``'s full parameters, over every rank of ``group``."""
+    import torch.distributed as dist
+
+    ref_params = dict(ref.named_parameters())
+    worst = torch.zeros(())
+    for name, p in getattr(model, "module", model).named_parameters():  # unwraps Fabric's _FabricModule
+        start, end = p.local_range
+        if end > start:
+            full = ref_params[name].detach().reshape(-1)[start:end]
+            worst = torch.maximum(worst, (p.to_local().reshape(-1) - full).abs().max())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return worst.item()

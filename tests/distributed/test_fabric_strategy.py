@@ -15,7 +15,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 
@@ -23,7 +22,7 @@ import lightning_vescale as lv
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
 from lightning_vescale.fully_shard import sharded_groups
 from lightning_vescale.lightning import VeScaleFabricStrategy
-from tests.dist_utils import run_distributed
+from tests.dist_utils import max_piece_diff, run_distributed
 from tests.toy_models import MLP, TinyTransformer
 
 LOCAL_BATCH = 4
@@ -76,17 +75,6 @@ def train(fabric, model, opt, ref, ref_opt, steps: int, first_step: int = 0):
     return losses, norms, comm
 
 
-def max_param_diff(model, ref) -> float:
-    ref_params = dict(ref.named_parameters())
-    worst = torch.zeros(())
-    for name, p in getattr(model, "module", model).named_parameters():  # unwrap the _FabricModule
-        start, end = p.local_range
-        if end > start:
-            full = ref_params[name].detach().reshape(-1)[start:end]
-            worst = torch.maximum(worst, (p.to_local().reshape(-1) - full).abs().max())
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.item()
-
 
 def _run(rank: int, world: int, tmp: str) -> None:
     fabric = Fabric(accelerator="cpu", devices=world, strategy="vescale")
@@ -107,7 +95,7 @@ def _run(rank: int, world: int, tmp: str) -> None:
     losses, norms, comm = train(fabric, model, opt, ref, ref_opt, steps=3)
     # Non-final micro-batches communicate nothing; final ones reduce each group once.
     assert comm[0::2] == [0, 0, 0] and comm[1::2] == [3, 3, 3], comm
-    assert max_param_diff(model, ref) < 1e-5
+    assert max_piece_diff(model, ref) < 1e-5
 
     # 2. Sharded save, two more steps, then load into another init and replay them.
     ckpt = os.path.join(tmp, "fabric_ckpt")
@@ -132,7 +120,7 @@ def _run(rank: int, world: int, tmp: str) -> None:
         meta = MLP()
     assert next(meta.parameters()).is_meta
     meta = fabric.setup_module(meta)
-    assert max_param_diff(meta, full) == 0.0
+    assert max_piece_diff(meta, full) == 0.0
     meta_opt = fabric.setup_optimizers(torch.optim.SGD(meta.parameters(), lr=0.1))
     meta(torch.randn(2, 7)).sum().backward()
     meta_opt.step()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -35,7 +34,7 @@ from lightning_vescale.pipeline import (
 )
 from lightning_vescale.plan._dry_run import Workload, dry_run
 from lightning_vescale.plan._hardware import load_profile
-from tests.dist_utils import run_distributed
+from tests.dist_utils import max_piece_diff, run_distributed
 
 BATCH, SEQ, LR, CLIP = 8, 6, 1e-2, 0.05
 # Adam divides by sqrt(v): with its default eps a gradient element near 0 turns round-off (the order of a sum
@@ -87,18 +86,6 @@ def vlm_step(config, batch: int = BATCH):
     return step_fn
 
 
-def max_diff(model: nn.Module, ref: nn.Module) -> float:
-    """Largest difference between this rank's pieces and the reference, over every rank."""
-    ref_params = dict(ref.named_parameters())
-    worst = torch.zeros(())
-    for name, p in model.named_parameters():
-        start, end = p.local_range
-        if end > start:
-            full = ref_params[name].detach().reshape(-1)[start:end]
-            worst = torch.maximum(worst, (p.to_local().reshape(-1) - full).abs().max())
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.item()
-
 
 def _three_ranks(rank: int, world: int, tmp: str) -> None:
     config = vlm_config("tiny")
@@ -115,7 +102,7 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
     assert mpmd.mesh.size() == (1 if rank == 0 else 2)
     losses, opt = train(mpmd, 3, vlm_step(config))
     assert_same_run(losses, ref_losses)
-    d = max_diff(mpmd, ref)
+    d = max_piece_diff(mpmd, ref)
     assert d < 1e-5, d
 
     # One ReduceScatter per group and step, whatever the number of micro-batches (gradients accumulate unsharded):
@@ -140,7 +127,7 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
     assert set(full) == set(ref.state_dict()), set(full) ^ set(ref.state_dict())
     plain = lv.parallelize(VLM(config), None, init_device_mesh("cpu", (world,)))
     ckpt.load_full_state_dict(plain, full)
-    assert max_diff(plain, ref) < 1e-5
+    assert max_piece_diff(plain, ref) < 1e-5
     ckpt.save(f"{tmp}/plain", plain)
     torch.manual_seed(1)
     again = lv.parallelize(VLM(config), vlm_plan(1, 2, "gpipe"))
@@ -159,7 +146,7 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
     # And the sharded MPMD checkpoint resumes training exactly (optimizer states included).
     again_opt = torch.optim.AdamW(again.parameters(), lr=LR, eps=EPS)
     load_mpmd(f"{tmp}/mpmd", again, again_opt)
-    assert max_diff(again, ref) < 1e-5
+    assert max_piece_diff(again, ref) < 1e-5
     for net, optimizer in ((again, again_opt), (ref, ref_opt)):
         vlm_step(config)(net, 3)
         if net is again:
@@ -167,7 +154,7 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
         else:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
         optimizer.step()
-    assert max_diff(again, ref) < 1e-5
+    assert max_piece_diff(again, ref) < 1e-5
 
     # Negative control: without the division by the number of micro-batches the gradients are twice too large,
     # which the parameters show after one unclipped SGD step.
@@ -187,7 +174,7 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
             with torch.no_grad():
                 for p in net.parameters():
                     p.sub_(p.grad)
-        assert (max_diff(m, ref2) < 1e-5) == scale_right, scale_right
+        assert (max_piece_diff(m, ref2) < 1e-5) == scale_right, scale_right
 
 
 def test_mpmd_three_ranks_vlm_parity_clipping_checkpoint_and_negative_control(tmp_path):
@@ -261,7 +248,7 @@ def _four_ranks(rank: int, world: int) -> None:
         assert "use a multiple of 6" in str(err), err
     losses, _ = train(mpmd, 3, step_fn)
     assert_same_run(losses, ref_losses)
-    d = max_diff(mpmd, ref)
+    d = max_piece_diff(mpmd, ref)
     assert d < 1e-5, d
     images, tokens, target = synthetic_vlm_batch(config, 12, SEQ, 7)
     with torch.no_grad():
@@ -305,7 +292,7 @@ def _four_ranks(rank: int, world: int) -> None:
     assert mpmd._rt.num_pipelines == 2 and mpmd._rt.team is None
     losses, _ = train(mpmd, 3, llama_step)
     assert_same_run(losses, ref_losses)
-    d = max_diff(mpmd, ref)
+    d = max_piece_diff(mpmd, ref)
     assert d < 1e-5, d
 
 

@@ -27,7 +27,7 @@ from lightning_vescale.plan import policy_of, resolve_plan
 from lightning_vescale.plan._dry_run import Workload, dry_run
 from lightning_vescale.plan._hardware import load_profile
 from lightning_vescale.plan._layout import group_layouts
-from tests.dist_utils import run_distributed
+from tests.dist_utils import max_piece_diff, run_distributed
 from tests.toy_models import MLP, TinyTransformer
 
 LOCAL_BATCH = 3
@@ -53,17 +53,6 @@ def lm_batch(n: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-
-def max_param_diff(model: nn.Module, ref: nn.Module, group=None) -> float:
-    ref_params = dict(ref.named_parameters())
-    worst = torch.zeros(())
-    for name, p in model.named_parameters():
-        start, end = p.local_range
-        if end > start:
-            full = ref_params[name].detach().reshape(-1)[start:end]
-            worst = torch.maximum(worst, (p.to_local().reshape(-1) - full).abs().max())
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    return worst.item()
 
 
 def _plan_checks(rank: int, world: int) -> None:
@@ -113,7 +102,7 @@ def _plan_checks(rank: int, world: int) -> None:
         sent = dict(lv.comm_stats.step())
         if step > 0:  # the first step also checks that the ranks agree on the plans
             assert sent == {k: int(v) for k, v in predicted.vescale.collectives.items() if v}, (sent, predicted)
-    assert max_param_diff(model, ref) < 1e-5
+    assert max_piece_diff(model, ref) < 1e-5
     # Prefetch depth 2 from block 0: blocks 1 and 2 are gathering while block 0 runs, block 3 is not (from the
     # second step on, once the forward order is known); block 1 (no reshard after forward) is still gathered when
     # block 2 starts.
@@ -156,16 +145,16 @@ def _train_pair(rank: int, mesh, make, directory: str) -> None:
     for i in range(2):
         step(model, opt, i, True)
         step(ref, ref_opt, i, False)
-    assert max_param_diff(model, ref, group) < 1e-5
+    assert max_piece_diff(model, ref, group) < 1e-5
     ckpt.save(directory, model, opt)
     torch.manual_seed(1)
     fresh = lv.parallelize(make(), None, mesh)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     ckpt.load(directory, fresh, fresh_opt)
-    assert max_param_diff(fresh, ref, group) < 1e-5
+    assert max_piece_diff(fresh, ref, group) < 1e-5
     step(fresh, fresh_opt, 2, True)
     step(ref, ref_opt, 2, False)
-    assert max_param_diff(fresh, ref, group) < 1e-5
+    assert max_piece_diff(fresh, ref, group) < 1e-5
     full = ckpt.export_full_state_dict(fresh)  # gathered on the pair's first rank only
     if me == 0:
         assert all(torch.allclose(full[k], v, atol=1e-5) for k, v in ref.state_dict().items())
