@@ -77,8 +77,12 @@ SETUPS = {
     "moe": Setup("bench_moe"),
     "moe-ep": Setup("bench_moe", ep=2),
 }
-ENGINES = ("fsdp2", "vescale", "ddp", "vescale-nobp")
-"""``vescale-nobp``: lightning-vescale with ``set_backward_prefetch(False)`` (FSDP2 has no public switch for it)."""
+ENGINES = ("fsdp2", "vescale", "ddp", "vescale-nobp", "vescale-rootemb", "vescale-overlap", "fsdp2-emb")
+"""Variants, to measure the choices the defaults make: ``vescale-nobp``, lightning-vescale with
+``set_backward_prefetch(False)`` (FSDP2 has no public switch for it); ``vescale-rootemb``, the token embedding
+in the root group (the default plan gives it a group of its own); ``vescale-overlap``, one ReduceScatter left
+in flight during backward (``set_reduces_in_flight(1)``, the default on accelerators; CPU's is 0);
+``fsdp2-emb``, FSDP2 with the embedding in its own group as well (``reshard_after_forward=False``)."""
 PHASES = ("forward", "backward", "optimizer")
 
 _counted: dict[str, int] = {}
@@ -156,10 +160,14 @@ def build(engine: str, setup: Setup, world: int):
 
             mesh, dense_mesh = _meshes(world, setup.ep)
             fully_shard_expert_parallel(model, mesh, dense_mesh=dense_mesh, mp_policy=policy)
-        else:
+        elif variant == "vescale-rootemb":
             for block in model.layers:
                 lv.fully_shard(block, mp_policy=policy)
             lv.fully_shard(model, mp_policy=policy)
+        else:
+            lv.parallelize(model, mp_policy=policy)  # the default plan, as users get it
+        if variant == "vescale-overlap":
+            model.set_reduces_in_flight(1)
         if variant == "vescale-nobp":
             model.set_backward_prefetch(False)
         plans = [p for g in sharded_groups(model) for p in g.plans]
@@ -181,6 +189,8 @@ def build(engine: str, setup: Setup, world: int):
             for experts in [m for m in model.modules() if isinstance(m, GroupedExperts)]:
                 fully_shard(experts, mesh=mesh["dp"], mp_policy=policy)
                 experts.set_gradient_divide_factor(float(world))  # see fully_shard_expert_parallel's note
+        if variant == "fsdp2-emb":
+            fully_shard(model.tok_embeddings, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=False)
         for block in model.layers:
             fully_shard(block, mesh=dense_mesh, mp_policy=policy)
         fully_shard(model, mesh=dense_mesh, mp_policy=root_policy)

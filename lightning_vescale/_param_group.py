@@ -96,9 +96,16 @@ def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
 GranularityFn = Callable[[str, nn.Parameter], object]
 
 REDUCES_IN_FLIGHT = 1
-"""ReduceScatters left in flight when a group issues its own: the previous group's had this group's backward to
-complete, and waiting for it before the next one frees its unsharded gradient buffer (and gloo's copy of it)
-while at most one group's reduction overlaps compute, as FSDP2 keeps one ReduceScatter input."""
+"""ReduceScatters left in flight when a group issues its own, on an accelerator: the previous group's had this
+group's backward to complete, and waiting for it before the next one frees its unsharded gradient buffer while
+at most one group's reduction overlaps compute, as FSDP2 keeps one ReduceScatter input."""
+
+
+def default_reduces_in_flight(device: torch.device) -> int:
+    """1 on an accelerator (the ReduceScatter runs beside compute); 0 on CPU, where gloo's ReduceScatter is a
+    thread on the cores that compute and keeps staging copies of its input: overlapping it saved no step time
+    and held the previous group's gradients in the backward peak (benchmarks/results/train.md)."""
+    return 0 if torch.device(device).type == "cpu" else REDUCES_IN_FLIGHT
 
 
 class ParamGroup:
@@ -138,6 +145,7 @@ class ParamGroup:
         # Shared by all groups of a root: ReduceScatters in flight, oldest first (at most REDUCES_IN_FLIGHT
         # while compute runs), so the unsharded gradient buffers of finished groups are freed during backward.
         self.reduce_queue: list[ParamGroup] = []
+        self.reduces_in_flight = default_reduces_in_flight(device)
         self._build(params, granularity_fn)
         self._frozen_in_use = False  # frozen buffers stay gathered until backward has used them (see below)
         if any(not mp.requires_grad for mp in self.managed):
@@ -361,7 +369,7 @@ class ParamGroup:
         """Gather for backward and point the unsharded parameters' grads at the gradient buffer."""
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # a module called twice in forward reaches backward twice
-        self.finish_reductions(keep=REDUCES_IN_FLIGHT)
+        self.finish_reductions(keep=self.reduces_in_flight)
         self.unshard()
         self.wait_for_unshard()
         for buf in self._buffers_with_grads():
@@ -420,11 +428,13 @@ class ParamGroup:
         for buf in self.buffers.values():
             if buf.requires_grad and buf.grad_allocated:
                 if not issued:
-                    self.finish_reductions(keep=REDUCES_IN_FLIGHT - 1)
+                    self.finish_reductions(keep=max(self.reduces_in_flight - 1, 0))
                 buf.reduce_grad(accumulate=self._prepare_accumulation(buf), async_op=True)
                 issued = True
         if issued:
             self.reduce_queue.append(self)
+            if self.reduces_in_flight == 0:
+                self.finish_reductions(keep=0)
 
     def finish_reductions(self, keep: int) -> None:
         """Finalize, oldest first, the groups in flight beyond the newest ``keep`` and any whose ReduceScatters

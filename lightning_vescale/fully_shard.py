@@ -250,6 +250,9 @@ class _VeScaleState:
         # Root only:
         self.states: list[_VeScaleState] = []
         self.forward_order: list[_VeScaleState] = []
+        # Backward runs in reverse order of the groups' *post*-forwards (as FSDP2 prefetches): the root's
+        # pre-forward comes first, but the head it owns runs last, so its backward comes first.
+        self.post_forward_order: list[_VeScaleState] = []
         self.order_recorded = False
         self.reduce_queue: list[ParamGroup] = []  # ReduceScatters in flight, oldest first
         self.callback_queued = False
@@ -310,6 +313,8 @@ class _VeScaleState:
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         if _in_backward():
             return output
+        if not self.root.order_recorded:
+            self.root.post_forward_order.append(self)
         if self.is_root:
             self.root.order_recorded = True
         tensors = []
@@ -359,7 +364,7 @@ class _VeScaleState:
             return
         self.group.pre_backward()
         if root.order_recorded and self.backward_prefetch:
-            for nxt in root._next_in(root.forward_order[::-1], self, self.prefetch):
+            for nxt in root._next_in(root.post_forward_order[::-1], self, self.prefetch):
                 if nxt.group is not None and nxt.group.training_state is TrainingState.IDLE:
                     nxt.group.unshard(async_op=True)
 
@@ -476,6 +481,17 @@ class VeScaleModule:
         AllGather staging) out of the backward peak, at the cost of the overlap; the bytes sent are the same."""
         for state in self._vescale_states(recurse):
             state.backward_prefetch = enabled
+
+    def set_reduces_in_flight(self, count: int, *, recurse: bool = True) -> None:
+        """How many groups' ReduceScatters may run while backward goes on (default 1 on an accelerator, 0 on CPU):
+        each holds its unsharded gradient buffer (and the backend's staging copies) until it completes. 0 waits
+        for each ReduceScatter where it is issued: no overlap, and no finished group's gradients in the backward
+        peak."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"set_reduces_in_flight expects an int >= 0, got {count!r}")
+        for state in self._vescale_states(recurse):
+            if state.group is not None:
+                state.group.reduces_in_flight = count
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for state in self._vescale_states(recurse):

@@ -36,6 +36,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -68,6 +69,7 @@ from lightning_vescale.parallelize import (
     no_gradient_sync,
     parallelize,
     process_group_timeout,
+    resolve_for,
     resolved_plan_of,
     top_level_roots,
 )
@@ -198,6 +200,7 @@ class VeScaleStrategy(ParallelStrategy):
                              "groups; drop one of them")
         # A plan file or dict is read and checked now (unknown keys and values), before any process starts.
         self._plan = load_plan(plan) if plan is not None and not isinstance(plan, ResolvedPlan) else plan
+        self._plan_checked = False
         self._expert_parallel_size = expert_parallel_size
         self._mp_policy = mp_policy
         self._auto_wrap_policy = auto_wrap_policy
@@ -333,7 +336,23 @@ class VeScaleStrategy(ParallelStrategy):
             # Before any process is launched: the Trainer's constructor stops with the message.
             check_expert_parallel_size(self._expert_parallel_size, self.num_nodes * self.num_processes)
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _PlanCheckingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def check_plan(self) -> None:
+        """Resolve the plan against the LightningModule now, so that a glob typo, a rule that matches nothing or
+        a plan written for another model stops the run before any process is launched or any process group is
+        created (``Trainer.fit`` calls it first). Skipped where the modules are built later, in
+        ``configure_model``, or were sharded by hand: ``setup`` resolves the plan then."""
+        module = self.lightning_module
+        if self._plan_checked or self._plan is None or module is None:
+            return
+        from lightning.pytorch import LightningModule
+
+        if is_overridden("configure_model", module, parent=LightningModule) or is_sharded(module):
+            return
+        resolve_for(module, self._plan, roots=top_level_roots(module), granularity=self._granularity,
+                    expert_parallel=self._expert_parallel_size > 1)
+        self._plan_checked = True
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -356,6 +375,7 @@ class VeScaleStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         if self._expert_parallel_size > 1:
             check_expert_parallel_size(self._expert_parallel_size, self.world_size)
+        self.check_plan()  # launched externally (torchrun, SLURM): still before the process group
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._expert_parallel_size > 1:
             self._device_mesh = build_expert_parallel_mesh(
@@ -606,3 +626,16 @@ class VeScaleStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+class _PlanCheckingLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher that checks the strategy's plan before it starts the other processes."""
+
+    def __init__(self, strategy: VeScaleStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self._strategy = strategy
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+        self._strategy.check_plan()
+        return super().launch(function, *args, trainer=trainer, **kwargs)

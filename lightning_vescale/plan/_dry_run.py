@@ -13,10 +13,11 @@ Forward visits the groups in module order. A group is gathered at its pre-forwar
 issues the AllGathers of the next ``prefetch`` groups; it is freed after its forward if it reshards after
 forward and is not a root (a group containing others stays gathered while they run). Activations accumulate.
 Backward visits them in reverse: the root's gradient buffer is allocated when backward starts (its outputs
-come first) and lives to the end (the embedding's gradient comes last); each other group is gathered again if
+come first); a root that holds only modules after every other group (final norm, head) is done at once, one
+that holds the embedding lives to the end (its gradient comes last). Each other group is gathered again if
 it was freed, gets its unsharded gradient buffer, prefetches the next groups, frees its activations and
 parameters when done and issues its ReduceScatter, whose buffers (and an fp32 copy when reducing in another
-dtype) stay until it completes: at most two in flight. Then the optimizer steps. Transients: the loss's
+dtype) stay until it completes: one left in flight on an accelerator, none on CPU (the engines' defaults). Then the optimizer steps. Transients: the loss's
 gradient over the vocabulary at the start of backward, and per group the gradients flowing through it
 (:func:`_backward_transient`).
 """
@@ -183,6 +184,8 @@ class _Group:
     recompute: float = 0.0  # checkpointing: the activations its backward makes again
     gather_transient: float = 0.0  # FSDP2: the AllGather output next to the unsharded parameters while copying out
     reduce_transient: float = 0.0  # FSDP2: the ReduceScatter input built from the gradients
+    done_early: bool = False  # a root whose modules run after every other group's (norm, head): its backward
+    # is over as soon as backward starts
 
 
 def _backward_transient(g: _Group) -> float:
@@ -192,11 +195,13 @@ def _backward_transient(g: _Group) -> float:
     return g.activations + g.recompute + g.largest_param
 
 
-def _simulate(order: list[_Group], persistent: float, logits_grad: float) -> tuple[float, float]:
+def _simulate(order: list[_Group], persistent: float, logits_grad: float,
+              reduces_in_flight: int = 1) -> tuple[float, float]:
     """(peak bytes, peak gathered bytes) of one step, walking [Note: one training step, as the engine runs it].
 
     ``order``: the groups in forward order; ``persistent``: bytes alive throughout (pieces, gradients, states);
-    ``logits_grad``: bytes of the loss's gradient over the vocabulary (fp32, every token).
+    ``logits_grad``: bytes of the loss's gradient over the vocabulary (fp32, every token);
+    ``reduces_in_flight``: ReduceScatters left running while backward goes on (the engine's default for the device).
     """
     gathered: dict[str, float] = {}
     activations = 0.0
@@ -249,6 +254,19 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float) -> tup
         for nxt in [g for g in reverse if not g.is_root][: root.prefetch]:
             gather(nxt)
     note(logits_grad + max((r.largest_param for r in roots), default=0.0))
+
+    def reduce(g: _Group) -> None:
+        if g.grad:
+            grad_buffers[g.name] = g.grad + g.reduce_extra
+            note(g.reduce_transient)
+            in_flight.append(g)
+            while len(in_flight) > reduces_in_flight:
+                grad_buffers.pop(in_flight.pop(0).name, None)
+
+    for root in [r for r in roots if r.done_early]:
+        activations -= root.activations
+        gathered.pop(root.name, None)
+        reduce(root)
     for i, g in enumerate(reverse):
         if g.is_root:
             continue
@@ -260,13 +278,8 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float) -> tup
         note(_backward_transient(g))
         activations -= g.activations
         gathered.pop(g.name, None)
-        if g.grad:
-            grad_buffers[g.name] = g.grad + g.reduce_extra
-            note(g.reduce_transient)
-            in_flight.append(g)
-            while len(in_flight) > 2:
-                grad_buffers.pop(in_flight.pop(0).name, None)
-    for root in roots:
+        reduce(g)
+    for root in [r for r in roots if not r.done_early]:
         note(_backward_transient(root))
         gathered.pop(root.name, None)
         activations -= root.activations
@@ -290,6 +303,21 @@ def _forward_order(model: nn.Module, resolved: ResolvedPlan) -> list[GroupPolicy
         _ORDERS.clear()  # one model at a time: ids of collected objects must not be reused
         _ORDERS[key] = sorted(resolved.groups, key=lambda g: position.get(g.name, -1))
     return _ORDERS[key]
+
+
+def _roots_done_early(model: nn.Module, groups: list[GroupPolicy]) -> set[str]:
+    """Roots whose parameters all sit in modules after every other group's (a final norm and head): their
+    gradients are complete as soon as backward has passed the head."""
+    position = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    inner = [g.name for g in groups if not g.is_root]
+    last_inner = max((i for name, i in position.items()
+                      if any(name == n or name.startswith(n + ".") for n in inner)), default=-1)
+    early = set()
+    for g in groups:
+        owners = [position.get(p.rpartition(".")[0], -1) for p in g.params]
+        if g.is_root and owners and min(owners) > last_inner:
+            early.add(g.name)
+    return early
 
 
 def _matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -465,10 +493,14 @@ def dry_run(
     ve.padding = total_padding / max(total_real, 1)
     fs.padding = fs_padding / max(total_real, 1)
     logits_grad = tokens * _vocab(model) * 4
+    early = _roots_done_early(model, groups)
+    in_flight = 0 if hardware.shared_compute else 1  # the engines' default: see default_reduces_in_flight
     for est, order in ((ve, ve_groups), (fs, fs_groups)):
+        for g in order:
+            g.done_early = g.name in early
         est.activations = sum(g.activations for g in order)
         persistent = est.params + est.grads + est.optimizer
-        est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad)
+        est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad, in_flight)
     # Time: compute at the profile's rate; communication overlapped with it (prefetch) except the first gather
     # and the last reduce; the optimizer reads and writes its states once (memory bound).
     flops = _flops_per_token(model, workload.seq_len) * tokens

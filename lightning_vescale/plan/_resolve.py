@@ -196,11 +196,19 @@ def _is_block_list(module: nn.Module) -> bool:
 
 def default_plan(model: nn.Module) -> Plan:
     """The plan used when none is given: every element of an ``nn.ModuleList`` of identical blocks (e.g.
-    transformer layers) is a group, as FSDP2 users apply ``fully_shard`` per block."""
+    transformer layers) is a group, as FSDP2 users apply ``fully_shard`` per block; and an untied
+    ``nn.Embedding`` beside such a list (the token embedding) is a group of its own, kept gathered from forward
+    to backward (see [Note: the embedding's own group])."""
     rules: list[dict[str, Any]] = []
+    tied = _tied_parameter_ids(model)
 
     def visit(module: nn.Module, prefix: str) -> None:
-        for name, child in module.named_children():
+        children = list(module.named_children())
+        if any(_is_block_list(child) for _, child in children):
+            for name, child in children:
+                if isinstance(child, nn.Embedding) and id(child.weight) not in tied:
+                    rules.append({"match": _escape(f"{prefix}{name}"), "group": True, "reshard_after_forward": False})
+        for name, child in children:
             full = f"{prefix}{name}"
             if _is_block_list(child):
                 rules.append({"match": f"{full}.*", "group": True})
@@ -209,6 +217,21 @@ def default_plan(model: nn.Module) -> Plan:
 
     visit(model, "")
     return Plan.from_dict({"name": "default", "rules": rules})
+
+
+# [Note: the embedding's own group]
+# In the root group, the token embedding's gradient buffer is allocated when backward starts (the head's
+# gradient comes first) but is written only at its very end, so it adds its full size to the backward peak;
+# as a group of its own its gradient buffer exists only for the embedding's backward. It stays gathered
+# from forward to backward (``reshard_after_forward: false``), so the bytes per step do not change: one
+# AllGather per step, as in the root. Measured: benchmarks/results/train.md.
+
+
+def _tied_parameter_ids(model: nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {i for i, n in seen.items() if n > 1}
 
 
 def plan_from_modules(model: nn.Module, modules: Iterable[nn.Module], name: str = "auto_wrap_policy") -> Plan:

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lightning_vescale as lv
-from lightning_vescale import _param_group, collectives
+from lightning_vescale import collectives
 from lightning_vescale.fully_shard import sharded_groups
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP
@@ -85,9 +85,11 @@ def _grads_kept_without_set_to_none(rank: int, world: int) -> None:
 
 
 def _one_reduce_scatter_in_flight(rank: int, world: int) -> None:
-    """When a group issues its ReduceScatter, the previous group's has been finished and its unsharded gradient
-    buffer freed: at most one group's reduction overlaps compute (plus the root's buffer, still accumulating)."""
+    """With one ReduceScatter allowed in flight (the default on accelerators), when a group issues its
+    ReduceScatter the previous group's has been finished and its unsharded gradient buffer freed: at most one
+    group's reduction overlaps compute (plus the root's buffer, still accumulating)."""
     model = _sharded_mlp()
+    model.set_reduces_in_flight(1)
     groups = sharded_groups(model)
     root = groups[0]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -108,9 +110,54 @@ def _one_reduce_scatter_in_flight(rank: int, world: int) -> None:
     finally:
         collectives.reduce_scatter_tensor = original
     assert len(observed) == 2 * len(groups), observed
-    # In flight beforehand: at most REDUCES_IN_FLIGHT - 1 others; allocated: only the issuing group's buffer.
-    assert all(n <= _param_group.REDUCES_IN_FLIGHT - 1 for n, _ in observed), observed
+    # In flight beforehand: no other; allocated: only the issuing group's buffer.
+    assert all(n == 0 for n, _ in observed), observed
     assert all(a <= 1 for _, a in observed), observed
+
+
+def _no_reduce_scatter_in_flight_on_cpu(rank: int, world: int) -> None:
+    """On CPU (the default there, 0 in flight) a group's ReduceScatter is finished and its unsharded gradient
+    buffer freed before backward reaches the next group: no finished group's gradients in the backward peak."""
+    model = _sharded_mlp()
+    groups = sharded_groups(model)
+    assert {g.reduces_in_flight for g in groups} == {0}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen = []
+    hooks = [block.register_full_backward_pre_hook(lambda m, g: seen.append(
+        [g2 for g2 in groups if g2 is not groups[0] and any(b.reducing or b.grad_allocated for b in g2.buffers.values())]))
+        for block in model.blocks]
+    for _ in range(2):
+        _step(model, optimizer)
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 2 * len(model.blocks) and all(not s for s in seen), seen
+
+
+def _backward_prefetch_follows_post_forward_order(rank: int, world: int) -> None:
+    """Backward prefetches in reverse order of the groups' post-forwards: a root holding only the head is done
+    first in backward and is not gathered again; the input layer, in a group of its own kept gathered from
+    forward to backward, is gathered once. One AllGather per group and pass, nothing more."""
+    torch.manual_seed(0)
+    model = MLP(num_blocks=4)
+    lv.fully_shard(model.inp, reshard_after_forward=False)
+    for block in model.blocks:
+        lv.fully_shard(block)
+    lv.fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optimizer)  # records the order
+    calls = []
+    original = collectives.all_gather_into_tensor
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    collectives.all_gather_into_tensor = spy
+    try:
+        _step(model, optimizer)
+    finally:
+        collectives.all_gather_into_tensor = original
+    assert len(calls) == 1 + 1 + 2 * len(model.blocks), len(calls)
 
 
 def _backward_prefetch_switch(rank: int, world: int) -> None:
@@ -143,6 +190,8 @@ def _run(rank: int, world: int) -> None:
     _grads_freed_when_backward_starts(rank, world)
     _grads_kept_without_set_to_none(rank, world)
     _one_reduce_scatter_in_flight(rank, world)
+    _no_reduce_scatter_in_flight_on_cpu(rank, world)
+    _backward_prefetch_follows_post_forward_order(rank, world)
     _backward_prefetch_switch(rank, world)
 
 

@@ -126,7 +126,7 @@ def test_world_size_ranges() -> None:
 def test_command_line_prints_both_engines(capsys) -> None:
     assert main(["model=llama_tiny", "world_size=2,4", "seq_len=64", "hardware=cpu", "precision=32-true"]) == 0
     out = capsys.readouterr().out
-    assert "plan 'default' on Llama: 3 groups" in out
+    assert "plan 'default' on Llama: 4 groups" in out
     assert sum(line.split()[:2] in (["2", "vescale"], ["2", "fsdp2"], ["4", "vescale"], ["4", "fsdp2"])
                for line in out.splitlines()) == 4
 

@@ -88,13 +88,27 @@ def test_reserved_fields_accept_their_defaults() -> None:
 def test_default_plan_groups_every_block_innermost_first() -> None:
     model = meta("llama", "tiny")
     resolved = resolve_plan(model)
-    assert default_plan(model).to_dict()["rules"] == [{"match": "layers.*", "group": True}]
-    assert [g.name for g in resolved.groups] == ["layers.1", "layers.0", ""]
+    assert default_plan(model).to_dict()["rules"] == [
+        {"match": "tok_embeddings", "group": True, "reshard_after_forward": False},
+        {"match": "layers.*", "group": True},
+    ]
+    assert [g.name for g in resolved.groups] == ["layers.1", "layers.0", "tok_embeddings", ""]
     assert resolved.groups[-1].is_root
-    assert {p.group for p in resolved.params.values()} == {"layers.0", "layers.1", ""}
+    assert {p.group for p in resolved.params.values()} == {"layers.0", "layers.1", "tok_embeddings", ""}
     assert resolved.policy("layers.0.attention.wq.weight").group == "layers.0"
-    assert resolved.policy("tok_embeddings.weight").group == ""
+    assert resolved.policy("tok_embeddings.weight").group == "tok_embeddings"
+    assert {g.name: g.reshard_after_forward for g in resolved.groups}["tok_embeddings"] is False
+    assert resolved.policy("output.weight").group == ""
     assert len(resolved.params) == len(list(model.parameters()))
+
+
+def test_default_plan_keeps_a_visibly_tied_embedding_in_the_root() -> None:
+    model = nn.Module()
+    model.tok_embeddings = nn.Embedding(16, 8)
+    model.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+    model.output = nn.Linear(8, 16, bias=False)
+    model.output.weight = model.tok_embeddings.weight
+    assert [r["match"] for r in default_plan(model).to_dict()["rules"]] == ["layers.*"]
 
 
 def test_rule_matching_nothing_names_the_rule_and_close_names() -> None:

@@ -215,3 +215,18 @@ def test_single_rank_fit(single_process_pg, tmp_path) -> None:
     (tmp_path / "single.ckpt").write_bytes(b"")
     with pytest.raises(ValueError, match="not a directory"):
         trainer(max_steps=3, enable_model_summary=False).fit(BoringModel(), ckpt_path=tmp_path / "single.ckpt")
+
+
+def test_plan_typo_stops_fit_before_any_process_or_group(monkeypatch, tmp_path) -> None:
+    """A plan rule whose glob matches nothing stops ``Trainer.fit`` before the launcher starts a second process
+    or a process group exists; the error names the rule."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    started = []
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", lambda self: started.append(1))
+    plan = {"version": 1, "rules": [{"match": "**.layer.*", "group": True}]}  # the model has `layer`, no children
+    trainer = Trainer(strategy=VeScaleStrategy(plan=plan), accelerator="cpu", devices=2, max_steps=1,
+                      logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.raises(lv.PlanError, match=r"\*\*\.layer\.\*"):
+        trainer.fit(BoringModel())
+    assert not started and not dist.is_initialized()
