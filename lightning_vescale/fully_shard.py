@@ -363,7 +363,10 @@ class _VeScaleState:
         if self.group is None:
             return
         self.group.pre_backward()
-        if root.order_recorded and self.backward_prefetch:
+        # Not from the root's: when backward reaches the head, every activation and the loss's gradient over the
+        # vocabulary are alive (the step's peak); the next group gathers at its own pre-backward, once the head's
+        # backward has freed them.
+        if root.order_recorded and self.backward_prefetch and not self.is_root:
             for nxt in root._next_in(root.post_forward_order[::-1], self, self.prefetch):
                 if nxt.group is not None and nxt.group.training_state is TrainingState.IDLE:
                     nxt.group.unshard(async_op=True)

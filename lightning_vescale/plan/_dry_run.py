@@ -13,7 +13,7 @@ Forward visits the groups in module order. A group is gathered at its pre-forwar
 issues the AllGathers of the next ``prefetch`` groups; it is freed after its forward if it reshards after
 forward and is not a root (a group containing others stays gathered while they run). Activations accumulate.
 Backward visits them in reverse: the root's gradient buffer is allocated when backward starts (its outputs
-come first); a root that holds only modules after every other group (final norm, head) is done at once, one
+come first; FSDP2's root prefetches the next groups there, lightning-vescale's does not); a root that holds only modules after every other group (final norm, head) is done at once, one
 that holds the embedding lives to the end (its gradient comes last). Each other group is gathered again if
 it was freed, gets its unsharded gradient buffer, prefetches the next groups, frees its activations and
 parameters when done and issues its ReduceScatter, whose buffers (and an fp32 copy when reducing in another
@@ -196,12 +196,14 @@ def _backward_transient(g: _Group) -> float:
 
 
 def _simulate(order: list[_Group], persistent: float, logits_grad: float,
-              reduces_in_flight: int = 1) -> tuple[float, float]:
+              reduces_in_flight: int = 1, root_prefetches: bool = True) -> tuple[float, float]:
     """(peak bytes, peak gathered bytes) of one step, walking [Note: one training step, as the engine runs it].
 
     ``order``: the groups in forward order; ``persistent``: bytes alive throughout (pieces, gradients, states);
     ``logits_grad``: bytes of the loss's gradient over the vocabulary (fp32, every token);
-    ``reduces_in_flight``: ReduceScatters left running while backward goes on (the engine's default for the device).
+    ``reduces_in_flight``: ReduceScatters left running while backward goes on (the engine's default for the device);
+    ``root_prefetches``: whether the roots' pre-backward gathers the next groups (FSDP2) or each group gathers
+    at its own (lightning-vescale: not while the head's backward holds the step's peak).
     """
     gathered: dict[str, float] = {}
     activations = 0.0
@@ -251,7 +253,7 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
     for root in roots:
         gather(root)
         grad_buffers[root.name] = root.grad
-        for nxt in [g for g in reverse if not g.is_root][: root.prefetch]:
+        for nxt in [g for g in reverse if not g.is_root][: root.prefetch if root_prefetches else 0]:
             gather(nxt)
     note(logits_grad + max((r.largest_param for r in roots), default=0.0))
 
@@ -500,7 +502,7 @@ def dry_run(
             g.done_early = g.name in early
         est.activations = sum(g.activations for g in order)
         persistent = est.params + est.grads + est.optimizer
-        est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad, in_flight)
+        est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad, in_flight, root_prefetches=est is fs)
     # Time: compute at the profile's rate; communication overlapped with it (prefetch) except the first gather
     # and the last reduce; the optimizer reads and writes its states once (memory bound).
     flops = _flops_per_token(model, workload.seq_len) * tokens
