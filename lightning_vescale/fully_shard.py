@@ -374,7 +374,8 @@ class _VeScaleState:
         for state in self.states:
             if state.group is not None:
                 state.group.finalize_grads()
-                state.group.reshard()
+                if state.group.reshard_after_backward:
+                    state.group.reshard()
                 state.group.training_state = TrainingState.IDLE
         self.reduce_queue.clear()
         self.callback_queued = False
@@ -481,6 +482,15 @@ class VeScaleModule:
         for state in self._vescale_states(recurse):
             if state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """With False, the gathered parameters stay unsharded after backward (as FSDP2's method of the same name):
+        with ``set_reshard_after_forward(False)`` too, several micro-batches (gradient accumulation, pipeline
+        schedules) gather once and reuse the parameters, holding them unsharded in between; call
+        :meth:`reshard` (or set True before the last backward) to free them."""
+        for state in self._vescale_states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
