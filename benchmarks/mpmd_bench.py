@@ -12,10 +12,15 @@ Layouts (global batch 12 images + 16 caption tokens, fp32, AdamW, clipping at 1.
 * ``mpmd 1+3 1f1b`` / ``gpipe``: encoder + projector on rank 0, the decoder sharded over ranks 1-3 (one
   pipeline, a team of 3), 4 micro-batches;
 * ``mpmd 2+2 1f1b``: encoder + projector sharded over ranks 0-1, the decoder over ranks 2-3 (two pipelines side
-  by side), 3 micro-batches.
+  by side), 3 micro-batches; ``M=2``: 2 micro-batches; ``regather``: 3 micro-batches with ``gather_once: false``
+  (every micro-batch gathers the stage's parameters again, as before ``gather_once``).
+
+Every MPMD layout but ``regather`` gathers each stage's parameters once per step (``gather_once``, the default).
 
 All layouts live in the same 4 processes and their steps are interleaved (one step of each in turn), so a change
-in the machine's load hits them alike. A step is timed on rank 0 between two barriers of all ranks. The 4
+in the machine's load hits them alike. A step is timed on rank 0 between two barriers of all ranks; each rank also
+measures the CPU time its process used in the step (``time.process_time``, all its threads): their sum over the
+ranks is the machine's work per step, which the load of other processes does not change (wall time it does). The 4
 processes share 2 CPU cores (with whatever else runs on the machine): compute does not speed up with ranks, so
 this machine measures overheads (collectives, pipeline bubbles, team traffic) more than parallel speed-up.
 """
@@ -42,9 +47,9 @@ BATCH, SEQ, WORLD = 12, 16, 4
 ENCODER_PLAN = {"rules": [{"match": "encoder.blocks.*", "group": True}]}
 
 
-def mpmd_plan(vision: int, language: int, schedule: str, microbatches: int) -> dict:
-    return {"name": f"{vision}+{language} {schedule} M={microbatches}", "schedule": schedule,
-            "microbatches": microbatches, "stages": [
+def mpmd_plan(vision: int, language: int, schedule: str, microbatches: int, gather_once: bool = True) -> dict:
+    return {"name": f"{vision}+{language} {schedule} M={microbatches}" + ("" if gather_once else " regather"),
+            "schedule": schedule, "microbatches": microbatches, "gather_once": gather_once, "stages": [
                 {"name": "vision", "modules": ["encoder", "projector"], "ranks": vision, "plan": ENCODER_PLAN},
                 {"name": "language", "modules": ["decoder"], "ranks": language, "plan": "llama"}]}
 
@@ -54,6 +59,8 @@ LAYOUTS = {
     "mpmd 1+3 1f1b": mpmd_plan(1, 3, "1f1b", 4),
     "mpmd 1+3 gpipe": mpmd_plan(1, 3, "gpipe", 4),
     "mpmd 2+2 1f1b": mpmd_plan(2, 2, "1f1b", 3),
+    "mpmd 2+2 1f1b M=2": mpmd_plan(2, 2, "1f1b", 2),
+    "mpmd 2+2 1f1b regather": mpmd_plan(2, 2, "1f1b", 3, gather_once=False),
 }
 
 
@@ -90,16 +97,21 @@ def _worker(rank: int, init_file: str, steps: int, warmup: int, out: str) -> Non
         return float(loss.detach())
 
     times = {name: [] for name in LAYOUTS}
+    cpu = {name: [] for name in LAYOUTS}
     for i in range(warmup + steps):
         for name, (model, opt) in models.items():
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step(model, opt, i)
+            used = time.process_time() - start_cpu
             dist.barrier()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
+                cpu[name].append(used)
+    per_rank = [None] * WORLD
+    dist.all_gather_object(per_rank, {name: statistics.median(c) for name, c in cpu.items()})
     if rank == 0:
-        Path(out).write_text(json.dumps(times))
+        Path(out).write_text(json.dumps({"wall": times, "cpu": per_rank}))
     dist.destroy_process_group()
 
 
@@ -125,6 +137,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
+    load_start = os.getloadavg()
     predicted = predictions()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
@@ -137,11 +150,12 @@ def main() -> None:
             p.join()
         if any(p.exitcode for p in procs):
             raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        times = json.loads(Path(out).read_text())
-    measured = {name: {"median_s": statistics.median(t), "min_s": min(t), "steps": len(t)} for name, t in times.items()}
+        raw = json.loads(Path(out).read_text())
+    measured = {name: {"median_s": statistics.median(t), "min_s": min(t), "steps": len(t),
+                       "cpu_s_per_rank": [r[name] for r in raw["cpu"]]} for name, t in raw["wall"].items()}
     load = os.getloadavg()
     result = {"batch": BATCH, "seq_len": SEQ, "world_size": WORLD, "measured": measured, "predicted": predicted,
-              "load_average": load, "command": "python benchmarks/mpmd_bench.py " + " ".join(sys.argv[1:])}
+              "load_average_start": load_start, "load_average": load, "command": "python benchmarks/mpmd_bench.py " + " ".join(sys.argv[1:])}
     results = ROOT / "benchmarks" / "results"
     (results / "mpmd.json").write_text(json.dumps(result, indent=2))
     (results / "mpmd.md").write_text(_markdown(result))
@@ -149,23 +163,37 @@ def main() -> None:
 
 
 def _markdown(r: dict) -> str:
-    base = r["measured"]["uniform"]["median_s"]
+    base = r["measured"]["uniform"]
+    base_cpu = sum(base["cpu_s_per_rank"])
+    pred = {hw: {c["name"]: c for c in r["predicted"][hw]["costs"]} for hw in r["predicted"]}
+    base_pred = pred["cpu"]["uniform"]["step_seconds"]
     lines = [
         "# MPMD vs uniform sharding: the small VLM at 4 ranks",
         "",
         f"`{r['command'].strip()}`; global batch {r['batch']} images + {r['seq_len']} caption tokens, fp32, AdamW. "
-        f"Load average at the end {r['load_average'][0]:.1f} (2 shared CPU cores).",
+        f"Load average {r['load_average_start'][0]:.1f} at the start, {r['load_average'][0]:.1f} at the end "
+        "(2 CPU cores shared with other users).",
         "",
-        "| layout | measured median ms/step | vs uniform | predicted cpu ms | predicted bubble | predicted h200 ms |",
-        "|---|---:|---:|---:|---:|---:|",
+        "Measured: median wall time per step, and the CPU time of a step summed over the 4 ranks (the machine's "
+        "work, which other users' load does not inflate). Predicted (cost model, `cpu` profile): step time, bubble "
+        "fraction of the schedule, unsharded parameters a rank of the decoder's stage holds through the step "
+        "(`gather_once`).",
+        "",
+        "| layout | wall ms/step | vs uniform | CPU ms/step (4 ranks) | vs uniform | predicted cpu ms | vs uniform "
+        "| predicted bubble | held unsharded MB | predicted h200 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    pred = {hw: {c["name"]: c for c in r["predicted"][hw]["costs"]} for hw in r["predicted"]}
     for name, m in r["measured"].items():
         key = "uniform" if name == "uniform" else f"mpmd:{next(p for n, p in LAYOUTS.items() if n == name)['name']}"
         cpu, h200 = pred["cpu"][key], pred["h200"][key]
-        lines.append(f"| {name} | {1e3 * m['median_s']:.1f} | {m['median_s'] / base:.2f}x | "
-                     f"{1e3 * cpu['step_seconds']:.1f} | {cpu['bubble_fraction']:.2f} | {1e3 * h200['step_seconds']:.3f} |")
-    lines += ["", f"Chosen by the cost model: cpu -> {r['predicted']['cpu']['chosen']}, "
+        work = sum(m["cpu_s_per_rank"])
+        held = max((s["unsharded_bytes"] for s in cpu["stages"]), default=0.0) / 2**20
+        lines.append(f"| {name} | {1e3 * m['median_s']:.1f} | {m['median_s'] / base['median_s']:.2f}x | "
+                     f"{1e3 * work:.0f} | {work / base_cpu:.2f}x | {1e3 * cpu['step_seconds']:.1f} | "
+                     f"{cpu['step_seconds'] / base_pred:.2f}x | {cpu['bubble_fraction']:.2f} | {held:.1f} | "
+                     f"{1e3 * h200['step_seconds']:.3f} |")
+    fastest = min(r["measured"], key=lambda n: r["measured"][n]["median_s"])
+    lines += ["", f"Measured fastest: {fastest}. Chosen by the cost model: cpu -> {r['predicted']['cpu']['chosen']}, "
                   f"h200 -> {r['predicted']['h200']['chosen']}.", ""]
     return "\n".join(lines) + "\n"
 
