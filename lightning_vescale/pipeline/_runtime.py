@@ -187,6 +187,7 @@ class MPMDModel(nn.Module):
         self._calls = 0
         self._sync_at: int | None = None  # the forward call whose backward reduces the step's gradients
         self._planned_reshard: list[bool] | None = None  # the groups' reshard_after_forward while kept gathered
+        self._groups_cache: list | None = None
 
     @property
     def spec(self) -> StageSpec:
@@ -220,17 +221,24 @@ class MPMDModel(nn.Module):
             x = x.to(self._boundary_dtype)
         return x.contiguous()
 
-    def _set_sync(self, enabled: bool) -> None:
-        from lightning_vescale.parallelize import set_gradient_sync
+    @property
+    def _groups(self) -> list:
+        """The stage's sharded groups (found once: walking the modules every micro-batch is measurable here)."""
+        if self._groups_cache is None:
+            from lightning_vescale.fully_shard import sharded_groups
 
-        set_gradient_sync(self, enabled)
+            self._groups_cache = sharded_groups(self)
+        return self._groups_cache
+
+    def _set_sync(self, enabled: bool) -> None:
+        """``set_gradient_sync`` on every group of the stage."""
+        for g in self._groups:
+            g.requires_grad_sync = enabled
 
     def _keep_gathered(self, keep: bool) -> None:
         """Keep every group's parameters unsharded after forward and backward (True) or restore the plan's
         resharding (False). Freeing is left to the groups' own hooks and to :meth:`_reshard`."""
-        from lightning_vescale.fully_shard import sharded_groups
-
-        groups = sharded_groups(self)
+        groups = self._groups
         if keep and self._planned_reshard is None:
             self._planned_reshard = [g.reshard_after_forward for g in groups]
         elif not keep and self._planned_reshard is not None:
@@ -243,9 +251,7 @@ class MPMDModel(nn.Module):
             g.reshard_after_backward = not keep
 
     def _reshard(self) -> None:
-        from lightning_vescale.fully_shard import sharded_groups
-
-        for group in sharded_groups(self):
+        for group in self._groups:
             group.reshard()
 
     # The runtime (set up by parallelize_mpmd)
@@ -333,7 +339,7 @@ class _Runtime:
         self.pipeline = (rank - ranges[g].start) // team_sizes[g]
         self.team_sizes = team_sizes
         members, team_group = teams[(g, self.pipeline)]
-        self.team = Team(team_group) if team_group is not None else None
+        self.team = Team(team_group, device) if team_group is not None else None
         self.is_leader = rank == members[0]
         self.pipeline_group = pipeline_groups[self.pipeline]
         self.mesh = DeviceMesh.from_group(stage_groups[g], device.type)
