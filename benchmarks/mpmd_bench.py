@@ -187,10 +187,51 @@ def predictions() -> dict:
     return out
 
 
+def calibrate(measured: dict) -> dict:
+    """Fit the ``cpu`` profile's ``op_overhead``, ``microbatch_overhead`` and ``tensor_overhead`` (least squares) to
+    the measured CPU seconds of every rank: each rank's predicted busy time without them, plus operators x
+    micro-batches x ``op_overhead``, micro-batches x ``microbatch_overhead``, parameter tensors x ``tensor_overhead``."""
+    import dataclasses
+
+    import numpy as np
+
+    from lightning_vescale.models.vlm import VLM, synthetic_vlm_batch, vlm_config
+    from lightning_vescale.pipeline import predict_mpmd, predict_uniform
+    from lightning_vescale.pipeline._spec import MPMDPlan
+    from lightning_vescale.plan._hardware import load_profile
+
+    config = vlm_config("small")
+    with torch.device("meta"):
+        model = VLM(config)
+    images, tokens, _ = synthetic_vlm_batch(config, BATCH, SEQ, 0)
+    bare = dataclasses.replace(load_profile("cpu"), op_overhead=0.0, microbatch_overhead=0.0, tensor_overhead=0.0)
+    rows, target = [], []
+    for name, m in measured.items():
+        plan = LAYOUTS[name]
+        if plan is None:
+            cost, micro, modules = predict_uniform(model, (images, tokens), WORLD, bare), 0, [[model]] * WORLD
+        else:
+            plan = MPMDPlan.from_dict(plan)
+            cost, micro = predict_mpmd(model, plan, (images, tokens), bare), plan.microbatches
+            modules = [[model.get_submodule(n) for n in s.modules] for s in plan.stages for _ in range(s.ranks)]
+        stages = [s for s in cost.stages for _ in range(s.ranks)]
+        for stage, mods, seconds in zip(stages, modules, m["cpu_s_per_rank"]):
+            tensors = sum(1 for mod in mods for _ in mod.parameters())
+            rows.append([stage.ops * max(micro, 1), micro, tensors])
+            target.append(seconds - stage.busy_seconds)
+    X, y = np.array(rows, dtype=float), np.array(target)
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    rms = float(np.sqrt(np.mean((X @ coef - y) ** 2)))
+    return {"op_overhead": float(coef[0]), "microbatch_overhead": float(coef[1]), "tensor_overhead": float(coef[2]),
+            "rms_residual_s": rms, "ranks": len(y)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--calibrate", action="store_true", help="fit the cpu profile's overheads to this run's "
+                        "CPU seconds per rank (printed and saved; the profile file is not changed)")
     parser.add_argument("--memory", action="store_true", help="also the peak RSS per rank of "
                         + " and ".join(MEMORY_LAYOUTS) + ", each in fresh processes")
     args = parser.parse_args()
@@ -212,7 +253,8 @@ def main() -> None:
                        "cpu_s_per_rank": [r[name] for r in raw["cpu"]]} for name, t in raw["wall"].items()}
     load = os.getloadavg()
     memory = measure_memory() if args.memory else None
-    result = {"memory_peak_rss_bytes": memory, "batch": BATCH, "seq_len": SEQ, "world_size": WORLD, "measured": measured, "predicted": predicted,
+    fit = calibrate(measured) if args.calibrate else None
+    result = {"memory_peak_rss_bytes": memory, "calibration": fit, "batch": BATCH, "seq_len": SEQ, "world_size": WORLD, "measured": measured, "predicted": predicted,
               "load_average_start": load_start, "load_average": load, "command": "python benchmarks/mpmd_bench.py " + " ".join(sys.argv[1:])}
     results = ROOT / "benchmarks" / "results"
     (results / "mpmd.json").write_text(json.dumps(result, indent=2))
@@ -258,7 +300,22 @@ def _markdown(r: dict) -> str:
               f"Goal (the best MPMD layout at least 10% faster than uniform sharding, the encoder being small next to "
               f"the decoder): {'met' if ratio <= 0.9 else 'not met'} in this run, {best} at {ratio:.2f}x uniform's "
               f"wall time ({1 / ratio:.2f}x the throughput) and {sum(r['measured'][best]['cpu_s_per_rank']) / base_cpu:.2f}x "
-              "its CPU time. The h200 column is the cost model only (not measured).", ""]
+              "its CPU time. The h200 column is the cost model only, not measured; its profile prices no per-operator "
+              "overhead (`op_overhead: 0`), which for a model this small (about 2000 kernels a step) would dominate "
+              "on a GPU, so it is no prediction of this model's H200 step.", ""]
+    from lightning_vescale.plan._hardware import load_profile
+
+    cpu = load_profile("cpu")
+    lines += [f"The `cpu` profile's overheads (`lightning_vescale/plan/profiles/cpu.yaml`): op_overhead "
+              f"{cpu.op_overhead:.2g} s, microbatch_overhead {cpu.microbatch_overhead:.2g} s, tensor_overhead "
+              f"{cpu.tensor_overhead:.2g} s, cores {cpu.cores}, fitted to the CPU seconds per rank of two earlier runs "
+              "of these layouts (`--calibrate` fits them to a run)."]
+    if r.get("calibration"):
+        c = r["calibration"]
+        lines += [f"This run's fit over {c['ranks']} ranks: op_overhead {c['op_overhead']:.2g} s, microbatch_overhead "
+                  f"{c['microbatch_overhead']:.2g} s, tensor_overhead {c['tensor_overhead']:.2g} s, rms residual "
+                  f"{1e3 * c['rms_residual_s']:.1f} ms per rank."]
+    lines.append("")
     if r.get("memory_peak_rss_bytes"):
         lines += ["Peak resident set per rank during a step, above the baseline after the imports and the process "
                   "group (`--memory`: each layout in 4 fresh processes, glibc returning freed blocks of 128 KiB and "
