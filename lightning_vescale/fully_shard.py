@@ -17,6 +17,8 @@ submodule) one :class:`ParamGroup`. Hooks drive it through a training step:
 * a callback queued on the autograd engine runs when the whole backward ends: it completes groups whose
   gradients never all arrived (unused parameters), waits for every ReduceScatter and points each
   sharded parameter's ``.grad`` at its piece of the reduced gradient.
+* ``set_reshard_after_backward(False)`` (with ``set_reshard_after_forward(False)``) keeps a group gathered
+  through backward and its end, so the micro-batches of a pipeline step gather once (MPMD's ``gather_once``).
 
 The first group whose forward runs is the root. Its lazy initialization checks that every rank
 computed the same plans (invariant 4) before any training happens. Before each forward, and again when
