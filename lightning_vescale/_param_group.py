@@ -133,6 +133,8 @@ class ParamGroup:
         self.device = device
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
+        # False keeps the parameters gathered after backward too (pipeline micro-batches: gather once per step)
+        self.reshard_after_backward = True
         self.requires_grad_sync = True
         self.training_state = TrainingState.IDLE
         self.world_size = dist.get_world_size(shard_group)
@@ -402,6 +404,8 @@ class ParamGroup:
 
     def _inputs_done(self, *unused) -> None:
         self._frozen_in_use = False
+        if not self.reshard_after_backward:
+            return
         if self.training_state is TrainingState.POST_BACKWARD or self._grad_expected == 0:
             for buf in self.buffers.values():
                 if not buf.requires_grad:
@@ -414,7 +418,9 @@ class ParamGroup:
         self.training_state = TrainingState.POST_BACKWARD
         for mp in self.managed:
             mp.unsharded.grad = None  # the buffer stays; only the views are dropped
-        if self._frozen_in_use:  # frozen buffers are freed once backward has used them (see the note above)
+        if not self.reshard_after_backward:
+            pass  # kept gathered for the next micro-batch (see ``set_reshard_after_backward``)
+        elif self._frozen_in_use:  # frozen buffers are freed once backward has used them (see the note above)
             for mp in self.managed:
                 self._use_sharded(mp)
             for buf in self.buffers.values():

@@ -17,6 +17,8 @@ submodule) one :class:`ParamGroup`. Hooks drive it through a training step:
 * a callback queued on the autograd engine runs when the whole backward ends: it completes groups whose
   gradients never all arrived (unused parameters), waits for every ReduceScatter and points each
   sharded parameter's ``.grad`` at its piece of the reduced gradient.
+* ``set_reshard_after_backward(False)`` (with ``set_reshard_after_forward(False)``) keeps a group gathered
+  through backward and its end, so the micro-batches of a pipeline step gather once (MPMD's ``gather_once``).
 
 The first group whose forward runs is the root. Its lazy initialization checks that every rank
 computed the same plans (invariant 4) before any training happens. Before each forward, and again when
@@ -382,7 +384,8 @@ class _VeScaleState:
         for state in self.states:
             if state.group is not None:
                 state.group.finalize_grads()
-                state.group.reshard()
+                if state.group.reshard_after_backward:
+                    state.group.reshard()
                 state.group.training_state = TrainingState.IDLE
         self.reduce_queue.clear()
         self.callback_queued = False
@@ -500,6 +503,15 @@ class VeScaleModule:
         for state in self._vescale_states(recurse):
             if state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """With False, the gathered parameters stay unsharded after backward (as FSDP2's method of the same name):
+        with ``set_reshard_after_forward(False)`` too, several micro-batches (gradient accumulation, pipeline
+        schedules) gather once and reuse the parameters, holding them unsharded in between; call
+        :meth:`reshard` (or set True before the last backward) to free them."""
+        for state in self._vescale_states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -186,6 +186,8 @@ class MPMDModel(nn.Module):
         self._runtime: _Runtime | None = None
         self._calls = 0
         self._sync_at: int | None = None  # the forward call whose backward reduces the step's gradients
+        self._planned_reshard: list[bool] | None = None  # the groups' reshard_after_forward while kept gathered
+        self._groups_cache: list | None = None
 
     @property
     def spec(self) -> StageSpec:
@@ -200,11 +202,17 @@ class MPMDModel(nn.Module):
         if call == self._sync_at:
             # [Note: one ReduceScatter per step] this micro-batch's backward comes last on this stage (GPipe and
             # 1F1B run backward in micro-batch order): the gradients of all micro-batches, accumulated unsharded,
-            # are reduced as its backward starts.
+            # are reduced as its backward starts. [Note: one AllGather per step] likewise, with gather_once the
+            # parameters gathered by the first micro-batch stay unsharded until this backward, which frees them
+            # group by group as it goes.
             needing = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
             if needing:
-                torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self._set_sync(True), mode="any")
+                torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self._last_backward(), mode="any")
         return out if len(out) > 1 else out[0]
+
+    def _last_backward(self) -> None:
+        self._set_sync(True)
+        self._keep_gathered(False)
 
     def _boundary(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -213,10 +221,38 @@ class MPMDModel(nn.Module):
             x = x.to(self._boundary_dtype)
         return x.contiguous()
 
-    def _set_sync(self, enabled: bool) -> None:
-        from lightning_vescale.parallelize import set_gradient_sync
+    @property
+    def _groups(self) -> list:
+        """The stage's sharded groups (found once: walking the modules every micro-batch is measurable here)."""
+        if self._groups_cache is None:
+            from lightning_vescale.fully_shard import sharded_groups
 
-        set_gradient_sync(self, enabled)
+            self._groups_cache = sharded_groups(self)
+        return self._groups_cache
+
+    def _set_sync(self, enabled: bool) -> None:
+        """``set_gradient_sync`` on every group of the stage."""
+        for g in self._groups:
+            g.requires_grad_sync = enabled
+
+    def _keep_gathered(self, keep: bool) -> None:
+        """Keep every group's parameters unsharded after forward and backward (True) or restore the plan's
+        resharding (False). Freeing is left to the groups' own hooks and to :meth:`_reshard`."""
+        groups = self._groups
+        if keep and self._planned_reshard is None:
+            self._planned_reshard = [g.reshard_after_forward for g in groups]
+        elif not keep and self._planned_reshard is not None:
+            for g, planned in zip(groups, self._planned_reshard):
+                g.reshard_after_forward = planned
+            self._planned_reshard = None
+        for g in groups:
+            if keep:
+                g.reshard_after_forward = False
+            g.reshard_after_backward = not keep
+
+    def _reshard(self) -> None:
+        for group in self._groups:
+            group.reshard()
 
     # The runtime (set up by parallelize_mpmd)
     @property
@@ -303,7 +339,7 @@ class _Runtime:
         self.pipeline = (rank - ranges[g].start) // team_sizes[g]
         self.team_sizes = team_sizes
         members, team_group = teams[(g, self.pipeline)]
-        self.team = Team(team_group) if team_group is not None else None
+        self.team = Team(team_group, device) if team_group is not None else None
         self.is_leader = rank == members[0]
         self.pipeline_group = pipeline_groups[self.pipeline]
         self.mesh = DeviceMesh.from_group(stage_groups[g], device.type)
@@ -355,14 +391,20 @@ class _Runtime:
             self._run(inputs, target, g, last, loss, train=False)
             dist.all_reduce(loss)
             return loss
-        # Gradients accumulate unsharded over the micro-batches and are reduced once, in the last one's backward.
+        # Gradients accumulate unsharded over the micro-batches and are reduced once, in the last one's backward;
+        # with gather_once the parameters are gathered once and freed in that backward too.
         self.model._calls, self.model._sync_at = 0, self.plan.microbatches - 1
         self.model._set_sync(False)
+        if self.plan.gather_once:
+            self.model._keep_gathered(True)
         try:
             self._run(inputs, target, g, last, loss)
         finally:
             self.model._sync_at = None
             self.model._set_sync(True)
+            if self.plan.gather_once:
+                self.model._keep_gathered(False)
+                self.model._reshard()  # (already done by the last backward; an interrupted step frees here)
         dist.all_reduce(loss)  # only the last stage's leaders contribute
         return loss
 

@@ -6,6 +6,7 @@ An MPMD plan is data (a dict / YAML file), checked here without any process grou
     name: vlm_mpmd
     schedule: 1f1b            # gpipe | 1f1b (torch.distributed.pipelining)
     microbatches: 4           # per pipeline and step
+    gather_once: true         # a stage gathers its parameters once per step, not per micro-batch
     stages:                   # in the order the data flows
       - name: vision
         modules: [encoder, projector]
@@ -38,7 +39,7 @@ __all__ = ["SCHEDULES", "MPMDPlan", "StageSpec", "is_mpmd_plan"]
 SCHEDULES = ("gpipe", "1f1b")
 """Schedules of ``torch.distributed.pipelining`` an MPMD plan can name."""
 
-_PLAN_KEYS = ("version", "name", "description", "schedule", "microbatches", "stages")
+_PLAN_KEYS = ("version", "name", "description", "schedule", "microbatches", "gather_once", "stages")
 _STAGE_KEYS = ("name", "modules", "ranks", "plan")
 
 
@@ -74,6 +75,10 @@ class MPMDPlan:
     """``gpipe`` or ``1f1b``."""
     microbatches: int = 4
     """Micro-batches per pipeline and step (each pipeline gets an equal part of the batch)."""
+    gather_once: bool = True
+    """A stage gathers its sharded parameters once per step and keeps them unsharded across its micro-batches
+    (freed during the last one's backward): one AllGather per group and step instead of two per micro-batch,
+    for holding the stage's unsharded parameters through the step. False: gather per micro-batch."""
     name: str = ""
     description: str = ""
     version: int = 1
@@ -87,6 +92,8 @@ class MPMDPlan:
             raise PlanError(f"{what}: schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise PlanError(f"{what}: microbatches must be a positive number, got {self.microbatches!r}")
+        if not isinstance(self.gather_once, bool):
+            raise PlanError(f"{what}: gather_once must be true or false, got {self.gather_once!r}")
         if len(self.stages) < 2:
             raise PlanError(f"{what}: an MPMD plan needs at least two stages, got {len(self.stages)}; for one group "
                             f"of ranks use an ordinary plan")
@@ -174,6 +181,7 @@ class MPMDPlan:
         return cls(
             stages=tuple(_stage_from_dict(s, i) for i, s in enumerate(stages_data)),
             schedule=str(data.get("schedule", "1f1b")).lower(), microbatches=data.get("microbatches", 4),
+            gather_once=data.get("gather_once", True),
             name=str(data.get("name") or ""), description=str(data.get("description") or ""),
             version=data.get("version", 1),
         )
@@ -182,7 +190,7 @@ class MPMDPlan:
         out: dict[str, Any] = {"version": self.version}
         if self.name:
             out["name"] = self.name
-        out.update(schedule=self.schedule, microbatches=self.microbatches)
+        out.update(schedule=self.schedule, microbatches=self.microbatches, gather_once=self.gather_once)
         out["stages"] = [
             {"name": s.name, "modules": list(s.modules), "ranks": s.ranks,
              **({"plan": s.plan.to_dict()} if s.plan is not None else {})}

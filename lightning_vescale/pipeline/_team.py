@@ -37,15 +37,25 @@ FORWARD, BACKWARD, END = "F", "B", "END"
 class Team:
     """The ranks of one stage serving one pipeline (a process group); rank 0 of the group leads."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device | str = "cpu") -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.is_leader = dist.get_rank(group) == 0
+        self.device = torch.device(device)
 
     def command(self, cmd: Any = None) -> Any:
-        box = [cmd]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]
+        """The leader's ``cmd`` on every member: one broadcast of a few integers (no pickling) for the step's
+        commands, an object broadcast for anything else."""
+        box = torch.zeros(_COMMAND_LEN, dtype=torch.int64, device=self.device)
+        if self.is_leader:
+            code = _encode(cmd)
+            box[: len(code)] = torch.tensor(code or [_OBJECT], dtype=torch.int64)
+        dist.broadcast(box, group=self.group, group_src=0)
+        if int(box[0]) == _OBJECT:
+            obj = [cmd]
+            dist.broadcast_object_list(obj, group=self.group, group_src=0)
+            return obj[0]
+        return cmd if self.is_leader else _decode(box.tolist())
 
     def scatter(self, full: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
@@ -61,6 +71,42 @@ class Team:
         pieces = [torch.empty_like(piece) for _ in range(self.size)] if self.is_leader else None
         dist.gather(piece, pieces, group=self.group, group_dst=0)
         return torch.cat(pieces) if self.is_leader else None
+
+
+_COMMAND_LEN = 64
+_KINDS = (FORWARD, BACKWARD, END)
+_OBJECT = len(_KINDS)  # the command follows as a pickled object
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)
+
+
+def _encode(cmd: Any) -> list[int] | None:
+    """``(FORWARD, microbatch, [(shape, dtype, requires_grad), ...])``, ``(BACKWARD, microbatch)`` or ``(END,)``
+    as integers; None when it does not fit."""
+    if not isinstance(cmd, tuple) or not cmd or cmd[0] not in _KINDS:
+        return None
+    code = [_KINDS.index(cmd[0]), *(int(x) for x in cmd[1:2])]
+    if cmd[0] == FORWARD:
+        code.append(len(cmd[2]))
+        for shape, dtype, requires_grad in cmd[2]:
+            if dtype not in _DTYPES:
+                return None
+            code += [_DTYPES.index(dtype), int(requires_grad), len(shape), *shape]
+    return code if len(code) <= _COMMAND_LEN else None
+
+
+def _decode(code: list[int]) -> tuple:
+    kind = _KINDS[code[0]]
+    if kind == END:
+        return (END,)
+    if kind == BACKWARD:
+        return (BACKWARD, code[1])
+    metas, i = [], 3
+    for _ in range(code[2]):
+        dtype, requires_grad, ndim = _DTYPES[code[i]], bool(code[i + 1]), code[i + 2]
+        metas.append((tuple(code[i + 3:i + 3 + ndim]), dtype, requires_grad))
+        i += 3 + ndim
+    return (FORWARD, code[1], metas)
 
 
 def _piece_shape(shape: Sequence[int], size: int) -> tuple[int, ...]:

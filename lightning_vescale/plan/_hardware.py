@@ -60,6 +60,17 @@ class HardwareProfile:
     """Achieved / nominal bandwidth of large collectives."""
     shared_compute: bool = False
     """The ranks share ``flops`` (several processes on one CPU) instead of each having its own device."""
+    cores: int = 0
+    """With ``shared_compute``: how many ranks compute at once (the CPU's cores; ``flops`` is all of them)."""
+    op_overhead: float = 0.0
+    """Host seconds per dispatched operator (forward and backward) beyond its FLOPs: what a small model on a CPU
+    spends mostly (the MPMD cost model prices it; 0: none)."""
+    microbatch_overhead: float = 0.0
+    """Host seconds per pipeline micro-batch and stage beyond its operators (the schedule's bookkeeping, its
+    sends and receives)."""
+    tensor_overhead: float = 0.0
+    """Host seconds per parameter tensor and step beyond FLOPs and bytes (the optimizer's per-tensor loop,
+    clipping, the sharding hooks)."""
     measured: dict = field(default_factory=dict)
     """For a measured profile: the raw measurements and the command."""
 
@@ -142,6 +153,30 @@ def _copy_bandwidth(nbytes: int = 256 * 2**20) -> float:
     return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), 5)  # read + write
 
 
+def _op_overhead(width: int = 8, depth: int = 16) -> float:
+    """Seconds per operator of a training step's forward and backward whose FLOPs are negligible (a deep stack
+    of tiny linear layers, one thread): the host's per-op cost (dispatch, autograd)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+                                for _ in range(depth)])
+    x = torch.randn(2, width)
+
+    def step() -> None:
+        net(x).sum().backward()
+
+    with _Count():
+        step()
+    return _best_seconds(step, 20) / _Count.ops
+
+
 def _gloo_worker(rank: int, world: int, init_file: str, sizes: list, out) -> None:
     import torch.distributed as dist
 
@@ -193,6 +228,11 @@ def measure_cpu_profile() -> HardwareProfile:
         copy = _copy_bandwidth()
     finally:
         torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        per_op = _op_overhead()
+    finally:
+        torch.set_num_threads(threads)
     sizes = [2**10, 2**20, 2**22, 2**24, 2**26]
     latency, bandwidth, times = _gloo_link(sizes)
     link = Link(bandwidth=bandwidth, latency=latency)
@@ -200,7 +240,7 @@ def measure_cpu_profile() -> HardwareProfile:
         name="cpu", description=f"this machine: {cores} CPU cores shared by the ranks, gloo over loopback",
         devices_per_node=1 << 20, memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
         memory_bandwidth=copy, flops={"float32": fp32, "bfloat16": bf16}, compute_efficiency=1.0,
-        intra_node=link, inter_node=link, link_efficiency=1.0, shared_compute=True,
+        intra_node=link, inter_node=link, link_efficiency=1.0, shared_compute=True, cores=cores, op_overhead=per_op,
         measured={"command": "python -m lightning_vescale.plan --measure-hardware", "date": time.strftime("%Y-%m-%d"),
                   "cores": cores, "torch": str(torch.__version__), "matmul": "1024x1024 @ 1024x1024, all cores, best of 5",
                   "gloo_all_gather_bytes_sent": sizes, "gloo_all_gather_seconds": times},

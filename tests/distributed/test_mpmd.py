@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
+from lightning_vescale.fully_shard import sharded_groups
 from lightning_vescale.models.llama import Llama, LlamaConfig
 from lightning_vescale.models.vlm import VLM, synthetic_vlm_batch, vlm_config
 from lightning_vescale.parallelize import resolve_for
@@ -106,7 +107,7 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
     assert d < 1e-5, d
 
     # One ReduceScatter per group and step, whatever the number of micro-batches (gradients accumulate unsharded):
-    # the dry run's bytes of one step. (AllGathers run per micro-batch.)
+    # the dry run's bytes of one step.
     lv.comm_stats.step()
     vlm_step(config)(mpmd, 9)
     sent = lv.comm_stats.step()
@@ -120,6 +121,12 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
                         hardware=load_profile("cpu"), workload=Workload(precision="32-true", clip_grad=False)).vescale
     assert sent.get("reduce_scatter", 0) == predicted.collectives["reduce_scatter"], (sent, predicted.collectives)
     assert (sent.get("reduce_scatter", 0) > 0) == (rank > 0)
+    # And one AllGather per buffer and step (gather_once): the parameters gathered for the first micro-batch serve
+    # every micro-batch's forward and backward (per micro-batch it would be 3x these bytes or more).
+    once = sum((b.world_size - 1) * b.shard_size * b.unsharded.element_size()
+               for g in sharded_groups(mpmd) for b in g.buffers.values())
+    assert sent.get("all_gather", 0) == once, (sent, once)
+    assert (once > 0) == (rank > 0)
 
     # Checkpoint of all stages -> plain sharding over every rank -> MPMD again (and another grouping), bitwise.
     save_mpmd(f"{tmp}/mpmd", mpmd, opt)
