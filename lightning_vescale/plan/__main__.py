@@ -2,6 +2,7 @@
 
     python -m lightning_vescale.plan model=llama_70b world_size=1024
     python -m lightning_vescale.plan model=deepseek_v3_671b world_size=8..16384 plan=moe hardware=h200
+    python -m lightning_vescale.plan model=llama_70b world_size=1024 replicate=8   # HSDP: 8 replicas of 128 ranks
     python -m lightning_vescale.plan model=llama_8b world_size=64 plan=configs/plan/llama.yaml seq_len=8192 \\
         batch_size=2 precision=bf16-mixed optimizer=muon model.n_layers=16 out=plan_llama_8b.yaml
     python -m lightning_vescale.plan --measure-hardware > my_machine.yaml   # then hardware=my_machine.yaml
@@ -10,8 +11,12 @@ Arguments (``key=value``, as the recipes take them):
 
 * ``model``: a preset ``<family>_<preset>`` (``llama_70b``, ``deepseek_v3_671b``, ``moe_tiny``, ...; the files of
   ``configs/model/``), with ``model.<field>=<value>`` overrides;
-* ``world_size``: ranks of the shard group: ``1024``, a list ``8,64,512``, or powers of two ``8..16384``;
-* ``plan``: a plan name (``configs/plan/``) or YAML file; default: every transformer block a group;
+* ``world_size``: ranks in all: ``1024``, a list ``8,64,512``, or powers of two ``8..16384``;
+* ``replicate``: HSDP, a 2-D ``(replicate, shard)`` mesh: each group sharded over ``world_size / replicate`` ranks,
+  gradients AllReduced across the ``replicate`` replicas (must divide every world size); 1 (default): a 1-D mesh;
+* ``plan``: a plan name (``configs/plan/``) or YAML file; default: every transformer block a group. A plan's
+  ``quantization: fp8_block | int8_block`` is sized as the engine applies it (trained weights gathered as codes +
+  scales, frozen ones stored as codes + scales);
 * ``hardware``: ``h200`` (public specifications) or ``cpu`` (this machine, measured), or a profile file;
 * ``batch_size`` (sequences per rank per micro-batch, 1), ``seq_len`` (4096), ``precision`` (``bf16-mixed``,
   ``32-true``, ``bf16-true``), ``optimizer`` (``adamw``, ``muon``), ``clip_grad`` (true), ``checkpointing``
@@ -22,7 +27,9 @@ Arguments (``key=value``, as the recipes take them):
 Prints the resolved plan (per group: parameters, bytes, granularity, padding at the first world size), then per
 world size and per engine (lightning_vescale, and FSDP2's even sharding of the same model): bytes per rank of
 sharded parameters, gradients and optimizer states, the peak of gathered parameters with prefetch, activations
-per micro-batch, the peak per rank, bytes sent per step per collective, padding, and the predicted step time.
+per micro-batch, the peak per rank, bytes sent per step per collective (AllGather, of which block-quantized
+codes + scales; ReduceScatter; HSDP's AllReduce across replicas), padding, and the predicted step time, under
+the mesh it names.
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_vescale.plan._spec import PlanError
 
-USAGE = "usage: python -m lightning_vescale.plan model=<preset> world_size=<N|N1,N2|A..B> [plan=...] [hardware=...]"
-_KEYS = ("model", "world_size", "plan", "hardware", "batch_size", "seq_len", "precision", "optimizer", "clip_grad",
+USAGE = ("usage: python -m lightning_vescale.plan model=<preset> world_size=<N|N1,N2|A..B> [replicate=R] [plan=...] "
+         "[hardware=...]")
+_KEYS = ("model", "world_size", "replicate", "plan", "hardware", "batch_size", "seq_len", "precision", "optimizer", "clip_grad",
          "checkpointing", "params", "out")
 
 
@@ -137,15 +145,24 @@ def _seconds(s: float) -> str:
 def format_runs(runs: list) -> str:
     from lightning_vescale.plan._table import _rows_to_text
 
-    header = ["ranks", "engine", "params", "grads", "optim", "gathered peak", "activations", "peak/rank",
-              "all-gather/step", "reduce-scatter/step", "padding", "step time", "(compute+exposed comm+optim)"]
+    hsdp = any(run.replicate > 1 for run in runs)
+    quant = any(k.startswith("all_gather_quant") for run in runs for k in run.vescale.collectives)
+    header = ["ranks", *(["mesh"] if hsdp else []), "engine", "params", "grads", "optim", "gathered peak",
+              "activations", "peak/rank", "all-gather/step", *(["(quantized)"] if quant else []),
+              "reduce-scatter/step", *(["all-reduce/step", "all-reduce time"] if hsdp else []), "padding",
+              "step time", "(compute+exposed comm+optim)"]
     rows = []
     for run in runs:
         for name, est in (("vescale", run.vescale), ("fsdp2", run.fsdp2)):
+            quantized = sum(v for k, v in est.collectives.items() if k.startswith("all_gather_quant"))
             rows.append([
-                str(run.world_size), name, _mib(est.params), _mib(est.grads), _mib(est.optimizer),
-                _mib(est.gathered_peak), _mib(est.activations), _mib(est.peak),
-                _mib(est.collectives.get("all_gather", 0)), _mib(est.collectives.get("reduce_scatter", 0)),
+                str(run.world_size), *([f"{run.replicate}x{run.world_size // run.replicate}"] if hsdp else []), name,
+                _mib(est.params), _mib(est.grads), _mib(est.optimizer),
+                _mib(est.gathered_peak), _mib(est.activations), _mib(est.peak), _mib(est.all_gather_bytes),
+                *([_mib(quantized) if quantized else "-"] if quant else []),
+                _mib(est.collectives.get("reduce_scatter", 0)),
+                *([_mib(est.collectives.get("all_reduce_replicate", 0)), _seconds(est.replicate_seconds)] if hsdp
+                  else []),
                 f"{est.padding:.3%}", _seconds(est.step_seconds),
                 f"{_seconds(est.compute_seconds)} + {_seconds(est.exposed_comm_seconds)} + "
                 f"{_seconds(est.optimizer_seconds)}",
@@ -173,7 +190,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _run(argv: list[str]) -> int:
     from lightning_vescale.plan._activations import activation_profile
-    from lightning_vescale.plan._dry_run import Workload, _forward_order, dry_run
+    from lightning_vescale.plan._dry_run import Workload, _forward_order, check_replicate, dry_run, mesh_description
     from lightning_vescale.plan._files import load_plan
     from lightning_vescale.plan._hardware import load_profile
     from lightning_vescale.plan._resolve import resolve_plan
@@ -181,6 +198,12 @@ def _run(argv: list[str]) -> int:
     start = time.perf_counter()
     args, overrides = _parse(argv)
     sizes = world_sizes(args["world_size"])
+    try:
+        replicate = int(args.get("replicate", 1))
+    except ValueError:
+        raise PlanError(f"replicate={args['replicate']!r}: give a number of replicas (HSDP), e.g. replicate=2") from None
+    for n in sizes:
+        check_replicate(n, replicate)
     try:
         workload = Workload(
             batch_size=int(args.get("batch_size", 1)), seq_len=int(args.get("seq_len", 4096)),
@@ -200,13 +223,19 @@ def _run(argv: list[str]) -> int:
     compute_dtype = PRECISIONS[workload.precision][0] or next(model.parameters()).dtype
     activations = activation_profile(model, [g.name for g in _forward_order(model, resolved)],
                                      compute_dtype=compute_dtype)
-    runs = [dry_run(model, resolved, n, workload=workload, hardware=hardware, activations=activations) for n in sizes]
+    runs = [dry_run(model, resolved, n, workload=workload, hardware=hardware, activations=activations,
+                    replicate=replicate) for n in sizes]
     elapsed = time.perf_counter() - start
-    print(resolved.table(sizes[0], params=_flag(args.get("params", "false"))))
+    print(resolved.table(sizes[0] // replicate, params=_flag(args.get("params", "false"))))
     print()
     print(f"{args['model']} ({runs[0].num_params / 1e9:.2f}B parameters), plan {resolved.plan.name or 'default'!r}, "
           f"{workload.precision}, {workload.optimizer}, micro-batch {workload.batch_size}x{workload.seq_len} tokens per "
           f"rank{', activation checkpointing' if workload.checkpointing else ''}, hardware {hardware.name} ({hardware.description}); per rank:")
+    meshes = [mesh_description(n, replicate) for n in sizes]
+    print("mesh: " + (", ".join(meshes) if len(meshes) <= 3 else f"{meshes[0]} ... {meshes[-1]}")
+          + (f": each group sharded over world_size / {replicate} ranks, gradients AllReduced across the "
+             f"{replicate} replicas after each ReduceScatter (exposed: the engine waits for it)" if replicate > 1
+             else ": every group sharded over all ranks"))
     print(format_runs(runs))
     too_big = [str(r.world_size) for r in runs if r.vescale.peak > hardware.memory_bytes]
     if too_big:

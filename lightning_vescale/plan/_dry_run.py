@@ -8,6 +8,14 @@ hardware profile turns FLOPs and bytes into a predicted step time. The same mode
 parameter cut by rows into ``N`` equal padded pieces, copies in and out of its collective buffers) is computed
 next to it.
 
+Meshes: 1-D (every rank shards every group) or, with ``replicate=R``, HSDP's 2-D ``(replicate, shard)`` mesh: each
+group is sharded over ``N / R`` ranks exactly as on a 1-D mesh of that size, and after each ReduceScatter the
+reduced gradient pieces are AllReduced across the ``R`` replicas (``comm_stats`` kind ``all_reduce_replicate``;
+the engine issues it when the ReduceScatter completes and waits for it, so it is counted as exposed time).
+Block-quantized parameters (a plan's ``quantization``) get the engine's quantized buffers (:mod:`._layout`):
+their AllGathers are counted under ``all_gather_quant_codes`` and ``all_gather_quant_scales``, as ``comm_stats``
+counts them; FSDP2, which has no block-quantized gather or storage, is sized without the quantization.
+
 [Note: one training step, as the engine runs it]
 Forward visits the groups in module order. A group is gathered at its pre-forward (unless prefetched) and
 issues the AllGathers of the next ``prefetch`` groups; it is freed after its forward if it reshards after
@@ -24,6 +32,7 @@ gradient over the vocabulary at the start of backward, and per group the gradien
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -34,8 +43,9 @@ from lightning_vescale.plan._activations import activation_profile
 from lightning_vescale.plan._hardware import HardwareProfile
 from lightning_vescale.plan._layout import BufferLayout, group_layouts
 from lightning_vescale.plan._resolve import GroupPolicy, ResolvedPlan
+from lightning_vescale.plan._spec import PlanError
 
-__all__ = ["DryRun", "EngineEstimate", "Workload", "dry_run"]
+__all__ = ["DryRun", "EngineEstimate", "Workload", "check_replicate", "dry_run", "mesh_description"]
 
 PRECISIONS = {
     "32-true": (None, None),
@@ -92,7 +102,8 @@ class EngineEstimate:
     peak: float = 0.0
     """Peak bytes per rank over the step."""
     collectives: dict = field(default_factory=dict)
-    """Bytes sent per rank per step, by ``comm_stats`` kind."""
+    """Bytes sent per rank per step, by ``comm_stats`` kind (the quantized AllGathers under
+    ``all_gather_quant_codes`` / ``all_gather_quant_scales``, HSDP's AllReduce under ``all_reduce_replicate``)."""
     calls: dict = field(default_factory=dict)
     """Collective calls per step, by kind."""
     padding: float = 0.0
@@ -104,10 +115,17 @@ class EngineEstimate:
     optimizer_seconds: float = 0.0
     copy_seconds: float = 0.0
     """Copies in and out of collective buffers (FSDP2 only)."""
+    replicate_seconds: float = 0.0
+    """HSDP: the gradient AllReduces across replicas (part of ``comm_seconds``)."""
 
     @property
     def bytes_per_step(self) -> float:
         return float(sum(self.collectives.values()))
+
+    @property
+    def all_gather_bytes(self) -> float:
+        """AllGather bytes per step, quantized ones included."""
+        return float(sum(v for k, v in self.collectives.items() if k.startswith("all_gather")))
 
 
 @dataclass
@@ -120,6 +138,10 @@ class DryRun:
     workload: Workload
     hardware: str
     num_params: int
+    replicate: int = 1
+    """HSDP replicas (1: a 1-D mesh); each group is sharded over ``world_size // replicate`` ranks."""
+    mesh: str = ""
+    """The mesh assumed, in words."""
     groups: list = field(default_factory=list)
     """Per group: name, parameters, shard bytes, gathered bytes, padding, bytes sent per step."""
     vescale: EngineEstimate = field(default_factory=EngineEstimate)
@@ -364,19 +386,26 @@ def dry_run(
     workload: Workload = Workload(),
     hardware: HardwareProfile,
     activations: Optional[dict[str, float]] = None,
+    replicate: int = 1,
 ) -> DryRun:
     """Size one training step of ``model`` sharded by ``resolved`` on ``world_size`` ranks (see the module doc).
 
     Args:
         model: the unsharded model on the meta device (in the master dtype: bf16 for ``bf16-true``).
         resolved: the plan resolved against ``model``.
-        world_size: ranks of the (1-D) shard group.
+        world_size: ranks in all.
         workload: batch, sequence, precision, optimizer.
         hardware: the profile that turns FLOPs and bytes into seconds.
         activations: per group, bytes saved per token (:func:`~lightning_vescale.plan._activations.activation_profile`);
             counted here if not given (pass it to size several world sizes with one count).
+        replicate: HSDP: a ``(replicate, world_size // replicate)`` mesh, sharding over the second dimension and
+            AllReducing gradients over the first; 1 (default): a 1-D mesh.
+
+    Raises:
+        PlanError: ``replicate`` does not divide ``world_size``.
     """
-    N = world_size
+    R = check_replicate(world_size, replicate)
+    N = world_size // R  # the shard group's ranks: every per-rank figure below is on them
     param_dtype, reduce_dtype = PRECISIONS[workload.precision]
     groups = _forward_order(model, resolved)
     compute_dtype = param_dtype or next(model.parameters()).dtype
@@ -384,31 +413,41 @@ def dry_run(
         activations = activation_profile(model, [g.name for g in groups], compute_dtype=compute_dtype)
     tokens = workload.tokens
     hidden = _hidden_size(model) * compute_dtype.itemsize
-    out = DryRun(model=resolved.model_type, plan=resolved.plan.name or "unnamed", world_size=N, workload=workload,
-                 hardware=hardware.name, num_params=sum(p.numel for p in resolved.params.values()))
+    out = DryRun(model=resolved.model_type, plan=resolved.plan.name or "unnamed", world_size=world_size,
+                 workload=workload, hardware=hardware.name, num_params=sum(p.numel for p in resolved.params.values()),
+                 replicate=R, mesh=mesh_description(world_size, R))
+    # HSDP's replicas: rank i of every shard group; they span every node once the shard group fills one.
+    t_replicate = functools.partial(hardware.all_reduce_seconds, world_size=R, span=world_size)
     ve, fs = out.vescale, out.fsdp2
+    ve.collectives.update(all_gather=0, reduce_scatter=0)
     ve_groups, fs_groups = [], []
     state_per_rank = torch.zeros(N, dtype=torch.float64)
     per_rank_cache: dict[tuple, torch.Tensor] = {}
     total_real = total_padding = fs_padding = 0.0
     fs_state = fs_params = 0.0
     first_gather = last_reduce = fs_first_gather = fs_last_reduce = 0.0
-    ag_calls = rs_calls = 0
+    ag_calls: dict[str, int] = {}
+    rs_calls = ar_calls = 0
+    quantized: dict[str, int] = {}
     for g in groups:
         layouts = group_layouts(resolved, g, N, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
         gathers = 2 if g.reshard_after_forward and not g.is_root else 1
-        shard = gathered = grad = extra = ag = rs = real = pad = 0.0
+        shard = gathered = grad = extra = ag = rs = ar = real = pad = transient = 0.0
         largest = max((resolved.params[n].numel for n in g.params), default=0)
         for lay in layouts:
             S = lay.plan.shard_size
             pb, rb, mb = lay.param_dtype.itemsize, lay.reduce_dtype.itemsize, lay.dtype.itemsize
-            shard += S * mb
-            gathered += N * S * pb
-            real += lay.plan.total_numel
-            pad += lay.plan.padding
-            if N > 1:
-                ag += gathers * (N - 1) * S * pb
-                ag_calls += gathers
+            shard += lay.shard_bytes
+            gathered += lay.gathered_bytes
+            transient += lay.gather_transient
+            real += lay.real_numel
+            pad += lay.padding_elements
+            if lay.quant:
+                quantized[lay.quant] = quantized.get(lay.quant, 0) + lay.real_numel
+            for kind, sent in lay.all_gather_bytes().items():
+                ve.collectives[kind] = ve.collectives.get(kind, 0) + gathers * sent
+                ag += gathers * sent
+                ag_calls[kind] = ag_calls.get(kind, 0) + gathers
             if lay.requires_grad:
                 ve.grads += S * mb
                 grad += N * S * pb
@@ -417,6 +456,11 @@ def dry_run(
                 if N > 1:
                     rs += (N - 1) * S * rb
                     rs_calls += 1
+                if R > 1:  # DBuffer.wait_reduce: one AllReduce of the reduced piece (reduce dtype) per buffer
+                    ar += 2 * (R - 1) * S * rb // R
+                    ar_calls += 1
+            if lay.quant == "quantized_storage":
+                continue  # frozen: no optimizer states
             routes = [resolved.params[(g.name + "." if g.name else "") + spec.name].optimizer for spec in lay.plan.specs]
             weights = tuple(_state_multiplier(workload.optimizer, r) * mb for r in routes)
             key = (id(lay.plan), weights)  # identical groups share one BufferPlan (the planner's cache)
@@ -424,8 +468,9 @@ def dry_run(
                 per_rank_cache[key] = _per_rank_state_elements(lay, list(weights))
             state_per_rank += per_rank_cache[key]
         ve.params += shard
-        ve.collectives["all_gather"] = ve.collectives.get("all_gather", 0) + ag
         ve.collectives["reduce_scatter"] = ve.collectives.get("reduce_scatter", 0) + rs
+        if R > 1:
+            ve.collectives["all_reduce_replicate"] = ve.collectives.get("all_reduce_replicate", 0) + ar
         total_real += real
         total_padding += pad
         act = activations.get(g.name, 0.0) * tokens
@@ -434,14 +479,16 @@ def dry_run(
             act, recompute = hidden * tokens, act  # only the group's input is kept
         largest_bytes = largest * (layouts[0].param_dtype.itemsize if layouts else 4)
         ve_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, gathered, grad, extra, act,
-                                largest_bytes, recompute))
+                                largest_bytes, recompute, gather_transient=transient))
         t_ag = hardware.collective_seconds(ag / max(gathers, 1), N)
         t_rs = hardware.collective_seconds(rs, N)
-        ve.comm_seconds += gathers * t_ag + t_rs
+        t_ar = t_replicate(ar) if ar else 0.0
+        ve.comm_seconds += gathers * t_ag + t_rs + t_ar
+        ve.replicate_seconds += t_ar
         first_gather = first_gather or t_ag
         last_reduce = t_rs or last_reduce
         # FSDP2: every parameter cut by rows into N equal pieces (dim 0 padded to a multiple of N).
-        f_shard = f_gathered = f_grad = f_ag = f_rs = f_real = f_elems = f_rs_input = 0.0
+        f_shard = f_gathered = f_grad = f_ag = f_rs = f_ar = f_real = f_elems = f_rs_input = 0.0
         for name in g.params:
             p = resolved.params[name]
             dtype = getattr(torch, p.dtype)
@@ -463,11 +510,14 @@ def dry_run(
                 f_rs_input += N * piece * rb
                 fs.grads += piece * mb
                 f_rs += (N - 1) * piece * rb if N > 1 else 0
+                f_ar += 2 * (R - 1) * piece * rb / R  # FSDP2's HSDP: one AllReduce of the group's reduced pieces
             f_ag += gathers * (N - 1) * piece * pb if N > 1 else 0
         fs_params += f_shard
         fs_padding += f_elems - f_real
         fs.collectives["all_gather"] = fs.collectives.get("all_gather", 0) + f_ag
         fs.collectives["reduce_scatter"] = fs.collectives.get("reduce_scatter", 0) + f_rs
+        if R > 1:
+            fs.collectives["all_reduce_replicate"] = fs.collectives.get("all_reduce_replicate", 0) + f_ar
         # FSDP2 copies the gradients into a ReduceScatter input (in the reduce dtype) and frees them: the input
         # replaces them until the ReduceScatter completes, and both live during the copy.
         fs_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, f_gathered, f_grad,
@@ -475,18 +525,25 @@ def dry_run(
                                 reduce_transient=f_grad))
         ft_ag = hardware.collective_seconds(f_ag / max(gathers, 1), N)
         ft_rs = hardware.collective_seconds(f_rs, N)
-        fs.comm_seconds += gathers * ft_ag + ft_rs
+        ft_ar = t_replicate(f_ar) if f_ar else 0.0
+        fs.comm_seconds += gathers * ft_ag + ft_rs + ft_ar
+        fs.replicate_seconds += ft_ar
         fs.copy_seconds += (gathers * 2 * f_gathered + 2 * f_grad) / hardware.memory_bandwidth
         fs_first_gather = fs_first_gather or ft_ag
         fs_last_reduce = ft_rs or fs_last_reduce
         out.groups.append({
             "group": g.label, "params": len(g.params), "elements": int(real), "shard_bytes": shard,
             "gathered_bytes": gathered, "padding": pad / max(real, 1), "all_gather_bytes": ag,
-            "reduce_scatter_bytes": rs, "fsdp2_padding": (f_elems - f_real) / max(f_real, 1),
+            "reduce_scatter_bytes": rs, "all_reduce_replicate_bytes": ar,
+            "quantization": sorted({resolved.params[n].quantization for n in g.params} - {"none"}),
+            "fsdp2_padding": (f_elems - f_real) / max(f_real, 1),
         })
-    ve.calls = {"all_gather": ag_calls, "reduce_scatter": rs_calls}
-    fs.calls = dict(ve.calls)
-    if workload.clip_grad and N > 1:
+    ve.calls = {**ag_calls, "reduce_scatter": rs_calls}
+    fs.calls = {"all_gather": sum(ag_calls.values()), "reduce_scatter": rs_calls}
+    if R > 1:
+        ve.calls["all_reduce_replicate"] = ar_calls
+        fs.calls["all_reduce_replicate"] = len(groups)
+    if workload.clip_grad and N > 1:  # over the shard group: the replicas hold the same reduced gradients
         n_grads = sum(1 for p in resolved.params.values() if p.requires_grad)
         ve.collectives["all_reduce_ragged"] = 2 * (N - 1) * n_grads * 4 // N
         ve.calls["all_reduce_ragged"] = 1
@@ -513,7 +570,10 @@ def dry_run(
     for est, first, last in ((ve, first_gather, last_reduce), (fs, fs_first_gather, fs_last_reduce)):
         est.compute_seconds = compute
         comm = est.comm_seconds + est.copy_seconds
-        est.exposed_comm_seconds = (max(comm - compute, 0.0) + first + last) if prefetching else comm
+        # HSDP's AllReduces are waited for in backward: exposed whatever the prefetch.
+        overlapped = comm - est.replicate_seconds
+        est.exposed_comm_seconds = est.replicate_seconds + (
+            (max(overlapped - compute, 0.0) + first + last) if prefetching else overlapped)
         est.optimizer_seconds = 4 * (est.params + est.grads + est.optimizer) / hardware.memory_bandwidth
         est.step_seconds = compute + est.exposed_comm_seconds + est.optimizer_seconds
     if ve.peak > hardware.memory_bytes:
@@ -521,7 +581,31 @@ def dry_run(
                          f"{hardware.memory_bytes / 2**30:.0f} GiB of {hardware.name}")
     if workload.optimizer == "muon":
         out.notes.append("Muon's own collectives (matrices not whole on one rank) are not counted")
+    if quantized:
+        parts = [f"{n / 1e6:,.1f}M elements {'trained, gathered' if k == 'quantized_gather' else 'frozen, stored'} "
+                 f"as codes + scales" for k, n in sorted(quantized.items())]
+        out.notes.append("block quantization: " + "; ".join(parts) + " (FSDP2 is sized without it: it has no "
+                         "block-quantized gather or storage)")
     return out
+
+
+def check_replicate(world_size: int, replicate: int) -> int:
+    """``replicate`` if it divides ``world_size``; else a :class:`PlanError` saying what to give instead."""
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1 or world_size % replicate:
+        divisors = [d for d in range(2, min(world_size, 64) + 1) if world_size % d == 0][:6]
+        raise PlanError(
+            f"replicate={replicate!r} does not divide world_size={world_size}: HSDP shards over world_size // "
+            f"replicate ranks, so give a replicate that divides every world size"
+            + (f" (for {world_size}: {', '.join(map(str, divisors))}, ...)" if divisors else "")
+            + ", or replicate=1 for a 1-D mesh")
+    return replicate
+
+
+def mesh_description(world_size: int, replicate: int) -> str:
+    """The mesh the dry run assumes, in words."""
+    if replicate == 1:
+        return f"1-D (shard={world_size})"
+    return f"2-D HSDP (replicate={replicate}, shard={world_size // replicate})"
 
 
 def _hidden_size(model: nn.Module) -> int:

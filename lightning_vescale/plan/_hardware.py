@@ -97,6 +97,15 @@ class HardwareProfile:
         link = self.link(world_size)
         return link.latency * math.ceil(math.log2(world_size)) + sent_bytes / (link.bandwidth * self.link_efficiency)
 
+    def all_reduce_seconds(self, sent_bytes: float, world_size: int, span: int) -> float:
+        """Time of one AllReduce over ``world_size`` ranks spread over ``span`` consecutive ranks (HSDP's
+        replicas: one rank of each shard group), each sending ``sent_bytes``: a ReduceScatter then an AllGather,
+        so twice the latency term, over the NVLink only if ``span`` fits in one node."""
+        if world_size <= 1:
+            return 0.0
+        link = self.link(span)
+        return 2 * link.latency * math.ceil(math.log2(world_size)) + sent_bytes / (link.bandwidth * self.link_efficiency)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -37,6 +37,9 @@ def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, pa
     lines = [f"plan {name!r} on {resolved.model_type}: {len(resolved.groups)} groups, {len(resolved.params)} parameters"
              + (f", {world_size} ranks" if world_size else "")]
     header = ["group", "module", "params", "elements", "bytes", "granularity", "reshard", "prefetch", "dtypes"]
+    quantized = any(p.quantization != "none" for p in resolved.params.values())
+    if quantized:
+        header.append("quantization")
     if world_size:
         header += ["shard/rank", "padding"]
     rows = []
@@ -51,10 +54,13 @@ def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, pa
         row = [g.label, g.module_type, str(len(members)), f"{numel:,}", format_bytes(nbytes),
                _granularities([p.granularity for p in members]) or "-", "yes" if g.reshard_after_forward else "no",
                str(g.prefetch), dtypes]
+        if quantized:
+            formats = Counter(p.quantization for p in members if p.quantization != "none")
+            row.append(", ".join(f"{k} x{c}" for k, c in formats.most_common()) or "-")
         if world_size:
             layouts = group_layouts(resolved, g, world_size)
-            shard = sum(lay.plan.shard_size * lay.dtype.itemsize for lay in layouts)
-            pad = sum(lay.plan.padding for lay in layouts)
+            shard = sum(lay.shard_bytes for lay in layouts)
+            pad = sum(lay.padding_elements for lay in layouts)
             padded += pad
             row += [format_bytes(shard), f"{pad / max(numel, 1):.2%}"]
         rows.append(row)

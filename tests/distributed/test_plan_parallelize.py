@@ -5,13 +5,18 @@ engine's; the optimizer routing follows the plan; and nothing waits on the defau
 * 2 ranks: one plan, many checks (parity, prefetch, layouts, bytes, routing).
 * 4 ranks: two disjoint 2-rank meshes, each training and checkpointing its own sub-module, one pair at a time
   while the other waits outside any collective; a collective over the default group would make the running
-  pair wait for the idle one until the process-group timeout, and the test would fail saying which.
+  pair wait for the idle one until the process-group timeout, and the test would fail saying which. Then the
+  same 2-D mesh as HSDP (replicate over the pairs, shard within them): bytes per step equal the dry run's
+  with ``replicate=2``.
+* 2 ranks, quantized plan: the plan's quantization equals the quant API's, and the dry run's quantized buffers,
+  bytes per rank and bytes per step are the engine's.
 """
 
 from __future__ import annotations
 
 import copy
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -162,8 +167,33 @@ def _train_pair(rank: int, mesh, make, directory: str) -> None:
         assert full == {}
 
 
+def _hsdp_bytes_per_step(rank: int, mesh) -> None:
+    """HSDP on a 2-D (replicate, shard) mesh: every collective's bytes per step as the dry run says."""
+    torch.manual_seed(0)
+    model = lv.parallelize(TinyTransformer(n_layers=2), None, mesh)
+    with torch.device("meta"):
+        meta = TinyTransformer(n_layers=2)
+    R, world = mesh.size(0), mesh.size()
+    workload = Workload(batch_size=LOCAL_BATCH, seq_len=8, precision="32-true", clip_grad=True)
+    predicted = dry_run(meta, resolve_plan(meta), world, replicate=R, activations={}, hardware=load_profile("cpu"),
+                        workload=workload)
+    assert predicted.mesh == "2-D HSDP (replicate=2, shard=2)"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        x, y = lm_batch(world * LOCAL_BATCH, step)
+        mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        lm_loss(model(x[mine]), y[mine]).backward()
+        lv.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        sent = dict(lv.comm_stats.step())
+    assert sent.get("all_reduce_replicate"), sent  # the replicas' AllReduce ran and is counted
+    assert sent == {k: int(v) for k, v in predicted.vescale.collectives.items() if v}, (sent, predicted.vescale)
+
+
 def _two_meshes(rank: int, world: int, tmp: str) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "dp"))["dp"]  # {0, 1} and {2, 3}
+    mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "dp"))
+    mesh = mesh_2d["dp"]  # {0, 1} and {2, 3}
     pair = rank // 2
     assert dist.get_process_group_ranks(mesh.get_group()) == [2 * pair, 2 * pair + 1]
     store = dist.distributed_c10d._get_default_store()
@@ -174,6 +204,7 @@ def _two_meshes(rank: int, world: int, tmp: str) -> None:
     store.set(f"pair{pair}-done", "1")
     if pair == 0:
         store.wait(["pair1-done"], timedelta(seconds=120))
+    _hsdp_bytes_per_step(rank, mesh_2d)  # the same groups, now as (replicate, shard)
 
 
 def test_two_disjoint_meshes_train_and_checkpoint_without_the_default_group(tmp_path):
@@ -195,8 +226,10 @@ def _frozen_attention_copy(ref: nn.Module) -> nn.Module:
     return model
 
 
-def _two_steps(model: nn.Module, rank: int, world: int) -> list[float]:
+def _two_steps(model: nn.Module, rank: int, world: int, sent: Optional[list] = None) -> list[float]:
+    """Two AdamW steps; ``sent``: gets the bytes per collective kind of each step."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    lv.comm_stats.step()  # what parallelize sent is not a step's
     losses = []
     for step in range(2):
         x, y = lm_batch(world * LOCAL_BATCH, step)
@@ -206,6 +239,8 @@ def _two_steps(model: nn.Module, rank: int, world: int) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if sent is not None:
+            sent.append(dict(lv.comm_stats.step()))
     return losses
 
 
@@ -231,7 +266,27 @@ def _plan_quantization(rank: int, world: int) -> None:
     quantized_gather = [mp.fqn for mp in block1.managed if isinstance(block1.buffers[mp.key], QuantizedGatherBuffer)]
     assert sorted(quantized_gather) == ["mlp.down.weight", "mlp.up.weight"], quantized_gather  # biases stay plain
 
-    planned_losses, by_hand_losses = _two_steps(planned, rank, world), _two_steps(by_hand, rank, world)
+    # The dry run's buffers are the engine's, quantized ones included: plans, bytes per rank, scales.
+    with torch.device("meta"):
+        meta = _frozen_attention_copy(TinyTransformer(n_layers=2))
+    resolved = resolve_plan(meta, QUANT_PLAN)
+    for g in resolved.groups:
+        engine = list(get_state(planned.get_submodule(g.name) if g.name else planned).group.buffers.values())
+        layouts = group_layouts(resolved, g, world)
+        assert [b.plan.fingerprint() for b in engine] == [lay.plan.fingerprint() for lay in layouts], g.name
+        for buf, lay in zip(engine, layouts):
+            local = buf.local_nbytes() if isinstance(buf, QuantizedStorage) else buf.local.numel() * buf.local.itemsize
+            assert lay.shard_bytes == local and lay.gathered_bytes == buf.unsharded.numel() * buf.unsharded.itemsize
+            assert lay.scales_per_rank == getattr(buf, "scales_per_rank", 0), g.name
+    assert {lay.quant for g in resolved.groups for lay in group_layouts(resolved, g, world)} == {
+        None, "quantized_gather", "quantized_storage"}
+
+    sent: list[dict] = []
+    planned_losses, by_hand_losses = _two_steps(planned, rank, world, sent), _two_steps(by_hand, rank, world)
+    predicted = dry_run(meta, resolved, world, activations={}, hardware=load_profile("cpu"),
+                        workload=Workload(batch_size=LOCAL_BATCH, seq_len=8, precision="32-true", clip_grad=False))
+    assert {"all_gather_quant_codes", "all_gather_quant_scales"} <= sent[1].keys(), sent[1]
+    assert sent[1] == {k: int(v) for k, v in predicted.vescale.collectives.items() if v}, (sent[1], predicted.vescale)
     assert planned_losses == by_hand_losses  # bitwise: the same declarations, the same ops
     assert _two_steps(plain, rank, world) != planned_losses  # negative control: quantization changes the gathers
 

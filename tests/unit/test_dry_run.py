@@ -11,12 +11,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_vescale.models.families import FAMILIES
-from lightning_vescale.plan import resolve_plan
+from lightning_vescale.plan import PlanError, resolve_plan
 from lightning_vescale.plan.__main__ import main, world_sizes
 from lightning_vescale.plan._activations import activation_bytes_per_token, activation_profile
 from lightning_vescale.plan._dry_run import Workload, _per_rank_state_elements, dry_run
 from lightning_vescale.plan._hardware import load_profile
-from lightning_vescale.plan._layout import BufferLayout
+from lightning_vescale.plan._layout import BufferLayout, group_layouts
 from lightning_vescale.planner import TensorSpec, plan_buffer
 
 
@@ -138,7 +138,71 @@ def test_command_line_prints_both_engines(capsys) -> None:
     (["model=llama_tiny", "world_size=2", "plan=moe"], "rule #2 (match: '**.layers.*.feed_forward.experts') matches no"),
     (["model=llama_tiny", "world_size=2", "model.n_layer=3"], "model=llama_tiny with overrides {'n_layer': 3}"),
     (["world_size=2"], "model= is required"),
+    (["model=llama_tiny", "world_size=8,12", "replicate=8"], "replicate=8 does not divide world_size=12"),
 ])
 def test_command_line_errors_name_the_problem(argv, message, capsys) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+class _Quantizable(nn.Module):
+    """Shapes whose row bands (gcd(rows, 128) = 8 rows) and tiles (130x300: partial edge tiles) cut unevenly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(96, 200), nn.Linear(200, 136)) for _ in range(2))
+        self.stack = nn.Parameter(torch.empty(3, 40, 72))
+        self.frozen = nn.Linear(300, 130, bias=False).requires_grad_(False)
+
+
+def test_quantized_layouts_are_the_engines_buffers_at_any_world_size() -> None:
+    from lightning_vescale.quant import parse_format
+    from lightning_vescale.quant._gather import QuantizedGatherBuffer
+    from lightning_vescale.quant._storage import QuantizedStorage
+
+    with torch.device("meta"):
+        model = _Quantizable()
+    plan = {"rules": [{"match": "blocks.*", "group": True}, {"match": "blocks.*", "quantization": "fp8_block"},
+                      {"match": "stack", "quantization": "int8_block"}, {"match": "frozen", "quantization": "int8_block"}]}
+    resolved = resolve_plan(model, plan)
+    for N in (3, 5, 16):
+        for g in resolved.groups:
+            for lay in group_layouts(resolved, g, N):
+                if lay.quant == "quantized_gather":  # the engine counts the scales of every rank's pieces
+                    buf = QuantizedGatherBuffer(lay.plan, group=None, device=torch.device("meta"), dtype=lay.dtype,
+                                                fmt=lay.fmt)
+                    assert lay.scales_per_rank == buf.scales_per_rank > 0
+                    assert all(s.granularity % (8 * s.shape[-1]) == 0 for s in lay.plan.specs if len(s.shape) == 2)
+                elif lay.quant == "quantized_storage":  # the engine plans its tiles itself
+                    buf = QuantizedStorage([s.name for s in lay.plan.specs], [(130, 300)], fmt=parse_format("int8"),
+                                           group=None, world_size=N, device=torch.device("meta"),
+                                           param_dtype=torch.float32)
+                    assert lay.plan.fingerprint() == buf.plan.fingerprint()
+                    assert (lay.shard_bytes, lay.gathered_bytes) == (buf.local_nbytes(), 4 * buf.unsharded.numel())
+    layouts = [lay for g in resolved.groups for lay in group_layouts(resolved, g, 4)]
+    assert {lay.quant for lay in layouts} == {None, "quantized_gather", "quantized_storage"}  # biases stay plain
+    # The frozen 130x300 weight: 2x3 tiles of 128x128 int8 codes and 6 scales, 2 tiles per rank sent to 3 others.
+    storage = next(lay for lay in layouts if lay.quant == "quantized_storage")
+    assert storage.all_gather_bytes() == {"all_gather_quant_codes": 3 * 2 * 128 * 128, "all_gather_quant_scales": 3 * 2 * 4}
+    run = dry_run(model, resolved, 4, workload=Workload(seq_len=4, precision="32-true", clip_grad=False),
+                  hardware=load_profile("h200"), activations={})
+    assert {"all_gather", "all_gather_quant_codes", "all_gather_quant_scales"} <= run.vescale.collectives.keys()
+
+
+def test_hsdp_shards_over_the_shard_group_and_all_reduces_across_replicas() -> None:
+    with torch.device("meta"):
+        model = build("llama", "tiny")
+    resolved = resolve_plan(model)
+    kw = dict(workload=Workload(seq_len=16, precision="bf16-mixed"), hardware=load_profile("h200"), activations={})
+    hsdp, flat = dry_run(model, resolved, 8, replicate=4, **kw), dry_run(model, resolved, 2, **kw)
+    assert (hsdp.mesh, hsdp.world_size, hsdp.replicate) == ("2-D HSDP (replicate=4, shard=2)", 8, 4)
+    for field in ("params", "grads", "optimizer", "gathered_peak", "peak"):
+        assert getattr(hsdp.vescale, field) == getattr(flat.vescale, field), field
+    ar = hsdp.vescale.collectives.pop("all_reduce_replicate")
+    assert hsdp.vescale.collectives == flat.vescale.collectives
+    # One AllReduce per gradient buffer of its reduced fp32 piece (the shard size): 2 * (R - 1) / R of it.
+    pieces = [lay.plan.shard_size for g in resolved.groups for lay in group_layouts(resolved, g, 2)]
+    assert ar == sum(2 * 3 * S * 4 // 4 for S in pieces)
+    assert hsdp.vescale.replicate_seconds > 0 and hsdp.vescale.step_seconds > flat.vescale.step_seconds
+    with pytest.raises(PlanError, match="replicate=3 does not divide world_size=8"):
+        dry_run(model, resolved, 8, replicate=3, **kw)
