@@ -208,6 +208,9 @@ class _Group:
     reduce_transient: float = 0.0  # FSDP2: the ReduceScatter input built from the gradients
     done_early: bool = False  # a root whose modules run after every other group's (norm, head): its backward
     # is over as soon as backward starts
+    gathered_late: float = 0.0  # block-quantized buffers: unsharded bytes (part of ``gathered``) allocated only when
+    # the gather is waited for (dequantized into), not when it is issued
+    in_flight: float = 0.0  # block-quantized buffers: codes and scales alive from the gather's issue to its wait
 
 
 def _backward_transient(g: _Group) -> float:
@@ -236,18 +239,28 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
         nonlocal peak, peak_gathered
         g = sum(gathered.values())
         peak_gathered = max(peak_gathered, g)
-        peak = max(peak, persistent + g + grads_alive() + activations + extra)
+        peak = max(peak, persistent + g + grads_alive() + activations + sum(pending.values()) + extra)
 
     in_flight: list[_Group] = []
     grad_buffers: dict[str, float] = {}
+    pending: dict[str, float] = {}  # gathers issued (prefetched) and not yet waited for: their codes and scales
 
     def grads_alive() -> float:
         return sum(grad_buffers.values())
 
-    def gather(g: _Group) -> None:
+    def issue(g: _Group) -> None:
+        """A prefetch: plain buffers' unsharded storage now, quantized ones' codes and scales until waited for."""
         if g.name not in gathered:
-            gathered[g.name] = g.gathered
+            gathered[g.name] = g.gathered - g.gathered_late
+            pending[g.name] = g.in_flight
             note(g.gather_transient)
+
+    def gather(g: _Group) -> None:
+        """Issued if not prefetched, and waited for: quantized buffers dequantize from their codes and scales."""
+        issue(g)
+        if g.name in pending:
+            gathered[g.name] = g.gathered
+            note(pending.pop(g.name))
 
     def is_ancestor(a: _Group, b: _Group) -> bool:
         return a.name == "" or b.name.startswith(a.name + ".")
@@ -259,7 +272,7 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
                 gathered.pop(done.name, None)
         gather(g)
         for nxt in order[i + 1 : i + 1 + g.prefetch]:
-            gather(nxt)
+            issue(nxt)
         activations += g.activations
         note()
         parents.append(g)
@@ -276,7 +289,7 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
         gather(root)
         grad_buffers[root.name] = root.grad
         for nxt in [g for g in reverse if not g.is_root][: root.prefetch if root_prefetches else 0]:
-            gather(nxt)
+            issue(nxt)
     note(logits_grad + max((r.largest_param for r in roots), default=0.0))
 
     def reduce(g: _Group) -> None:
@@ -298,7 +311,7 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
         grad_buffers[g.name] = g.grad
         for nxt in reverse[i + 1 : i + 1 + g.prefetch]:
             if not nxt.is_root:
-                gather(nxt)
+                issue(nxt)
         note(_backward_transient(g))
         activations -= g.activations
         gathered.pop(g.name, None)
@@ -432,14 +445,16 @@ def dry_run(
     for g in groups:
         layouts = group_layouts(resolved, g, N, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
         gathers = 2 if g.reshard_after_forward and not g.is_root else 1
-        shard = gathered = grad = extra = ag = rs = ar = real = pad = transient = 0.0
+        shard = gathered = late = grad = extra = ag = rs = ar = real = pad = transient = 0.0
         largest = max((resolved.params[n].numel for n in g.params), default=0)
         for lay in layouts:
             S = lay.plan.shard_size
             pb, rb, mb = lay.param_dtype.itemsize, lay.reduce_dtype.itemsize, lay.dtype.itemsize
             shard += lay.shard_bytes
             gathered += lay.gathered_bytes
-            transient += lay.gather_transient
+            if lay.quant:
+                late += lay.gathered_bytes
+                transient += lay.gather_transient
             real += lay.real_numel
             pad += lay.padding_elements
             if lay.quant:
@@ -479,7 +494,7 @@ def dry_run(
             act, recompute = hidden * tokens, act  # only the group's input is kept
         largest_bytes = largest * (layouts[0].param_dtype.itemsize if layouts else 4)
         ve_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, gathered, grad, extra, act,
-                                largest_bytes, recompute, gather_transient=transient))
+                                largest_bytes, recompute, gathered_late=late, in_flight=transient))
         t_ag = hardware.collective_seconds(ag / max(gathers, 1), N)
         t_rs = hardware.collective_seconds(rs, N)
         t_ar = t_replicate(ar) if ar else 0.0
@@ -582,11 +597,15 @@ def dry_run(
     if workload.optimizer == "muon":
         out.notes.append("Muon's own collectives (matrices not whole on one rank) are not counted")
     if quantized:
-        parts = [f"{n / 1e6:,.1f}M elements {'trained, gathered' if k == 'quantized_gather' else 'frozen, stored'} "
+        parts = [f"{_count(n)} elements {'trained, gathered' if k == 'quantized_gather' else 'frozen, stored'} "
                  f"as codes + scales" for k, n in sorted(quantized.items())]
         out.notes.append("block quantization: " + "; ".join(parts) + " (FSDP2 is sized without it: it has no "
                          "block-quantized gather or storage)")
     return out
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{int(n):,}"
 
 
 def check_replicate(world_size: int, replicate: int) -> int:

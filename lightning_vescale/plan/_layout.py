@@ -105,8 +105,9 @@ class BufferLayout:
 
     @property
     def gather_transient(self) -> int:
-        """Bytes alive next to the unsharded parameters while a quantized gather is dequantized into them: the
-        gathered codes and scales (and, for trained weights, this rank's quantized send buffers)."""
+        """Bytes of a quantized gather in flight: the gathered codes and scales (and, for trained weights, this
+        rank's quantized send buffers), alive from the AllGathers' issue until they are dequantized into the
+        unsharded parameters, which are allocated only then (a plain buffer's are allocated at the issue)."""
         N, S = self.plan.world_size, self.plan.shard_size
         if self.quant == STORAGE:
             return N * S * (self.fmt.tile_numel * self.dtype.itemsize + 4)

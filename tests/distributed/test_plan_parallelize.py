@@ -281,12 +281,25 @@ def _plan_quantization(rank: int, world: int) -> None:
     assert {lay.quant for g in resolved.groups for lay in group_layouts(resolved, g, world)} == {
         None, "quantized_gather", "quantized_storage"}
 
+    # The gathered peak: unsharded bytes of every buffer, sampled around every module's forward and backward
+    # (a quantized gather allocates its unsharded weights when waited for, not when prefetched).
+    buffers = [b for m in planned.modules() if get_state(m) for b in get_state(m).group.buffers.values()]
+    gathered_peak = [0]
+
+    def sample(*unused) -> None:
+        gathered_peak[0] = max(gathered_peak[0], sum(b.unsharded.untyped_storage().nbytes() for b in buffers))
+
+    for m in planned.modules():
+        m.register_forward_pre_hook(sample)
+        m.register_forward_hook(sample)
+        m.register_full_backward_pre_hook(sample)
     sent: list[dict] = []
     planned_losses, by_hand_losses = _two_steps(planned, rank, world, sent), _two_steps(by_hand, rank, world)
     predicted = dry_run(meta, resolved, world, activations={}, hardware=load_profile("cpu"),
                         workload=Workload(batch_size=LOCAL_BATCH, seq_len=8, precision="32-true", clip_grad=False))
     assert {"all_gather_quant_codes", "all_gather_quant_scales"} <= sent[1].keys(), sent[1]
     assert sent[1] == {k: int(v) for k, v in predicted.vescale.collectives.items() if v}, (sent[1], predicted.vescale)
+    assert gathered_peak[0] == predicted.vescale.gathered_peak, (gathered_peak, predicted.vescale)
     assert planned_losses == by_hand_losses  # bitwise: the same declarations, the same ops
     assert _two_steps(plain, rank, world) != planned_losses  # negative control: quantization changes the gathers
 

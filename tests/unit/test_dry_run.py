@@ -131,6 +131,19 @@ def test_command_line_prints_both_engines(capsys) -> None:
                for line in out.splitlines()) == 4
 
 
+def test_command_line_names_the_mesh_and_the_quantized_gathers(capsys, tmp_path) -> None:
+    plan = tmp_path / "fp8.yaml"
+    plan.write_text("rules:\n  - {match: '**.layers.*', group: true}\n"
+                    "  - {match: '**.layers.*.feed_forward', quantization: fp8_block}\n")
+    argv = ["model=llama_tiny", "world_size=4", "replicate=2", "seq_len=64", "hardware=cpu", f"plan={plan}"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "mesh: 2-D HSDP (replicate=2, shard=2): each group sharded over world_size / 2 ranks" in out
+    header = next(line for line in out.splitlines() if line.startswith("ranks"))
+    assert "(quantized)" in header and "all-reduce/step" in header
+    assert "fp8_block x3" in out and "trained, gathered as codes + scales" in out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["model=llama_tiny", "world_size=2", "hardwre=cpu"], "unknown argument 'hardwre' (did you mean 'hardware'?)"),
     (["model=llama_7b", "world_size=2"], "unknown model 'llama_7b'; presets: "),
