@@ -2,6 +2,7 @@
 
     python benchmarks/plan_check.py                       # bench_small (33.6M), 2 and 4 gloo ranks
     python benchmarks/plan_check.py --world-sizes 2 --steps 3 --batch 4
+    python benchmarks/plan_check.py --model bench_tiny --world-sizes 4 --replicate 2 --plan my_fp8_plan.yaml
 
 Each world size is one set of processes. Each rank builds the benchmark model on the meta device,
 ``lightning_vescale.parallelize`` shards and initializes it, and it trains a few AdamW steps (fp32) on random
@@ -17,8 +18,11 @@ tokens. Measured per rank:
   memory rather than allocator slack. (This is this script's own minimal measurement; ``train_bench.py`` gets
   a fuller one.)
 
+``--replicate R`` shards on an HSDP mesh (``build_mesh(..., replicate_size=R)``) and predicts with
+``replicate=R``; a plan with ``quantization`` is sized with the engine's quantized buffers.
+
 Predicted, in the parent process, by ``python -m lightning_vescale.plan``'s code (``dry_run``) for the same
-model, plan, batch and world size: bytes per collective kind and the peak per rank. Results go to
+model, plan, mesh, batch and world size: bytes per collective kind and the peak per rank. Results go to
 ``benchmarks/results/plan_check.{json,md}``.
 """
 
@@ -96,7 +100,10 @@ def worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
     baseline = reset_peak()
     with torch.device("meta"):
         model = Llama(config)
-    lv.parallelize(model, args.plan)
+    from lightning_vescale.parallelize import build_mesh
+
+    mesh = build_mesh(torch.device("cpu"), world, args.replicate) if args.replicate > 1 else None
+    lv.parallelize(model, args.plan, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     after_setup = peak_rss() - baseline
     sent = []
@@ -139,7 +146,7 @@ def predict(world: int, args):
         model = Llama(LlamaConfig(**MODELS[args.model]))
     resolved = resolve_plan(model, args.plan and __import__("lightning_vescale").load_plan(args.plan))
     workload = Workload(batch_size=args.batch, seq_len=args.seq, precision="32-true", optimizer="adamw", clip_grad=False)
-    return dry_run(model, resolved, world, workload=workload, hardware=load_profile("cpu"))
+    return dry_run(model, resolved, world, workload=workload, hardware=load_profile("cpu"), replicate=args.replicate)
 
 
 def main() -> None:
@@ -150,6 +157,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--plan", default=None, help="a plan name or file (default: the default plan)")
+    parser.add_argument("--replicate", type=int, default=1, help="HSDP replicas (default 1: a 1-D mesh)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_check"))
     args = parser.parse_args()
     rows = []
@@ -182,10 +190,13 @@ def to_markdown(rows: list, args) -> str:
     lines = [
         "# Dry run vs measurement (this machine)",
         "",
-        f"Model `{args.model}` (Llama-shaped, {sum_params(args.model) / 1e6:.1f}M parameters), default plan, fp32 AdamW, "
+        f"Model `{args.model}` (Llama-shaped, {sum_params(args.model) / 1e6:.1f}M parameters), "
+        f"{'plan ' + repr(args.plan) if args.plan else 'default plan'}, "
+        f"{f'HSDP mesh ({args.replicate} replicas), ' if args.replicate > 1 else ''}fp32 AdamW, "
         f"batch {args.batch}x{args.seq} tokens per rank, {args.steps} steps, gloo on CPU.",
         f"Command: `python benchmarks/plan_check.py --model {args.model} --world-sizes "
-        f"{' '.join(map(str, args.world_sizes))} --steps {args.steps} --batch {args.batch} --seq {args.seq}`",
+        f"{' '.join(map(str, args.world_sizes))} --steps {args.steps} --batch {args.batch} --seq {args.seq}"
+        f"{f' --plan {args.plan}' if args.plan else ''}{f' --replicate {args.replicate}' if args.replicate > 1 else ''}`",
         "",
         "| ranks | predicted peak / rank (MiB) | measured peak / rank, OS (MiB) | error | bytes / step predicted | "
         "measured (comm_stats) | equal |",

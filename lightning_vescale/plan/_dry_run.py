@@ -18,7 +18,9 @@ counts them; FSDP2, which has no block-quantized gather or storage, is sized wit
 
 [Note: one training step, as the engine runs it]
 Forward visits the groups in module order. A group is gathered at its pre-forward (unless prefetched) and
-issues the AllGathers of the next ``prefetch`` groups; it is freed after its forward if it reshards after
+issues the AllGathers of the next ``prefetch`` groups (a plain buffer's unsharded parameters exist from the issue;
+a block-quantized one holds the gathered codes and scales until it is waited for, and only then its unsharded
+parameters, dequantized into); it is freed after its forward if it reshards after
 forward and is not a root (a group containing others stays gathered while they run). Activations accumulate.
 Backward visits them in reverse: the root's gradient buffer is allocated when backward starts (its outputs
 come first; FSDP2's root prefetches the next groups there, lightning-vescale's does not); a root that holds only modules after every other group (final norm, head) is done at once, one
