@@ -612,13 +612,16 @@ def _count(n: float) -> str:
 
 def check_replicate(world_size: int, replicate: int) -> int:
     """``replicate`` if it divides ``world_size``; else a :class:`PlanError` saying what to give instead."""
-    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1 or world_size % replicate:
-        divisors = [d for d in range(2, min(world_size, 64) + 1) if world_size % d == 0][:6]
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
+        raise PlanError(f"replicate={replicate!r}: give the number of HSDP replicas, a positive int dividing the world "
+                        f"size (replicate=1: a 1-D mesh)")
+    if world_size % replicate:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        shown = ", ".join(map(str, divisors[:8])) + (", ..." if len(divisors) > 8 else "")
         raise PlanError(
-            f"replicate={replicate!r} does not divide world_size={world_size}: HSDP shards over world_size // "
-            f"replicate ranks, so give a replicate that divides every world size"
-            + (f" (for {world_size}: {', '.join(map(str, divisors))}, ...)" if divisors else "")
-            + ", or replicate=1 for a 1-D mesh")
+            f"replicate={replicate} does not divide world_size={world_size}: HSDP shards each group over world_size / "
+            f"replicate ranks, so give a replicate that divides every world size ({world_size}: {shown}), or "
+            f"world sizes that are multiples of {replicate}")
     return replicate
 
 
