@@ -208,6 +208,8 @@ class _Group:
     recompute: float = 0.0  # checkpointing: the activations its backward makes again
     gather_transient: float = 0.0  # FSDP2: the AllGather output next to the unsharded parameters while copying out
     reduce_transient: float = 0.0  # FSDP2: the ReduceScatter input built from the gradients
+    grad_piece: float = 0.0  # this rank's sharded gradient bytes: allocated at the group's ReduceScatter (both
+    # engines free them at zero_grad(set_to_none=True), so none exist when forward starts)
     done_early: bool = False  # a root whose modules run after every other group's (norm, head): its backward
     # is over as soon as backward starts
     gathered_late: float = 0.0  # block-quantized buffers: unsharded bytes (part of ``gathered``) allocated only when
@@ -226,7 +228,7 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
               reduces_in_flight: int = 1, root_prefetches: bool = True) -> tuple[float, float]:
     """(peak bytes, peak gathered bytes) of one step, walking [Note: one training step, as the engine runs it].
 
-    ``order``: the groups in forward order; ``persistent``: bytes alive throughout (pieces, gradients, states);
+    ``order``: the groups in forward order; ``persistent``: bytes alive throughout (parameter pieces, states);
     ``logits_grad``: bytes of the loss's gradient over the vocabulary (fp32, every token);
     ``reduces_in_flight``: ReduceScatters left running while backward goes on (the engine's default for the device);
     ``root_prefetches``: whether the roots' pre-backward gathers the next groups (FSDP2) or each group gathers
@@ -241,10 +243,11 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
         nonlocal peak, peak_gathered
         g = sum(gathered.values())
         peak_gathered = max(peak_gathered, g)
-        peak = max(peak, persistent + g + grads_alive() + activations + sum(pending.values()) + extra)
+        peak = max(peak, persistent + g + grads_alive() + pieces + activations + sum(pending.values()) + extra)
 
     in_flight: list[_Group] = []
     grad_buffers: dict[str, float] = {}
+    pieces = 0.0  # sharded gradients of the groups reduced so far
     pending: dict[str, float] = {}  # gathers issued (prefetched) and not yet waited for: their codes and scales
 
     def grads_alive() -> float:
@@ -295,6 +298,8 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
     note(logits_grad + max((r.largest_param for r in roots), default=0.0))
 
     def reduce(g: _Group) -> None:
+        nonlocal pieces
+        pieces += g.grad_piece
         if g.grad:
             grad_buffers[g.name] = g.grad + g.reduce_extra
             note(g.reduce_transient)
@@ -323,6 +328,7 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
         gathered.pop(root.name, None)
         activations -= root.activations
         grad_buffers[root.name] = root.grad + root.reduce_extra
+        pieces += root.grad_piece
         note(root.reduce_transient)
     return peak, peak_gathered
 
@@ -447,7 +453,7 @@ def dry_run(
     for g in groups:
         layouts = group_layouts(resolved, g, N, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
         gathers = 2 if g.reshard_after_forward and not g.is_root else 1
-        shard = gathered = late = grad = extra = ag = rs = ar = real = pad = transient = 0.0
+        shard = gathered = late = grad = extra = ag = rs = ar = real = pad = transient = grad_piece = 0.0
         largest = max((resolved.params[n].numel for n in g.params), default=0)
         for lay in layouts:
             S = lay.plan.shard_size
@@ -467,6 +473,7 @@ def dry_run(
                 ag_calls[kind] = ag_calls.get(kind, 0) + gathers
             if lay.requires_grad:
                 ve.grads += S * mb
+                grad_piece += S * mb
                 grad += N * S * pb
                 if lay.reduce_dtype != lay.param_dtype:
                     extra += N * S * rb
@@ -496,7 +503,7 @@ def dry_run(
             act, recompute = hidden * tokens, act  # only the group's input is kept
         largest_bytes = largest * (layouts[0].param_dtype.itemsize if layouts else 4)
         ve_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, gathered, grad, extra, act,
-                                largest_bytes, recompute, gathered_late=late, in_flight=transient))
+                                largest_bytes, recompute, gathered_late=late, in_flight=transient, grad_piece=grad_piece))
         t_ag = hardware.collective_seconds(ag / max(gathers, 1), N)
         t_rs = hardware.collective_seconds(rs, N)
         t_ar = t_replicate(ar) if ar else 0.0
@@ -505,7 +512,7 @@ def dry_run(
         first_gather = first_gather or t_ag
         last_reduce = t_rs or last_reduce
         # FSDP2: every parameter cut by rows into N equal pieces (dim 0 padded to a multiple of N).
-        f_shard = f_gathered = f_grad = f_ag = f_rs = f_ar = f_real = f_elems = f_rs_input = 0.0
+        f_shard = f_gathered = f_grad = f_ag = f_rs = f_ar = f_real = f_elems = f_rs_input = f_piece = 0.0
         for name in g.params:
             p = resolved.params[name]
             dtype = getattr(torch, p.dtype)
@@ -526,6 +533,7 @@ def dry_run(
                 f_grad += N * piece * pb
                 f_rs_input += N * piece * rb
                 fs.grads += piece * mb
+                f_piece += piece * mb
                 f_rs += (N - 1) * piece * rb if N > 1 else 0
                 f_ar += 2 * (R - 1) * piece * rb / R  # FSDP2's HSDP: one AllReduce of the group's reduced pieces
             f_ag += gathers * (N - 1) * piece * pb if N > 1 else 0
@@ -539,7 +547,7 @@ def dry_run(
         # replaces them until the ReduceScatter completes, and both live during the copy.
         fs_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, f_gathered, f_grad,
                                 f_rs_input - f_grad, act, largest_bytes, recompute, gather_transient=f_gathered,
-                                reduce_transient=f_grad))
+                                reduce_transient=f_grad, grad_piece=f_piece))
         ft_ag = hardware.collective_seconds(f_ag / max(gathers, 1), N)
         ft_rs = hardware.collective_seconds(f_rs, N)
         ft_ar = t_replicate(f_ar) if f_ar else 0.0
@@ -575,7 +583,7 @@ def dry_run(
         for g in order:
             g.done_early = g.name in early
         est.activations = sum(g.activations for g in order)
-        persistent = est.params + est.grads + est.optimizer
+        persistent = est.params + est.optimizer  # gradient pieces: allocated group by group in backward
         est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad, in_flight, root_prefetches=est is fs)
     # Time: compute at the profile's rate; communication overlapped with it (prefetch) except the first gather
     # and the last reduce; the optimizer reads and writes its states once (memory bound).
