@@ -16,7 +16,9 @@ Sections:
 * ``memory``: bytes per rank of a frozen base stored block-quantized vs bf16 and fp32 sharding (measured on 2
   ranks, and from the planner at N = 8 ... 512), and the dequantize cost per step.
 * ``curves``: ``recipes/train.py`` llama_tiny, 300 steps, bf16 AllGather vs FP8 AllGather (both loss curves in
-  ``quant_loss.png``).
+  ``quant_loss.png``), and the same bf16 run under ``strategy=ddp`` as the noise floor: the same initial weights
+  and data, bf16 compute through autocast instead of bf16 parameters, so it differs from the bf16 run only by
+  rounding.
 """
 
 from __future__ import annotations
@@ -418,7 +420,7 @@ def memory_markdown(result: dict) -> list[str]:
 
 
 # -- curves: llama_tiny 300 steps, bf16 gather vs FP8 gather ----------------------------------------------
-CURVE_SEEDS = (1234, 1, 2)  # 1234 is the recipes' default seed; the others show how much one run's gap varies
+CURVE_SEEDS = (1234, 1, 2, 3, 4)  # 1234 is the recipes' default seed; the others show how much one run's gap varies
 
 
 def _recipe_run(tmp: str, name: str, steps: int, seed: int, extra: list[str]) -> dict:
@@ -442,6 +444,46 @@ def _recipe_run(tmp: str, name: str, steps: int, seed: int, extra: list[str]) ->
             "step_time_s": summary["step_time_s"], "losses": sorted(losses.items())}
 
 
+def _gap(a: dict, b: dict, key: str = "final_loss_mean_last_10") -> float:
+    """``(b - a) / a`` of a summary figure."""
+    return (b[key] - a[key]) / a[key]
+
+
+def weight_error_records() -> list[dict]:
+    """Relative error ``||deq(q(W)) - W|| / ||W||`` of each quantized llama_tiny weight, next to the bf16 cast.
+
+    What the quantized AllGather hands forward (the gather is bitwise single-process band quantization of the fp32
+    master, see tests/distributed/test_quant_gather.py), on the initial weights (``torch.manual_seed(1234)``).
+    """
+    import torch
+
+    from lightning_vescale.models import Llama
+    from lightning_vescale.models.llama import LLAMA_CONFIGS
+    from lightning_vescale.quant import BlockFormat
+    from lightning_vescale.quant.blocks import dequantize_band_piece, quantize_band_piece
+
+    def rel(w: torch.Tensor, fmt: "BlockFormat | None") -> float:
+        flat = w.reshape(-1)
+        if fmt is None:
+            back = flat.to(torch.bfloat16)
+        else:
+            codes, scales = quantize_band_piece(flat, tuple(w.shape), 0, flat.numel(), fmt)
+            back = dequantize_band_piece(codes, scales, tuple(w.shape), 0, flat.numel(), fmt, torch.bfloat16)
+        return float((back.float() - flat).norm() / flat.norm())
+
+    torch.manual_seed(1234)
+    model = Llama(LLAMA_CONFIGS["tiny"])
+    fmts = {"fp8_e4m3/128": BlockFormat("fp8_e4m3", 128), "fp8_e4m3/64": BlockFormat("fp8_e4m3", 64),
+            "int8/128": BlockFormat("int8", 128), "int8/64": BlockFormat("int8", 64)}
+    rows = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and name.startswith("layers."):
+                rows.append({"name": name, "shape": list(p.shape), "bf16": rel(p, None),
+                             **{k: rel(p, f) for k, f in fmts.items()}})
+    return rows
+
+
 def curves_records(quick: bool = False) -> dict:
     import tempfile
 
@@ -452,33 +494,54 @@ def curves_records(quick: bool = False) -> dict:
         for seed in seeds:
             a = _recipe_run(tmp, f"bf16_{seed}", steps, seed, [])
             b = _recipe_run(tmp, f"fp8_{seed}", steps, seed, ["quant=fp8_gather"])
-            pairs.append({"seed": seed, "bf16": a, "fp8_gather": b,
-                          "final_loss_rel_diff": (b["final_loss_mean_last_10"] - a["final_loss_mean_last_10"])
-                          / a["final_loss_mean_last_10"],
+            # The noise floor: the same bf16 run by another engine (same initial weights and data, other rounding).
+            c = _recipe_run(tmp, f"ddp_{seed}", steps, seed, ["strategy=ddp"])
+            pairs.append({"seed": seed, "bf16": a, "fp8_gather": b, "bf16_ddp": c,
+                          "final_loss_rel_diff": _gap(a, b), "val_loss_rel_diff": _gap(a, b, "val_loss"),
+                          "noise_final_loss_rel_diff": _gap(a, c), "noise_val_loss_rel_diff": _gap(a, c, "val_loss"),
                           "all_gather_ratio": b["all_gather_bytes_per_step"] / a["all_gather_bytes_per_step"]})
-    result = {"steps": steps, "pairs": pairs,
-              "mean_final_loss_rel_diff": sum(p["final_loss_rel_diff"] for p in pairs) / len(pairs)}
+    mean = lambda key: sum(p[key] for p in pairs) / len(pairs)  # noqa: E731
+    result = {"steps": steps, "pairs": pairs, "weight_error": weight_error_records(),
+              "mean_final_loss_rel_diff": mean("final_loss_rel_diff"),
+              "mean_val_loss_rel_diff": mean("val_loss_rel_diff"),
+              "mean_noise_final_loss_rel_diff": mean("noise_final_loss_rel_diff")}
     if not quick:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for i, pair in enumerate(pairs):
-            for name, label, color in (("bf16", "bf16 AllGather", "tab:blue"),
-                                       ("fp8_gather", "FP8 e4m3 block AllGather", "tab:orange")):
-                xs, ys = zip(*pair[name]["losses"])
-                ax.plot(xs, ys, color=color, linewidth=1 if i == 0 else 0.6, alpha=1 if i == 0 else 0.35,
-                        label=f"{label} (seed {pair['seed']})" if i == 0 else None)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("training loss")
-        ax.set_title(f"llama_tiny, 2 ranks, bf16-mixed, {steps} steps (faint: seeds {', '.join(map(str, seeds[1:]))})")
-        ax.legend()
-        fig.tight_layout()
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        fig.savefig(RESULTS / "quant_loss.png", dpi=120)
+        plot_curves(result)
     return result
+
+
+def plot_curves(result: dict) -> None:
+    """``quant_loss.png``: the loss curves of every seed, and each run's loss relative to bf16's at each step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs, steps = result["pairs"], result["steps"]
+    fig, (ax, rel) = plt.subplots(2, 1, figsize=(7, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    runs = (("bf16", "bf16 AllGather", "tab:blue", "-"), ("fp8_gather", "FP8 e4m3 block AllGather", "tab:orange", "-"),
+            ("bf16_ddp", "bf16, DDP (noise floor)", "tab:gray", "--"))
+    for i, pair in enumerate(pairs):
+        base = dict(pair["bf16"]["losses"])
+        for name, label, color, style in runs:
+            xs, ys = zip(*pair[name]["losses"])
+            kw = dict(color=color, linestyle=style, linewidth=1 if i == 0 else 0.6, alpha=1 if i == 0 else 0.35)
+            ax.plot(xs, ys, label=f"{label} (seed {pair['seed']})" if i == 0 else None, **kw)
+            if name != "bf16":
+                rel.plot(xs, [100 * (y - base[x]) / base[x] for x, y in zip(xs, ys)], **kw)
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.set_title(f"llama_tiny, 2 ranks, bf16-mixed, {steps} steps "
+                 f"(faint: seeds {', '.join(str(p['seed']) for p in pairs[1:])})")
+    ax.legend()
+    rel.axhline(0, color="black", linewidth=0.5)
+    for y in (-2, 2):
+        rel.axhline(y, color="tab:red", linewidth=0.5, linestyle=":")
+    rel.set_ylabel("vs bf16 at the same step (%)")
+    rel.set_xlabel("optimizer step")
+    fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    fig.savefig(RESULTS / "quant_loss.png", dpi=120)
 
 
 def curves_markdown(result: dict) -> list[str]:
@@ -490,18 +553,43 @@ def curves_markdown(result: dict) -> list[str]:
            "summary's mean of the last 10 training losses; gap = (FP8 - bf16) / bf16. The recipe's `quant.exclude` "
            "keeps the embedding and the head in bf16 on the wire: they are 44% of llama_tiny's weights, hence the "
            "bytes ratio above 0.5 here (0.500x on the gather section's model, where everything 2-D is quantized).", "",
-           "| seed | bf16 final | FP8 final | gap | bf16 val | FP8 val | AllGather bytes / step (bf16 -> FP8) |",
-           "|---:|---:|---:|---:|---:|---:|---:|"]
+           "*Noise floor*: the same bf16 run with `strategy=ddp` (the same initial weights and data; bf16 compute "
+           "through autocast instead of bf16 parameters, so it differs from the bf16 run only by rounding); noise = "
+           "(DDP - bf16) / bf16. A gap the noise floor also reaches says nothing about FP8.", "",
+           "| seed | bf16 final | FP8 final | gap | DDP bf16 final | noise | bf16 val | FP8 val | val gap | "
+           "AllGather bytes / step (bf16 -> FP8) |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in result["pairs"]:
-        a, b = p["bf16"], p["fp8_gather"]
+        a, b, c = p["bf16"], p["fp8_gather"], p["bf16_ddp"]
         out.append(f"| {p['seed']} | {a['final_loss_mean_last_10']:.4f} | {b['final_loss_mean_last_10']:.4f} | "
-                   f"{p['final_loss_rel_diff']:+.2%} | {a['val_loss']:.4f} | {b['val_loss']:.4f} | "
+                   f"{p['final_loss_rel_diff']:+.2%} | {c['final_loss_mean_last_10']:.4f} | "
+                   f"{p['noise_final_loss_rel_diff']:+.2%} | {a['val_loss']:.4f} | {b['val_loss']:.4f} | "
+                   f"{p['val_loss_rel_diff']:+.2%} | "
                    f"{a['all_gather_bytes_per_step'] / 2**10:.1f} -> {b['all_gather_bytes_per_step'] / 2**10:.1f} KiB "
                    f"({p['all_gather_ratio']:.3f}x) |")
     worst = max(abs(p["final_loss_rel_diff"]) for p in result["pairs"])
+    worst_noise = max(abs(p["noise_final_loss_rel_diff"]) for p in result["pairs"])
     out += ["", f"Goal final loss within 2% of bf16: default seed {first['seed']}: "
             f"**{'met' if abs(first['final_loss_rel_diff']) <= 0.02 else 'NOT met'}** ({first['final_loss_rel_diff']:+.2%}); "
-            f"mean over the seeds {result['mean_final_loss_rel_diff']:+.2%}, worst {worst:.2%}.", ""]
+            f"mean over the seeds {result['mean_final_loss_rel_diff']:+.2%}, worst {worst:.2%} "
+            f"(validation loss: mean {result['mean_val_loss_rel_diff']:+.2%}). Noise floor (bf16 DDP vs bf16): mean "
+            f"{result['mean_noise_final_loss_rel_diff']:+.2%}, worst {worst_noise:.2%}.", ""]
+    rows = result.get("weight_error") or []
+    if rows:
+        kinds = [k for k in rows[0] if k not in ("name", "shape")]
+        out += ["What FP8 hands forward, per weight: relative error `||deq(q(W)) - W|| / ||W||` of the quantized "
+                "llama_tiny weights (initial weights; the gathered weights are bitwise this band quantization of the "
+                "fp32 master), next to the bf16 cast a bf16 AllGather makes. e4m3 keeps 3 mantissa bits: its "
+                "relative rounding error does not depend on the block scale as long as no value falls to a "
+                "subnormal code, so 64x64 blocks give the same error as 128x128; INT8's uniform grid does depend on "
+                "it.", "",
+                "| weight | shape | " + " | ".join(kinds) + " |", "|---|---|" + "---:|" * len(kinds)]
+        for r in rows:
+            if r["name"].startswith("layers.0."):
+                out.append(f"| {r['name']} | {tuple(r['shape'])} | " + " | ".join(f"{r[k]:.2%}" for k in kinds) + " |")
+        out.append("| mean of all " + str(len(rows)) + " | | " + " | ".join(
+            f"{sum(r[k] for r in rows) / len(rows):.2%}" for k in kinds) + " |")
+        out.append("")
     return out
 
 

@@ -12,7 +12,11 @@ element:
   ``|x - deq| <= scale / 2``.
 
 A tile whose elements are all zero gets ``scale = 1`` (and zero codes), so nothing divides by zero and
-re-quantizing a dequantized tensor returns the same codes and scales (``(s * q) / q == s`` in fp32).
+re-quantizing a dequantized tensor returns the same codes and scales (``(s * q) / q == s`` in fp32). A tile
+so small that ``amax / qmax`` would fall below the smallest normal fp32 (``amax < qmax * 2**-126``, about
+``5e-36``) gets ``scale = 2**-126`` instead: ``amax / qmax`` would be a subnormal, or round to 0 (below
+``~3e-43``), and ``0 / 0`` makes NaN codes. A power of two keeps ``x / scale`` and ``code * scale`` exact,
+so the error bounds and idempotence hold for such tiles too; every other tile's scale is ``amax / qmax``.
 Everything here is elementwise per tile, so quantizing any set of whole tiles gives bitwise the codes and
 scales of quantizing the whole tensor.
 """
@@ -31,6 +35,7 @@ _CODE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 _QMAX = {"fp8_e4m3": 448.0, "int8": 127.0}
 # What can be quantized: real floating dtypes (float8 inputs are codes already, not weights).
 _QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MIN_SCALE = torch.finfo(torch.float32).tiny  # 2**-126
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,8 @@ def quantize_tiles(tiles: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor,
     check_quantizable(tiles, "the tensor to quantize")
     x = tiles.to(torch.float32)
     amax = x.abs().amax(dim=(-2, -1)) if x.numel() else x.new_zeros(x.shape[:-2])
-    scales = torch.where(amax > 0, amax / fmt.qmax, torch.ones_like(amax))
+    # Smallest normal fp32 as the floor: a subnormal or zero amax / qmax would break x / scale (see the note).
+    scales = torch.where(amax > 0, amax / fmt.qmax, torch.ones_like(amax)).clamp_min_(_MIN_SCALE)
     y = (x / scales[..., None, None]).clamp_(-fmt.qmax, fmt.qmax)
     if fmt.kind == "int8":
         y = y.round_()

@@ -80,6 +80,24 @@ def test_scale_is_amax_over_qmax():
     assert scales.tolist() == [[1.0]]  # an all-zero block: no division by zero
 
 
+@pytest.mark.parametrize("fmt", [BlockFormat("fp8_e4m3", 64), BlockFormat("int8", 64)], ids=lambda f: f.name)
+def test_tiny_blocks_keep_finite_codes_and_the_error_bound(fmt):
+    # amax / qmax of these blocks is a subnormal or rounds to 0 in fp32 (0 / 0 gave NaN codes): the scale floors
+    # at the smallest normal fp32, and the blocks of ordinary size keep amax / qmax.
+    w = torch.zeros(64, 256)
+    w[3, 0:3] = torch.tensor([1e-44, -3e-45, 0.0])  # block 0: amax / qmax rounds to 0
+    w[5, 64:67] = torch.tensor([1e-39, -2.5e-40, 7e-41])  # block 1: amax / qmax is subnormal
+    w[9, 130], w[10, 200] = 0.5, -1e-3  # blocks 2, 3: ordinary
+    codes, scales = quantize_rowmajor(w, fmt)
+    tiny = torch.finfo(torch.float32).tiny
+    assert scales.tolist() == [[tiny, tiny, (w[9, 130] / fmt.qmax).item(), (-w[10, 200] / fmt.qmax).item()]]
+    back = dequantize_rowmajor(codes, scales, fmt)
+    assert torch.isfinite(back).all()
+    full = scales.repeat_interleave(64, -1).expand_as(w)
+    assert torch.all((back - w).abs() <= _bound(w, full, fmt))
+    assert torch.equal(dequantize_rowmajor(*quantize_rowmajor(back, fmt), fmt), back)  # re-quantizing keeps values
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_requantization_is_idempotent(fmt):
     w = _inputs("heavy_tailed", (2, 256, 320))
