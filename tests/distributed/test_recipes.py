@@ -66,7 +66,7 @@ def test_llama_tiny_trains_checkpoints_and_resumes(tmp_path):
     assert summary["peak_memory_bytes"] > 0
     assert (run1 / "loss_curve.png").stat().st_size > 0
     plan = yaml.safe_load((run1 / "plan.yaml").read_text())  # the default plan, as resolved
-    assert plan["plan"]["name"] == "default" and list(plan["groups"]) == ["model.layers.1", "model.layers.0", "model"]
+    assert plan["plan"]["name"] == "default" and list(plan["groups"]) == ["model.layers.1", "model.layers.0", "model.tok_embeddings", "model"]
     ckpts = run1 / "checkpoints"
     assert (ckpts / "step-000006.ckpt").is_dir() and (ckpts / "step-000012.ckpt").is_dir()
     assert (ckpts / "last.ckpt").resolve() == (ckpts / "step-000012.ckpt").resolve()
