@@ -3,10 +3,19 @@
 Reads and writes go through ``pwrite`` / ``preadv`` straight between the tensor's memory and the file, so the
 only memory a tensor on disk costs is the file's page cache, which the operating system reclaims (and does not
 count in the process's resident set). Tensors on an accelerator are staged through one host buffer.
+
+A store made with ``direct=True`` keeps large tensors out of the page cache too, as an NVMe swapper must (the
+point of the tier is that the bytes leave memory, and a cache the size of the states would only hide the
+device's speed): a tensor of at least :data:`DIRECT_MIN_BYTES` whose memory starts on an :data:`ALIGN` boundary
+with room up to the next one (:func:`alloc_aligned`, :func:`realign`) moves with ``O_DIRECT``, straight between
+its memory and the device, costing almost no CPU, so a background thread overlaps it with compute. Smaller
+tensors (a few pages: a device round trip each would cost more than their cache) and file systems without
+``O_DIRECT`` (tmpfs) go through the page cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -15,9 +24,37 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DiskStore", "DiskTierError", "check_disk_space"]
+__all__ = ["ALIGN", "DIRECT_MIN_BYTES", "DiskStore", "DiskTierError", "alloc_aligned", "check_disk_space", "realign"]
 
 CHUNK_BYTES = 16 * 2**20  # large sequential I/O, as ZeRO-Infinity's swapper does
+ALIGN = 4096  # O_DIRECT: memory address, file offset and length on (at least) logical-block boundaries
+DIRECT_MIN_BYTES = 2**20  # smaller tensors go through the page cache
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def alloc_aligned(t: torch.Tensor, nbytes: int) -> None:
+    """(Re)allocate the released storage of contiguous CPU tensor ``t`` (``nbytes`` of data) so that its data
+    starts on an :data:`ALIGN` boundary with room up to the next one: the storage grows by at most two pages
+    and the tensor is re-pointed into it (same object, shape and values to be read)."""
+    storage = t.untyped_storage()
+    storage.resize_(_round_up(nbytes) + ALIGN)
+    shift = (-storage.data_ptr()) % ALIGN  # the CPU allocator aligns to 64 bytes: a multiple of every dtype's size
+    t.set_(storage, shift // t.element_size(), t.shape, t.stride())
+
+
+def realign(t: torch.Tensor) -> None:
+    """Move contiguous CPU tensor ``t``'s values into storage made by :func:`alloc_aligned` (a no-op if its memory
+    is aligned already): the optimizer creates states wherever the allocator puts them."""
+    if t.data_ptr() % ALIGN == 0:
+        return
+    values = t.clone()
+    t.untyped_storage().resize_(0)
+    alloc_aligned(t, values.numel() * values.element_size())
+    t.copy_(values)
 
 
 class DiskTierError(RuntimeError):
@@ -53,19 +90,46 @@ def check_disk_space(directory: str, need: int, what: str) -> None:
         )
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable view of a contiguous CPU tensor's bytes (through its address: ``Tensor.numpy()`` would make
-    the storage non-resizable, and the swapper releases storage by resizing it)."""
-    nbytes = t.numel() * t.element_size()
+def _bytes_of(t: torch.Tensor, nbytes: Optional[int] = None) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes, or of ``nbytes`` from its start (through its address:
+    ``Tensor.numpy()`` would make the storage non-resizable, and the swapper releases storage by resizing it)."""
+    nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
     if nbytes == 0:
         return memoryview(bytearray())
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
-class DiskStore:
-    """Tensors kept as files under ``directory`` (a private subdirectory, removed by :meth:`close`)."""
+def _direct_span(t: torch.Tensor) -> int:
+    """The byte count to move ``t`` with ``O_DIRECT`` (its size rounded up to :data:`ALIGN`), or 0 when it is
+    small, its memory not aligned, or its storage ends before that."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or t.data_ptr() % ALIGN or nbytes < DIRECT_MIN_BYTES:
+        return 0
+    storage = t.untyped_storage()
+    span = _round_up(nbytes)
+    return span if storage.data_ptr() + storage.nbytes() - t.data_ptr() >= span else 0
 
-    def __init__(self, directory: str, *, tag: str = "") -> None:
+
+def _supports_direct(directory: str) -> bool:
+    probe = os.path.join(directory, ".direct_probe")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | _O_DIRECT, 0o600))
+        return bool(_O_DIRECT)
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+
+
+class DiskStore:
+    """Tensors kept as files under ``directory`` (a private subdirectory, removed by :meth:`close`).
+
+    ``direct``: keep large tensors out of the page cache (see the module's docstring); ``self.direct`` says
+    whether the file system allows it.
+    """
+
+    def __init__(self, directory: str, *, tag: str = "", direct: bool = False) -> None:
         self.root = os.path.join(directory, f"{_PREFIX}{os.getpid()}{tag}")
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -73,6 +137,11 @@ class DiskStore:
             raise DiskTierError(f"cannot create the disk tier's directory {self.root} ({e})") from None
         _remove_stale(directory)
         self.sizes: dict[str, int] = {}
+        self.direct = direct and _supports_direct(self.root)
+
+    def moves_direct(self, nbytes: int) -> bool:
+        """Whether a tensor of ``nbytes`` moves with ``O_DIRECT`` here (given aligned memory)."""
+        return self.direct and nbytes >= DIRECT_MIN_BYTES
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key.replace("/", "_") + ".bin")
@@ -83,8 +152,10 @@ class DiskStore:
         if src.device.type != "cpu":
             src = src.to("cpu")
         src = src.contiguous()
-        data = _bytes_of(src)
-        fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT, 0o600)
+        nbytes = src.numel() * src.element_size()
+        span = _direct_span(src) if self.direct else 0
+        data = _bytes_of(src, span or nbytes)  # O_DIRECT: the padding up to ALIGN is the storage's own slack
+        fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT | (_O_DIRECT if span else 0), 0o600)
         try:
             done = 0
             while done < len(data):
@@ -98,7 +169,7 @@ class DiskStore:
             ) from None
         finally:
             os.close(fd)
-        self.sizes[key] = len(data)
+        self.sizes[key] = nbytes
 
     def read_into(self, key: str, tensor: torch.Tensor, staging: Optional[torch.Tensor] = None) -> None:
         """Fill ``tensor`` (contiguous, the size written under ``key``) from disk."""
@@ -108,11 +179,12 @@ class DiskStore:
             raise DiskTierError(f"the disk tier holds {size} bytes for {key}, not the {nbytes} asked for")
         dst = tensor if tensor.device.type == "cpu" else (staging if staging is not None else torch.empty_like(
             tensor, device="cpu"))
-        view = _bytes_of(dst)
-        fd = os.open(self._path(key), os.O_RDONLY)
+        span = _direct_span(dst) if self.direct else 0
+        view = _bytes_of(dst, span or nbytes)
+        fd = os.open(self._path(key), os.O_RDONLY | (_O_DIRECT if span else 0))
         try:
             done = 0
-            while done < nbytes:
+            while done < nbytes:  # an O_DIRECT file written unaligned is shorter than the span: n stops early
                 n = os.preadv(fd, [view[done : done + CHUNK_BYTES]], done)
                 if n == 0:
                     raise DiskTierError(f"{self._path(key)} ended after {done} of {nbytes} bytes (was it truncated?)")

@@ -8,8 +8,17 @@ but its storage is released (resized to 0) after its bytes were written to the t
 ``MemoryPolicy.bucket_bytes`` of states, that bucket's states are read back into their own storage, the
 optimizer's own ``step`` runs (any elementwise torch optimizer: the numerics are untouched, so training is
 bitwise the same as without offload), and the states are written back and released. The next bucket's states
-are read on a background thread while a bucket steps. At most two buckets of states are in memory at a time
-(the one stepping and the one being read), instead of all of them.
+are read on a background thread while a bucket steps, and a stepped bucket's states are written back on another
+while the next one steps, with at most ``StateOffload.writes_in_flight`` buckets being written at a time (the
+oldest is waited for before another is sent, and every write has completed when ``step`` returns, so between
+steps every state is on the tier and nothing is half-written). At most ``2 + writes_in_flight`` buckets of
+states are in memory at a time (the one stepping, the one being read, those being written), instead of all of
+them. Without ``prefetch`` every read and write is synchronous.
+
+On the disk tier large states bypass the page cache (``DiskStore(direct=True)``): each is read into storage
+allocated on a page boundary (:func:`~lightning_vescale.memory.disk.alloc_aligned`) and written from it with
+``O_DIRECT``, so the bytes leave memory for real and a read is the device's time, which the background thread
+overlaps with the step, as an NVMe swapper does.
 
 A state whose storage is present when a bucket is brought in (a checkpoint load replaced it, or it was just
 created by the optimizer) is newer than the tier's copy and is used as it is. Scalar states (``step``) stay
@@ -23,6 +32,7 @@ buckets are then cut only between DBuffers, so a buffer's piece is read and writ
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import weakref
@@ -31,7 +41,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from lightning_vescale.memory.disk import DiskStore
+from lightning_vescale.memory.disk import DiskStore, alloc_aligned, realign
 from lightning_vescale.memory.ledger import memory_stats
 from lightning_vescale.memory.pieces import PieceOffload
 from lightning_vescale.memory.policy import MemoryPolicy
@@ -62,6 +72,9 @@ class StateOffload:
     Made by :func:`offload_optimizer_states`; ``close()`` brings every state back and stops offloading.
     """
 
+    writes_in_flight: int = 2
+    """Buckets whose write-back may be in progress at once (each holds its states' memory until written)."""
+
     def __init__(self, optimizer: torch.optim.Optimizer, policy: MemoryPolicy,
                  pieces: Optional[PieceOffload] = None) -> None:
         if policy.optimizer_states == "device" and pieces is None:
@@ -72,11 +85,15 @@ class StateOffload:
         self.pieces = pieces
         self.tier = policy.optimizer_states
         self.moves_states = self.tier != "device"
-        self.store: Optional[DiskStore] = DiskStore(policy.disk_dir) if self.tier == "disk" else None
+        self.store: Optional[DiskStore] = DiskStore(policy.disk_dir, direct=True) if self.tier == "disk" else None
         self._known: set[str] = set()  # states counted in the ledger
         self._host: dict[str, torch.Tensor] = {}
         self._offloaded: dict[str, tuple[torch.Tensor, int]] = {}  # key -> (storage tensor, nbytes) on the tier
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lv-prefetch") if policy.prefetch else None
+        background_writes = policy.prefetch and self.store is not None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lv-writeback") if background_writes \
+            else None
+        self._writes: collections.deque[tuple[Future, list[tuple[str, torch.Tensor, int]]]] = collections.deque()
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
         optimizer.step = self.step  # type: ignore[method-assign]
@@ -121,6 +138,9 @@ class StateOffload:
                     yield f"{id(p)}:{key}", _storage_tensor(value)
 
     def _write_out(self, params: list[torch.Tensor]) -> None:
+        """Put ``params``' resident states on the tier and release their storage: on the disk tier with a
+        background writer, asynchronously (released once written; see :meth:`flush`)."""
+        jobs = []
         for key, t in self._entries(params):
             storage = t.untyped_storage()
             if storage.nbytes() == 0:
@@ -129,9 +149,7 @@ class StateOffload:
             if key not in self._known:  # first seen (the optimizer just created it): on the device until now
                 self._known.add(key)
                 memory_stats.add("optimizer_states", "device", nbytes)
-            if self.store is not None:
-                self.store.write(key, t)
-            else:
+            if self.store is None:
                 host = self._host.get(key)
                 if host is None or host.shape != t.shape or host.dtype != t.dtype:
                     pin = t.device.type != "cpu" and torch.cuda.is_available()
@@ -139,10 +157,42 @@ class StateOffload:
                 if t.device.type == "cpu":
                     continue  # a CPU-only machine: host memory is the device's, nothing to move
                 host.copy_(t)
-            storage.resize_(0)
+            jobs.append((key, t, nbytes))
+        if not jobs:
+            return
+        if self.store is None:
+            self._release(jobs)
+        elif self._writer is None:
+            self._write_files(jobs)
+            self._release(jobs)
+        else:
+            while len(self._writes) >= self.writes_in_flight:
+                self._finish_oldest_write()
+            self._writes.append((self._writer.submit(self._write_files, jobs), jobs))
+
+    def _write_files(self, jobs: list[tuple[str, torch.Tensor, int]]) -> None:
+        for key, t, nbytes in jobs:
+            if t.device.type == "cpu" and self.store.moves_direct(nbytes):
+                realign(t)  # once, for a state the optimizer just created: O_DIRECT from then on
+            self.store.write(key, t)
+
+    def _release(self, jobs: list[tuple[str, torch.Tensor, int]]) -> None:
+        for key, t, nbytes in jobs:
+            t.untyped_storage().resize_(0)
             self._offloaded[key] = (t, nbytes)
             memory_stats.add("optimizer_states", self.tier, nbytes)
             memory_stats.add("optimizer_states", "device", -nbytes)
+
+    def _finish_oldest_write(self) -> None:
+        future, jobs = self._writes.popleft()
+        future.result()  # a write that failed raises here; its states stay in memory (nothing is lost)
+        self._release(jobs)
+
+    def flush(self) -> None:
+        """Wait for every write-back in flight and release what it wrote: afterwards every state not in use
+        is on the tier, whole."""
+        while self._writes:
+            self._finish_oldest_write()
 
     def _read_in(self, params: list[torch.Tensor]) -> None:
         for key, t in self._entries(params):
@@ -150,7 +200,10 @@ class StateOffload:
             if held is None or t.untyped_storage().nbytes() != 0:
                 continue  # resident: newer than the tier's copy (created by a step, or replaced by a load)
             nbytes = held[1]
-            t.untyped_storage().resize_(nbytes)
+            if self.store is not None and self.store.moves_direct(nbytes):
+                alloc_aligned(t, nbytes)  # O_DIRECT straight into the state's own storage
+            else:
+                t.untyped_storage().resize_(nbytes)
             if self.store is not None:
                 self.store.read_into(key, t)
             else:
@@ -197,12 +250,15 @@ class StateOffload:
                 for offload in pieces:
                     offload.put_back(params_changed=True)
         finally:
-            if pending is not None:
-                pending.result()
-            for g, params in zip(groups, originals):
+            for g, params in zip(groups, originals):  # first: a read or write that failed raises below
                 g["params"] = params
             if self.pieces is not None:
                 self.pieces.step_done()
+            try:
+                if pending is not None:
+                    pending.result()
+            finally:
+                self.flush()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -223,20 +279,24 @@ class StateOffload:
     def resident(self) -> Iterator[None]:
         """Every state in memory inside the block (to save or load a checkpoint), put back on the tier after."""
         params = self._params()
+        self.flush()
         self._read_in(params)
         try:
             yield
         finally:
             self._write_out(params)
+            self.flush()
 
     def close(self) -> None:
         """Bring every state back and stop offloading."""
+        self.flush()
         self._read_in(self._params())
         self.optimizer.step = self._original_step  # type: ignore[method-assign]
         self.optimizer.zero_grad = self._original_zero_grad  # type: ignore[method-assign]
         _OFFLOADS.pop(self.optimizer, None)
-        if self._reader is not None:
-            self._reader.shutdown()
+        for pool in (self._reader, self._writer):
+            if pool is not None:
+                pool.shutdown()
         if self.store is not None:
             self.store.close()
 

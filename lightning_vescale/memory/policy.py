@@ -60,7 +60,9 @@ class MemoryPolicy:
     parent is more likely a typo or an unmounted disk: an error); must be writable, and have room for what goes
     there (checked by :func:`~lightning_vescale.memory.apply_memory_policy` before anything moves)."""
     prefetch: bool = True
-    """Read the next bucket's states on a background thread while this bucket steps."""
+    """Read the next bucket's states on a background thread while this bucket steps, and write stepped buckets back
+    on another (at most ``StateOffload.writes_in_flight`` at a time, all written when ``step`` returns); off, every
+    read and write is synchronous."""
     bucket_bytes: int = 64 * 2**20
     """Target size of one swapped bucket of optimizer states: the transient memory offload needs."""
 
