@@ -87,9 +87,7 @@ def _rank(rank: int, world: int, init: str, model_name: str, spec, shape: dict, 
     with torch.device("meta"):
         model = Llama(config)
     first_use = _rss_now() - baseline  # torch's first use in the process (not state: the same in every run)
-    for block in model.layers:
-        lv.fully_shard(block)
-    lv.fully_shard(model)
+    lv.parallelize(model, init_weights=False)  # the default plan, as users get it
     lv.init_sharded_weights(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if spec is not None:
@@ -138,9 +136,7 @@ def _build(model_name: str, spec: Optional[dict], swap: str, rank: int, tag: str
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Llama(MODELS[model_name])
-    for block in model.layers:
-        lv.fully_shard(block)
-    lv.fully_shard(model)
+    lv.parallelize(model, init_weights=False)  # the default plan, as users get it
     lv.init_sharded_weights(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if spec is not None:
