@@ -33,6 +33,15 @@ def world_size_of(config) -> int:
     return per_node * config.trainer.num_nodes
 
 
+def replicate_of(config, world_size: int) -> int:
+    """Replicas of an HSDP run (``strategy.replicate_size``; ``"auto"``: one per node), 1 otherwise: each group is
+    sharded over ``world_size / replicas`` ranks, so that is what a rank holds."""
+    r = getattr(config.strategy, "replicate_size", None)
+    if r == "auto":
+        r = int(getattr(config.trainer, "num_nodes", 1) or 1)
+    return r if isinstance(r, int) and r > 0 and world_size % r == 0 else 1
+
+
 def estimate_for(config, world_size: int) -> MemoryEstimate:
     """Per-rank bytes of the recipe's run from the dry-run planner (the model on the meta device)."""
     from lightning_vescale.parallelize import resolve_for
@@ -47,7 +56,8 @@ def estimate_for(config, world_size: int) -> MemoryEstimate:
     workload = Workload(batch_size=config.data.batch_size, seq_len=config.data.seq_len, precision=precision,
                         optimizer=optimizer)
     hardware = load_profile("cpu" if not torch.cuda.is_available() else "h200")
-    run = dry_run(model, resolved, world_size, workload=workload, hardware=hardware).vescale
+    run = dry_run(model, resolved, world_size, workload=workload, hardware=hardware,
+                  replicate=replicate_of(config, world_size)).vescale
     blocks = sum(1 for name, _ in model.named_modules() if name.count(".") == 1 and name.startswith("layers."))
     hidden = run.activations / max(workload.tokens, 1)
     return MemoryEstimate(

@@ -241,3 +241,12 @@ def test_export_of_a_run_without_model_json_and_bad_sources(tmp_path, capsys):
         main([str(tmp_path / "nowhere"), str(tmp_path / "out3")])
     assert info.value.code == 2 and "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "out3").exists()
+
+
+def test_memory_estimate_of_an_hsdp_run_shards_over_the_shard_group():
+    """strategy.replicate_size=2 on 4 ranks: a rank holds what it holds on 2 ranks of plain sharding."""
+    from lightning_vescale.recipe.memory import estimate_for
+
+    hsdp = estimate_for(load("memory=budget", "strategy.replicate_size=2"), 4)
+    assert hsdp.params == estimate_for(load("memory=budget"), 2).params
+    assert hsdp.params > estimate_for(load("memory=budget"), 4).params
