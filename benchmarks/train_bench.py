@@ -156,10 +156,8 @@ def build(engine: str, setup: Setup, world: int):
         policy = lv.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                          output_dtype=torch.float32) if bf16 else None
         if setup.ep > 1:
-            from lightning_vescale.parallel import fully_shard_expert_parallel
-
-            mesh, dense_mesh = _meshes(world, setup.ep)
-            fully_shard_expert_parallel(model, mesh, dense_mesh=dense_mesh, mp_policy=policy)
+            mesh, _ = _meshes(world, setup.ep)
+            lv.parallelize(model, mesh=mesh, mp_policy=policy)  # the default plan on a ("dp", "ep") mesh
         elif variant == "vescale-rootemb":
             for block in model.layers:
                 lv.fully_shard(block, mp_policy=policy)
