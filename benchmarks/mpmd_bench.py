@@ -153,21 +153,22 @@ def measure_memory() -> dict:
     from benchmarks._memory import MALLOC_ENV
 
     os.environ.update(MALLOC_ENV)  # read by the spawned interpreters' glibc at start
-    result = {}
-    for name in MEMORY_LAYOUTS:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "rss.json")
-            ctx = mp.get_context("spawn")
-            procs = [ctx.Process(target=_memory_worker, args=(r, os.path.join(tmp, "pg"), name, out))
-                     for r in range(WORLD)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join()
-            if any(p.exitcode for p in procs):
-                raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-            result[name] = json.loads(Path(out).read_text())
-    return result
+    return {name: _run_ranks(_memory_worker, name) for name in MEMORY_LAYOUTS}
+
+
+def _run_ranks(worker, *args) -> dict:
+    """``worker(rank, pg_file, *args, out_json)`` on :data:`WORLD` fresh processes; what rank 0 wrote to the JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=worker, args=(r, os.path.join(tmp, "pg"), *args, out)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        return json.loads(Path(out).read_text())
 
 
 def predictions() -> dict:
@@ -237,18 +238,7 @@ def main() -> None:
     args = parser.parse_args()
     load_start = os.getloadavg()
     predicted = predictions()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.json")
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, os.path.join(tmp, "pg"), args.steps, args.warmup, out))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        raw = json.loads(Path(out).read_text())
+    raw = _run_ranks(_worker, args.steps, args.warmup)
     measured = {name: {"median_s": statistics.median(t), "min_s": min(t), "steps": len(t),
                        "cpu_s_per_rank": [r[name] for r in raw["cpu"]]} for name, t in raw["wall"].items()}
     load = os.getloadavg()

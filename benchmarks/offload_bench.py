@@ -110,23 +110,32 @@ def _rank(rank: int, world: int, init: str, model_name: str, spec, shape: dict, 
     dist.destroy_process_group()
 
 
-def run(model_name: str, config_name: str, world: int, steps: int, shape: Optional[dict] = None,
-        spec: Optional[dict] = None) -> dict:
-    shape = shape or {"batch": 2, "seq": 128}
-    spec = CONFIGS.get(config_name) if spec is None else spec
+_TMP = object()
+"""In :func:`_spawn`'s arguments: the run's temporary directory."""
+
+
+def _spawn(fn, world: int, *args, results: Optional[int] = None, what: Optional[str] = None) -> list:
+    """Run ``fn(rank, world, init, *args, out)`` in ``world`` fresh processes; the items they put on ``out``
+    (``results`` of them; default one per rank). ``what`` names the run in the error if a rank fails."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{tmp}/pg"
-        procs = [ctx.Process(target=_rank, args=(r, world, init, model_name, spec, shape, steps, tmp, out))
-                 for r in range(world)]
+        procs = [ctx.Process(target=fn, args=(r, world, f"file://{tmp}/pg", *[tmp if a is _TMP else a for a in args],
+                                              out)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
             p.join()
         if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"{config_name}: a rank failed")
-    rows = [out.get() for _ in range(world)]
+            raise RuntimeError(f"{what or fn.__name__}: a rank failed")
+        return [out.get() for _ in range(world if results is None else results)]
+
+
+def run(model_name: str, config_name: str, world: int, steps: int, shape: Optional[dict] = None,
+        spec: Optional[dict] = None) -> dict:
+    shape = shape or {"batch": 2, "seq": 128}
+    spec = CONFIGS.get(config_name) if spec is None else spec
+    rows = _spawn(_rank, world, model_name, spec, shape, steps, _TMP, what=config_name)
     return {"peak_rss_mb": max(r[1] for r in rows) / 2**20, "step_s": max(r[2] for r in rows),
             "off_device_peak_mb": max(r[3] for r in rows) / 2**20, "optimizer_step_s": max(r[4] for r in rows),
             "first_use_mb": max(r[5] for r in rows) / 2**20}
@@ -178,19 +187,8 @@ def _paired_rank(rank: int, world: int, init: str, model_name: str, steps: int, 
 
 
 def paired(model_name: str, world: int, steps: int, tokens_shape: tuple = (2, 129)) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
     load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_paired_rank, args=(r, world, f"file://{tmp}/pg", model_name, steps, tokens_shape,
-                                                        tmp, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError("paired prefetch run: a rank failed")
-    rows = [out.get() for _ in range(world)]
+    rows = _spawn(_paired_rank, world, model_name, steps, tokens_shape, _TMP, what="paired prefetch run")
     result: dict = {"load_before": load, "load_after": os.getloadavg()[0], "bitwise": all(r[2] for r in rows)}
     for name in PAIRED:
         result[name + " optimizer_step_s"] = max(statistics.median(r[1][name]) for r in rows)
@@ -240,27 +238,10 @@ def _staging_rank(rank: int, world: int, init: str, out) -> None:
     dist.destroy_process_group()
 
 
-def _spawn(fn, world: int, *args) -> list:
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=fn, args=(r, world, f"file://{tmp}/pg", *[tmp if a is _TMP else a for a in args],
-                                              out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"{fn.__name__}: a rank failed")
-        n = 1 if fn is _staging_rank else world
-        return [out.get() for _ in range(n)]
-
-
-_TMP = object()
 
 
 def ledger_breakdown(model_name: str, world: int) -> dict:
-    staging = _spawn(_staging_rank, world)[0]
+    staging = _spawn(_staging_rank, world, results=1)[0]
     result = {}
     for name, spec in LEDGER.items():
         rows = _spawn(_ledger_rank, world, model_name, spec, staging, _TMP)

@@ -418,15 +418,15 @@ class ParamGroup:
         self.training_state = TrainingState.POST_BACKWARD
         for mp in self.managed:
             mp.unsharded.grad = None  # the buffer stays; only the views are dropped
-        if not self.reshard_after_backward:
-            pass  # kept gathered for the next micro-batch (see ``set_reshard_after_backward``)
-        elif self._frozen_in_use:  # frozen buffers are freed once backward has used them (see the note above)
+        # Without reshard_after_backward the parameters stay gathered for the next micro-batch.
+        if self.reshard_after_backward and self._frozen_in_use:
+            # Frozen buffers are freed once backward has used them (see the note above).
             for mp in self.managed:
                 self._use_sharded(mp)
             for buf in self.buffers.values():
                 if buf.requires_grad:
                     buf.reshard()
-        else:
+        elif self.reshard_after_backward:
             self.reshard()
         if not self.requires_grad_sync:
             return

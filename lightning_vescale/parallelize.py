@@ -23,7 +23,6 @@ import hashlib
 import importlib
 import logging
 import os
-import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -57,7 +56,7 @@ from lightning_vescale.plan import (
     resolve_plan,
 )
 from lightning_vescale.plan._registry import register_policy
-from lightning_vescale.plan._spec import dtype_name, parse_dtype
+from lightning_vescale.plan._spec import dtype_name, is_mpmd_plan, parse_dtype
 from lightning_vescale.tensor import is_ragged, is_sharded_param
 
 logger = logging.getLogger(__name__)
@@ -448,15 +447,6 @@ def _group_mp_policy(group_param: Optional[str], group_reduce: Optional[str],
     )
 
 
-def _is_mpmd_plan(plan: Any) -> bool:
-    # Without importing the pipeline package (torch.distributed.pipelining, checkpointing: ~10 MiB of code a
-    # plain plan does not need): an MPMDPlan object exists only once its module has been imported.
-    if isinstance(plan, Mapping) and "stages" in plan:
-        return True
-    spec = sys.modules.get("lightning_vescale.pipeline._spec")
-    return spec is not None and isinstance(plan, spec.MPMDPlan)
-
-
 def parallelize(
     model: nn.Module,
     plan: PlanLike = None,
@@ -512,7 +502,7 @@ def parallelize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
-    if _is_mpmd_plan(plan):
+    if is_mpmd_plan(plan):
         from lightning_vescale.pipeline import parallelize_mpmd
 
         return parallelize_mpmd(model, plan, sync_module_states=sync_module_states, **mpmd_kwargs)

@@ -41,7 +41,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_vescale.pipeline._runtime import (
@@ -54,7 +53,7 @@ from lightning_vescale.pipeline._runtime import (
 )
 from lightning_vescale.pipeline._spec import MPMDPlan
 from lightning_vescale.plan._dry_run import Workload, dry_run
-from lightning_vescale.plan._hardware import HardwareProfile
+from lightning_vescale.plan._hardware import HardwareProfile, OpCounter
 
 __all__ = ["LayoutCost", "StageCost", "choose_layout", "predict_mpmd", "predict_uniform"]
 
@@ -106,20 +105,10 @@ class LayoutCost:
         return asdict(self)
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _work(modules: Sequence[nn.Module], values: Sequence[Any], input_grads: bool) -> tuple[float, int]:
     """(FLOPs, operators) of forward and backward of ``modules`` on ``values``, run on the meta device."""
     values = tuple(_with_grad(_to_meta(v), input_grads) for v in values)
-    with FlopCounterMode(display=False) as counter, _CountOps() as ops:
+    with FlopCounterMode(display=False) as counter, OpCounter() as ops:
         out = [o for o in run_chain(modules, values) if isinstance(o, torch.Tensor) and o.requires_grad]
         params = [p for m in modules for p in m.parameters()]
         kept = [p.grad for p in params]

@@ -33,6 +33,7 @@ from typing import Any
 from torch import nn
 
 from lightning_vescale.plan import Plan, PlanError, load_plan
+from lightning_vescale.plan._spec import is_mpmd_plan
 
 __all__ = ["SCHEDULES", "MPMDPlan", "StageSpec", "is_mpmd_plan"]
 
@@ -219,11 +220,6 @@ def _stage_from_dict(data: Any, index: int) -> StageSpec:
     except PlanError as err:
         raise PlanError(f"{what} ({name!r}): {err}") from None
     return StageSpec(name=name, modules=tuple(modules), ranks=ranks, plan=plan)
-
-
-def is_mpmd_plan(plan: Any) -> bool:
-    """True for an :class:`MPMDPlan` or its dict form (a mapping with ``stages``)."""
-    return isinstance(plan, MPMDPlan) or (isinstance(plan, Mapping) and "stages" in plan)
 
 
 def load_mpmd_plan(source: MPMDPlan | Mapping[str, Any]) -> MPMDPlan:

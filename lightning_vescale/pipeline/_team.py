@@ -48,8 +48,8 @@ class Team:
         commands, an object broadcast for anything else."""
         box = torch.zeros(_COMMAND_LEN, dtype=torch.int64, device=self.device)
         if self.is_leader:
-            code = _encode(cmd)
-            box[: len(code)] = torch.tensor(code or [_OBJECT], dtype=torch.int64)
+            code = _encode(cmd) or [_OBJECT]
+            box[: len(code)] = torch.tensor(code, dtype=torch.int64)
         dist.broadcast(box, group=self.group, group_src=0)
         if int(box[0]) == _OBJECT:
             obj = [cmd]

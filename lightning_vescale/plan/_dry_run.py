@@ -327,9 +327,7 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
         note(_backward_transient(root))
         gathered.pop(root.name, None)
         activations -= root.activations
-        grad_buffers[root.name] = root.grad + root.reduce_extra
-        pieces += root.grad_piece
-        note(root.reduce_transient)
+        reduce(root)
     return peak, peak_gathered
 
 
@@ -450,6 +448,7 @@ def dry_run(
     ag_calls: dict[str, int] = {}
     rs_calls = ar_calls = 0
     quantized: dict[str, int] = {}
+    early = _roots_done_early(model, groups)
     for g in groups:
         layouts = group_layouts(resolved, g, N, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
         gathers = 2 if g.reshard_after_forward and not g.is_root else 1
@@ -460,12 +459,11 @@ def dry_run(
             pb, rb, mb = lay.param_dtype.itemsize, lay.reduce_dtype.itemsize, lay.dtype.itemsize
             shard += lay.shard_bytes
             gathered += lay.gathered_bytes
-            if lay.quant:
-                late += lay.gathered_bytes
-                transient += lay.gather_transient
             real += lay.real_numel
             pad += lay.padding_elements
             if lay.quant:
+                late += lay.gathered_bytes
+                transient += lay.gather_transient
                 quantized[lay.quant] = quantized.get(lay.quant, 0) + lay.real_numel
             for kind, sent in lay.all_gather_bytes().items():
                 ve.collectives[kind] = ve.collectives.get(kind, 0) + gathers * sent
@@ -503,7 +501,8 @@ def dry_run(
             act, recompute = hidden * tokens, act  # only the group's input is kept
         largest_bytes = largest * (layouts[0].param_dtype.itemsize if layouts else 4)
         ve_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, gathered, grad, extra, act,
-                                largest_bytes, recompute, gathered_late=late, in_flight=transient, grad_piece=grad_piece))
+                                largest_bytes, recompute, gathered_late=late, in_flight=transient, grad_piece=grad_piece,
+                                done_early=g.name in early))
         t_ag = hardware.collective_seconds(ag / max(gathers, 1), N)
         t_rs = hardware.collective_seconds(rs, N)
         t_ar = t_replicate(ar) if ar else 0.0
@@ -547,7 +546,7 @@ def dry_run(
         # replaces them until the ReduceScatter completes, and both live during the copy.
         fs_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, f_gathered, f_grad,
                                 f_rs_input - f_grad, act, largest_bytes, recompute, gather_transient=f_gathered,
-                                reduce_transient=f_grad, grad_piece=f_piece))
+                                reduce_transient=f_grad, grad_piece=f_piece, done_early=g.name in early))
         ft_ag = hardware.collective_seconds(f_ag / max(gathers, 1), N)
         ft_rs = hardware.collective_seconds(f_rs, N)
         ft_ar = t_replicate(f_ar) if f_ar else 0.0
@@ -577,11 +576,8 @@ def dry_run(
     ve.padding = total_padding / max(total_real, 1)
     fs.padding = fs_padding / max(total_real, 1)
     logits_grad = tokens * _vocab(model) * 4
-    early = _roots_done_early(model, groups)
     in_flight = 0 if hardware.shared_compute else 1  # the engines' default: see default_reduces_in_flight
     for est, order in ((ve, ve_groups), (fs, fs_groups)):
-        for g in order:
-            g.done_early = g.name in early
         est.activations = sum(g.activations for g in order)
         persistent = est.params + est.optimizer  # gradient pieces: allocated group by group in backward
         est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad, in_flight, root_prefetches=est is fs)

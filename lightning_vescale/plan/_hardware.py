@@ -19,13 +19,14 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_vescale.plan._spec import PlanError
 
-__all__ = ["HardwareProfile", "load_profile", "measure_cpu_profile", "profile_names"]
+__all__ = ["HardwareProfile", "OpCounter", "load_profile", "measure_cpu_profile", "profile_names"]
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -162,18 +163,21 @@ def _copy_bandwidth(nbytes: int = 256 * 2**20) -> float:
     return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), 5)  # read + write
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the operators dispatched inside it (``ops``): what ``op_overhead`` is paid for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _op_overhead(width: int = 8, depth: int = 16) -> float:
     """Seconds per operator of a training step's forward and backward whose FLOPs are negligible (a deep stack
     of tiny linear layers, one thread): the host's per-op cost (dispatch, autograd)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            _Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
     net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
                                 for _ in range(depth)])
     x = torch.randn(2, width)
@@ -181,9 +185,9 @@ def _op_overhead(width: int = 8, depth: int = 16) -> float:
     def step() -> None:
         net(x).sum().backward()
 
-    with _Count():
+    with OpCounter() as counter:
         step()
-    return _best_seconds(step, 20) / _Count.ops
+    return _best_seconds(step, 20) / counter.ops
 
 
 def _gloo_worker(rank: int, world: int, init_file: str, sizes: list, out) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
@@ -44,6 +45,7 @@ __all__ = [
     "PlanError",
     "Rule",
     "dtype_name",
+    "is_mpmd_plan",
     "parse_dtype",
 ]
 
@@ -298,3 +300,13 @@ def _rule_from_dict(data: Any, index: int) -> Rule:
     if "match" not in data:
         raise PlanError(f"{what} has no 'match' (the glob on full-model names it applies to): {dict(data)}")
     return Rule(**dict(data), index=index)
+
+
+def is_mpmd_plan(plan: Any) -> bool:
+    """True for an MPMD plan (:class:`~lightning_vescale.pipeline.MPMDPlan`) or its dict form (a mapping with
+    ``stages``). Does not import the pipeline package (``torch.distributed.pipelining``, checkpointing: code a
+    plain plan does not need): an ``MPMDPlan`` exists only once its module has been imported."""
+    if isinstance(plan, Mapping) and "stages" in plan:
+        return True
+    spec = sys.modules.get("lightning_vescale.pipeline._spec")
+    return spec is not None and isinstance(plan, spec.MPMDPlan)

@@ -130,3 +130,23 @@ def test_synthetic_vlm_data_is_deterministic_and_needs_the_image():
     images, tokens, target = a
     assert torch.equal(tokens[:, 1:], target[:, :-1])
     assert not torch.equal(synthetic_vlm_batch(config, 4, 5, 4)[0], images)
+
+
+def test_team_commands_round_trip_as_integers_and_fall_back_to_objects(tmp_path) -> None:
+    """The step's commands travel as a few integers; anything else (here a command with a complex dtype) as a
+    pickled object, which must not fail on the leader's side."""
+    import torch.distributed as dist
+
+    from lightning_vescale.pipeline._team import BACKWARD, END, FORWARD, Team, _decode, _encode
+
+    forward = (FORWARD, 3, [((2, 5), torch.float32, True), ((2,), torch.int64, False)])
+    for cmd in (forward, (BACKWARD, 1), (END,)):
+        assert _decode(_encode(cmd)) == cmd
+    odd = (FORWARD, 0, [((2,), torch.complex64, False)])
+    assert _encode(odd) is None
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        team = Team(dist.group.WORLD)
+        assert team.command(odd) == odd and team.command(forward) == forward
+    finally:
+        dist.destroy_process_group()
