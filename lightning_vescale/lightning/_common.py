@@ -102,6 +102,15 @@ def precision_of_plugin(plugin: Any) -> str:
     return validate_precision(getattr(plugin, "precision", "32-true"))
 
 
+def precision_with_mp_policy(plugin: Any, mp_policy: Optional[MixedPrecisionPolicy], where: str) -> str:
+    """The precision string of ``plugin``; an error when an explicit ``mp_policy`` would contradict it."""
+    precision = precision_of_plugin(plugin)
+    if mp_policy is not None and precision != "32-true":
+        raise ValueError(f"{where} got both mp_policy={mp_policy} and precision={precision!r}: choose one "
+                         f"(keep precision='32-true' with an explicit mp_policy)")
+    return precision
+
+
 class _VeScalePrecisionMixin:
     """Lightning precision plugin behaviour for the engine: no autocast; ``bf16-true`` converts the module.
 

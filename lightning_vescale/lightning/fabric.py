@@ -48,7 +48,7 @@ from lightning_vescale.lightning._common import (
     ProcessGroupEnvironment,
     _VeScalePrecisionMixin,
     check_accelerator,
-    precision_of_plugin,
+    precision_with_mp_policy,
     register_vescale_names,
 )
 from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy, check_explicit_policy
@@ -179,12 +179,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         if precision is None:
             self._precision = None
             return
-        name = precision_of_plugin(precision)
-        if self._mp_policy is not None and name != "32-true":
-            raise ValueError(
-                f"VeScaleFabricStrategy got both mp_policy={self._mp_policy} and precision={name!r}: choose one "
-                f"(keep precision='32-true' with an explicit mp_policy)"
-            )
+        name = precision_with_mp_policy(precision, self._mp_policy, "VeScaleFabricStrategy")
         self._precision = precision if isinstance(precision, VeScaleFabricPrecision) else VeScaleFabricPrecision(name)
 
     @property

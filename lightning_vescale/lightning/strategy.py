@@ -51,7 +51,7 @@ from lightning_vescale.lightning._common import (
     ProcessGroupEnvironment,
     _VeScalePrecisionMixin,
     check_accelerator,
-    precision_of_plugin,
+    precision_with_mp_policy,
     register_vescale_names,
     warn_if_policy_ignored,
 )
@@ -257,12 +257,7 @@ class VeScaleStrategy(ParallelStrategy):
         if precision_plugin is None:
             self._precision_plugin = None
             return
-        precision = precision_of_plugin(precision_plugin)
-        if self._mp_policy is not None and precision != "32-true":
-            raise ValueError(
-                f"VeScaleStrategy got both mp_policy={self._mp_policy} and precision={precision!r}: choose one "
-                f"(keep precision='32-true' with an explicit mp_policy)"
-            )
+        precision = precision_with_mp_policy(precision_plugin, self._mp_policy, "VeScaleStrategy")
         if not isinstance(precision_plugin, VeScalePrecision):
             precision_plugin = VeScalePrecision(precision)
         self._precision_plugin = precision_plugin
