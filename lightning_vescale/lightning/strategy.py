@@ -156,6 +156,8 @@ class VeScaleStrategy(ParallelStrategy):
         process_group_backend: defaults to ``"gloo"`` on CPU and ``"nccl"`` on CUDA.
         memory: where optimizer states and activations live (:class:`~lightning_vescale.memory.MemoryPolicy`:
             device, host or disk tiers, activation checkpointing per block); ``None`` keeps everything on the device.
+            A plan's ``tier`` settings win for the parameters they cover; a plan putting anything on disk needs
+            ``memory=MemoryPolicy(disk_dir=...)`` (checked before any process starts).
         timeout: how long a collective waits for the other ranks before it fails (a stopped or crashed peer),
             in seconds or as a ``timedelta``; the error names the rank and the collective. ``None``: 5 minutes
             on CPU, 30 minutes on accelerators. It applies to the process group the strategy creates and to

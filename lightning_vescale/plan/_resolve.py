@@ -11,7 +11,12 @@ For each group and each parameter, and each field:
    ``override: true``, which replaces it (an equal value is fine);
 2. else, for ``granularity`` only, the model's own declaration ``param._vescale_granularity``;
 3. else the plan's ``fallback``; else the caller's (a strategy's arguments, the Trainer's precision);
-4. else the library default (element granularity, ``auto`` routing, reshard after forward, prefetch 1).
+4. else the library default (element granularity, ``auto`` routing, reshard after forward, prefetch 1; no
+   ``tier``: the run's ``MemoryPolicy`` places that state).
+
+``tier`` is chosen class by class (``params``, ``grads``, ``optimizer_states``), so rules placing different
+classes of the same parameter combine, and the classes of one DBuffer's parameters must agree on the weights'
+and gradients' tiers (see [Note: tiers in a plan] in :mod:`lightning_vescale.plan._spec`).
 
 ``granularity: muon`` then becomes what :func:`~lightning_vescale.optim.muon_granularity` gives the
 parameter under the plan's routing, and ``optimizer: auto`` what
