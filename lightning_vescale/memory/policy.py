@@ -143,7 +143,7 @@ def check_plan_tiers(plan: Any, memory: Optional[MemoryPolicy], where: str) -> N
         raise ValueError(
             f"{where}: the plan{f' {plan.name!r}' if plan.name else ''} puts state on the disk tier ({said}), but "
             f"{'no memory policy is given' if memory is None else 'the memory policy names no disk_dir'}: pass "
-            f"MemoryPolicy(disk_dir=<a directory on a local disk>) (the plan holds no machine paths; its other "
-            f"classes stay on the device by default)"
+            f"MemoryPolicy(disk_dir=<a directory on a local disk>) (the directory is the run's: a plan holds no "
+            f"machine paths)"
         )
     _check_writable(memory.disk_dir)
