@@ -35,7 +35,13 @@ from accelerate.utils import DistributedType
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.clip_grad import clip_grad_norm_
 from lightning_vescale.fully_shard import GranularityArg
-from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy, check_explicit_policy
+from lightning_vescale.memory import (
+    MemoryHandles,
+    MemoryPolicy,
+    apply_memory_policy,
+    check_explicit_policy,
+    check_plan_tiers,
+)
 from lightning_vescale.parallelize import (
     AutoWrapPolicy,
     PlanLike,
@@ -88,6 +94,7 @@ class VeScaleConfig:
             raise ValueError("VeScaleConfig got both plan and auto_wrap_policy: the plan's group rules decide the groups")
         if self.plan is not None and not isinstance(self.plan, ResolvedPlan):
             object.__setattr__(self, "plan", load_plan(self.plan))  # unknown keys and values fail here
+        check_plan_tiers(self.plan, self.memory, "VeScaleConfig")  # a plan's disk tier needs memory.disk_dir
         if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
             raise TypeError(f"VeScaleConfig.mp_policy must be a MixedPrecisionPolicy, got {type(self.mp_policy).__name__}")
         if self.replicate_size is not None and (not isinstance(self.replicate_size, int) or self.replicate_size < 1):
@@ -167,9 +174,9 @@ class VeScaleAccelerator(Accelerator):
         model._is_accelerate_prepared = True
         if model not in self._models:
             self._models.append(model)
-        if self.vescale_config.memory is not None:
-            handles = apply_memory_policy(model, [], self.vescale_config.memory, rank=self.process_index)
-            self._vescale_memory.append((model, handles))
+        # The policy's placement and the plan's tiers (with neither, nothing moves).
+        handles = apply_memory_policy(model, [], self.vescale_config.memory, rank=self.process_index)
+        self._vescale_memory.append((model, handles))
         return model
 
     def prepare(self, *args: Any, device_placement: Optional[list] = None) -> Any:

@@ -477,7 +477,9 @@ def parallelize(
        mixed precision and its parameters' granularities; on a ``("dp", "ep")`` mesh the experts are split
        over ``"ep"`` and sharded over ``"dp"`` (see :func:`~lightning_vescale.parallel.fully_shard_expert_parallel`);
     4. record each sharded parameter's :class:`~lightning_vescale.plan.ParamPolicy` (read by
-       :func:`~lightning_vescale.optim.build_optimizer`'s routing);
+       :func:`~lightning_vescale.optim.build_optimizer`'s routing, and by
+       :func:`~lightning_vescale.memory.apply_memory_policy` for the plan's ``tier`` settings: with plain torch,
+       call it once the optimizer exists, as the strategies do, or nothing moves);
     5. with ``init_weights``, initialize meta-device weights piece by piece (each module's
        ``reset_parameters``, the mesh's first rank's RNG: equal to an unsharded init with the same seed).
 

@@ -51,7 +51,13 @@ from lightning_vescale.lightning._common import (
     precision_with_mp_policy,
     register_vescale_names,
 )
-from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy, check_explicit_policy
+from lightning_vescale.memory import (
+    MemoryHandles,
+    MemoryPolicy,
+    apply_memory_policy,
+    check_explicit_policy,
+    check_plan_tiers,
+)
 from lightning_vescale.parallelize import (
     AutoWrapPolicy,
     PlanLike,
@@ -148,6 +154,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         self._device_mesh: Optional[DeviceMesh] = None
         self._sharded_modules: list[Module] = []
         check_explicit_policy(memory, "VeScaleFabricStrategy(memory=...)")
+        check_plan_tiers(self._plan, memory, "VeScaleFabricStrategy")  # a plan's disk tier needs memory.disk_dir
         self._memory_policy = memory
         self._memory: dict[int, tuple[Module, MemoryHandles]] = {}  # per set-up module
         check_accelerator(accelerator)
@@ -278,7 +285,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
             materialize(module)  # sharded on the meta device by the user
         if module not in self._sharded_modules:
             self._sharded_modules.append(module)
-        if self._memory_policy is not None and id(module) not in self._memory:
+        if id(module) not in self._memory:  # the policy's placement, and the plan's tiers (none: nothing moves)
             handles = apply_memory_policy(module, [], self._memory_policy, rank=self.global_rank)
             self._memory[id(module)] = (module, handles)
         return module

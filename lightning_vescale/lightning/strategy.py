@@ -56,7 +56,13 @@ from lightning_vescale.lightning._common import (
     warn_if_policy_ignored,
 )
 from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
-from lightning_vescale.memory import MemoryHandles, MemoryPolicy, apply_memory_policy, check_explicit_policy
+from lightning_vescale.memory import (
+    MemoryHandles,
+    MemoryPolicy,
+    apply_memory_policy,
+    check_explicit_policy,
+    check_plan_tiers,
+)
 from lightning_vescale.parallelize import (
     AutoWrapPolicy,
     PlanLike,
@@ -150,6 +156,8 @@ class VeScaleStrategy(ParallelStrategy):
         process_group_backend: defaults to ``"gloo"`` on CPU and ``"nccl"`` on CUDA.
         memory: where optimizer states and activations live (:class:`~lightning_vescale.memory.MemoryPolicy`:
             device, host or disk tiers, activation checkpointing per block); ``None`` keeps everything on the device.
+            A plan's ``tier`` settings win for the parameters they cover; a plan putting anything on disk needs
+            ``memory=MemoryPolicy(disk_dir=...)`` (checked before any process starts).
         timeout: how long a collective waits for the other ranks before it fails (a stopped or crashed peer),
             in seconds or as a ``timedelta``; the error names the rank and the collective. ``None``: 5 minutes
             on CPU, 30 minutes on accelerators. It applies to the process group the strategy creates and to
@@ -237,6 +245,8 @@ class VeScaleStrategy(ParallelStrategy):
     @memory_policy.setter
     def memory_policy(self, memory: Optional[MemoryPolicy]) -> None:
         check_explicit_policy(memory, "VeScaleStrategy(memory=...)")
+        if memory is not None:  # (without one, check_plan says so before the run starts: it may be set later)
+            check_plan_tiers(getattr(self, "_plan", None), memory, "VeScaleStrategy")
         self._memory_policy = memory
 
     # -- registry -----------------------------------------------------------------------------------------
@@ -338,6 +348,7 @@ class VeScaleStrategy(ParallelStrategy):
         a plan written for another model stops the run before any process is launched or any process group is
         created (``Trainer.fit`` calls it first). Skipped where the modules are built later, in
         ``configure_model``, or were sharded by hand: ``setup`` resolves the plan then."""
+        check_plan_tiers(self._plan, self._memory_policy, "VeScaleStrategy")  # a disk tier needs memory.disk_dir
         module = self.lightning_module
         if self._plan_checked or self._plan is None or module is None:
             return

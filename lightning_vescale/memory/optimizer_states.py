@@ -37,7 +37,7 @@ import contextlib
 import logging
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -70,13 +70,15 @@ class StateOffload:
     """Keeps an optimizer's per-element states on a tier between steps (see [Note: swapping optimizer states]).
 
     Made by :func:`offload_optimizer_states`; ``close()`` brings every state back and stops offloading.
+    ``select``: which parameters' states move (a plan's per-parameter tiers); the others stay in memory.
     """
 
     writes_in_flight: int = 2
     """Buckets whose write-back may be in progress at once (each holds its states' memory until written)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, policy: MemoryPolicy,
-                 pieces: Optional[PieceOffload] = None) -> None:
+                 pieces: Optional[PieceOffload] = None,
+                 select: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
         if policy.optimizer_states == "device" and pieces is None:
             raise ValueError("offload_optimizer_states needs MemoryPolicy(optimizer_states='host' or 'disk') or "
                              "offloaded pieces (pieces=offload_pieces(model, policy))")
@@ -85,6 +87,7 @@ class StateOffload:
         self.pieces = pieces
         self.tier = policy.optimizer_states
         self.moves_states = self.tier != "device"
+        self.select = select
         self.store: Optional[DiskStore] = DiskStore(policy.disk_dir, direct=True) if self.tier == "disk" else None
         self._known: set[str] = set()  # states counted in the ledger
         self._host: dict[str, torch.Tensor] = {}
@@ -112,11 +115,12 @@ class StateOffload:
         out, current, size = [], [], 0
         params = self._params()
         pieces = self.pieces
-        per_element = (2 if self.moves_states else 0) + (
-            0 if pieces is None else (pieces.params_io is not None) + (pieces.grads_io is not None))
         owner = [pieces.buffer_of(p) if pieces is not None else None for p in params]
         for i, p in enumerate(params):
             share = p.layout_info.world_size if is_ragged(p) else 1
+            # What moves per element: two states, the weights and the gradient piece (each where selected).
+            per_element = (2 if self._moves(p) else 0) + (
+                0 if owner[i] is None else (owner[i].params is not None) + (owner[i].grads is not None))
             size += per_element * p.numel() * p.element_size() // share
             current.append(p)
             # With offloaded pieces, never cut inside a buffer: its piece would be read and written twice.
@@ -129,10 +133,15 @@ class StateOffload:
         return out
 
     # -- moving states ---------------------------------------------------------------------------------------
+    def _moves(self, p: torch.Tensor) -> bool:
+        return self.moves_states and (self.select is None or self.select(p))
+
     def _entries(self, params: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.moves_states:
             return
         for p in params:
+            if not self._moves(p):
+                continue
             for key, value in (self.optimizer.state.get(p) or {}).items():
                 if _is_swappable(value):
                     yield f"{id(p)}:{key}", _storage_tensor(value)
@@ -302,17 +311,19 @@ class StateOffload:
 
 
 def offload_optimizer_states(optimizer: torch.optim.Optimizer, policy: MemoryPolicy, *,
-                             pieces: Optional[PieceOffload] = None) -> StateOffload:
+                             pieces: Optional[PieceOffload] = None,
+                             select: Optional[Callable[[torch.Tensor], bool]] = None) -> StateOffload:
     """Keep ``optimizer``'s per-element states on ``policy.optimizer_states`` between steps.
 
     Works with any optimizer whose states are per-element tensors and scalars (every elementwise
     ``torch.optim`` optimizer, this package's Muon): training is bitwise the same as without offload.
     ``pieces``: the model's offloaded weights and gradient pieces (:func:`~lightning_vescale.memory.offload_pieces`),
-    brought in bucket by bucket with the states (which may then stay on the device).
+    brought in bucket by bucket with the states (which may then stay on the device). ``select``: the parameters
+    whose states move (default: all).
     """
     if optimizer in _OFFLOADS:
         raise ValueError("this optimizer's states are already offloaded")
-    return StateOffload(optimizer, policy, pieces)
+    return StateOffload(optimizer, policy, pieces, select)
 
 
 @contextlib.contextmanager

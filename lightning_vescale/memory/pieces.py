@@ -29,7 +29,7 @@ import logging
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -156,10 +156,11 @@ class _Piece:
 class BufferOffload:
     """The tier moves of one DBuffer's pieces, called from the buffer's hooks (``DBuffer.offload``)."""
 
-    def __init__(self, owner: "PieceOffload", index: int, buf: DBuffer) -> None:
+    def __init__(self, owner: "PieceOffload", index: int, buf: DBuffer, params_io: Optional[_TierIO],
+                 grads_io: Optional[_TierIO]) -> None:
         self.owner, self.index, self.buf = owner, index, buf
-        self.params = _Piece(owner.params_io, f"b{index}_params", "params", owner.lock) if owner.params_io else None
-        self.grads = _Piece(owner.grads_io, f"b{index}_grads", "grads", owner.lock) if owner.grads_io else None
+        self.params = _Piece(params_io, f"b{index}_params", "params", owner.lock) if params_io else None
+        self.grads = _Piece(grads_io, f"b{index}_grads", "grads", owner.lock) if grads_io else None
         self._stepping = False
 
     # -- weights: around the AllGather -----------------------------------------------------------------------
@@ -214,37 +215,47 @@ class BufferOffload:
 
 class PieceOffload:
     """Keeps the weights and/or gradient pieces of every DBuffer of a sharded model on a tier between uses (see
-    [Note: offloading the pieces]). Made by :func:`offload_pieces`; ``close()`` brings everything back."""
+    [Note: offloading the pieces]). Made by :func:`offload_pieces`; ``close()`` brings everything back.
 
-    def __init__(self, model: nn.Module, policy: MemoryPolicy) -> None:
+    ``tiers``: ``id(buffer) -> (weights tier, gradients tier)`` for the buffers to move (a plan's per-parameter
+    tiers, see :func:`~lightning_vescale.memory.apply.tier_placement`); the others stay in memory. Default: every
+    buffer on ``policy.params`` / ``policy.grads``."""
+
+    def __init__(self, model: nn.Module, policy: MemoryPolicy,
+                 tiers: Optional[Mapping[int, tuple[str, str]]] = None) -> None:
         from lightning_vescale.fully_shard import sharded_groups
 
-        if policy.params == "device" and policy.grads == "device":
-            raise ValueError("offload_pieces needs MemoryPolicy(params=...) or (grads=...) on 'host' or 'disk'")
-        self.policy = policy
-        uses_disk = "disk" in (policy.params, policy.grads)
-        self.store = DiskStore(policy.disk_dir, tag="_pieces") if uses_disk else None
-        self.params_io = _TierIO(policy.params, self.store if policy.params == "disk" else None) \
-            if policy.params != "device" else None
-        self.grads_io = _TierIO(policy.grads, self.store if policy.grads == "disk" else None) \
-            if policy.grads != "device" else None
-        self.lock = threading.Lock()
-        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lv-pieces") if policy.prefetch else None
-        self.buffers: list[BufferOffload] = []
-        self._by_param: dict[int, BufferOffload] = {}
+        chosen = []  # (group, buffer, weights tier, gradients tier)
         for group in sharded_groups(model):
             for buf in group.buffers.values():
                 # Quantized buffers keep their own storage layout: they stay where they are.
                 if type(buf) is not DBuffer or not buf.dtype.is_floating_point:
                     continue
-                if buf.offload is not None:
-                    raise ValueError("this model's pieces are already offloaded (offload_pieces was called twice)")
-                offload = BufferOffload(self, len(self.buffers), buf)
-                buf.offload = offload
-                self.buffers.append(offload)
-                for mp in group.managed:
-                    if group.buffers[mp.key] is buf:
-                        self._by_param[id(mp.sharded)] = offload
+                pt, gt = (policy.params, policy.grads) if tiers is None else tiers.get(id(buf), ("device", "device"))
+                if (pt, gt) != ("device", "device"):
+                    chosen.append((group, buf, pt, gt))
+        if not chosen:
+            raise ValueError("offload_pieces needs MemoryPolicy(params=...) or (grads=...) on 'host' or 'disk'")
+        self.policy = policy
+        used = {t for _, _, pt, gt in chosen for t in (pt, gt)} - {"device"}
+        self.store = DiskStore(policy.disk_dir, tag="_pieces") if "disk" in used else None
+        ios = {t: _TierIO(t, self.store if t == "disk" else None) for t in used}
+        # Some buffer's weights / gradients move (None: no buffer's do).
+        self.params_io = next((ios[pt] for _, _, pt, _ in chosen if pt != "device"), None)
+        self.grads_io = next((ios[gt] for _, _, _, gt in chosen if gt != "device"), None)
+        self.lock = threading.Lock()
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lv-pieces") if policy.prefetch else None
+        self.buffers: list[BufferOffload] = []
+        self._by_param: dict[int, BufferOffload] = {}
+        for group, buf, pt, gt in chosen:
+            if buf.offload is not None:
+                raise ValueError("this model's pieces are already offloaded (offload_pieces was called twice)")
+            offload = BufferOffload(self, len(self.buffers), buf, ios.get(pt), ios.get(gt))
+            buf.offload = offload
+            self.buffers.append(offload)
+            for mp in group.managed:
+                if group.buffers[mp.key] is buf:
+                    self._by_param[id(mp.sharded)] = offload
         for offload in self.buffers:
             if offload.params is not None:
                 offload.params.adopt(offload.buf.local)
@@ -361,12 +372,14 @@ class PieceOffload:
             self.store.close()
 
 
-def offload_pieces(model: nn.Module, policy: MemoryPolicy) -> PieceOffload:
+def offload_pieces(model: nn.Module, policy: MemoryPolicy, *,
+                   tiers: Optional[Mapping[int, tuple[str, str]]] = None) -> PieceOffload:
     """Keep the sharded master weights (``policy.params``) and gradient pieces (``policy.grads``) of ``model``
-    (sharded by ``fully_shard``, weights initialized) on their tiers between uses. The optimizer step must bring
-    them in bucket by bucket: :func:`~lightning_vescale.memory.offload_optimizer_states` with ``pieces=`` does
+    (sharded by ``fully_shard``, weights initialized) on their tiers between uses; ``tiers``: per buffer instead
+    (see :class:`PieceOffload`). The optimizer step must bring them in bucket by bucket:
+    :func:`~lightning_vescale.memory.offload_optimizer_states` with ``pieces=`` does
     (:func:`~lightning_vescale.memory.apply_memory_policy` wires both)."""
-    return PieceOffload(model, policy)
+    return PieceOffload(model, policy, tiers)
 
 
 _GRAD_OFFLOADS: "weakref.WeakSet[PieceOffload]" = weakref.WeakSet()

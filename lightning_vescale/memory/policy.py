@@ -6,9 +6,9 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
-__all__ = ["TIERS", "MemoryPolicy", "Tier", "check_explicit_policy", "parse_bytes"]
+__all__ = ["TIERS", "MemoryPolicy", "Tier", "check_explicit_policy", "check_plan_tiers", "parse_bytes"]
 
 Tier = Literal["device", "host", "disk"]
 TIERS: tuple[str, ...] = ("device", "host", "disk")
@@ -116,3 +116,34 @@ def check_explicit_policy(memory: object, where: str) -> None:
     if memory.budget is not None:
         raise ValueError(f"{where} takes explicit placements; a budget is turned into them by "
                          "lightning_vescale.memory.choose_placement (the recipes do this with memory.budget=...)")
+
+
+def check_plan_tiers(plan: Any, memory: Optional[MemoryPolicy], where: str) -> None:
+    """Raise now (before any process or process group) when ``plan`` puts state on the disk tier and ``memory``
+    names no ``disk_dir`` (a plan holds no machine paths: the directory is the run's), or that directory is not
+    writable. ``plan``: a :class:`~lightning_vescale.plan.Plan`, its dict form or a resolved plan (other values,
+    e.g. MPMD plans, are checked where they are applied)."""
+    if plan is None:
+        return
+    from lightning_vescale.plan._spec import Plan, is_mpmd_plan
+
+    if is_mpmd_plan(plan):
+        return
+    plan = getattr(plan, "plan", plan)  # a ResolvedPlan's own plan
+    if isinstance(plan, Mapping):
+        plan = Plan.from_dict(plan)
+    if not isinstance(plan, Plan):
+        return
+    on_disk = [(who, sorted(c for c, t in classes.items() if t == "disk")) for who, classes in plan.tier_settings()]
+    on_disk = [(who, classes) for who, classes in on_disk if classes]
+    if not on_disk:
+        return
+    said = "; ".join(f"{who} puts {', '.join(classes)} on disk" for who, classes in on_disk[:3])
+    if memory is None or not memory.disk_dir:
+        raise ValueError(
+            f"{where}: the plan{f' {plan.name!r}' if plan.name else ''} puts state on the disk tier ({said}), but "
+            f"{'no memory policy is given' if memory is None else 'the memory policy names no disk_dir'}: pass "
+            f"MemoryPolicy(disk_dir=<a directory on a local disk>) (the directory is the run's: a plan holds no "
+            f"machine paths)"
+        )
+    _check_writable(memory.disk_dir)

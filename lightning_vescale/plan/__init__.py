@@ -1,4 +1,5 @@
-"""Declarative sharding plans: one file decides groups, granularity, precision, prefetch and optimizer routing.
+"""Declarative sharding plans: one file decides groups, granularity, precision, prefetch, optimizer routing,
+quantization and memory tiers.
 
 A plan is ordered rules keyed by globs on full-model names (``layers.*``, ``**.experts``, ``**.weight``)::
 

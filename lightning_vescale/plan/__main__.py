@@ -26,7 +26,8 @@ Arguments (``key=value``, as the recipes take them):
 
 Prints the resolved plan (per group: parameters, bytes, granularity, padding at the first world size), then per
 world size and per engine (lightning_vescale, and FSDP2's even sharding of the same model): bytes per rank of
-sharded parameters, gradients and optimizer states, the peak of gathered parameters with prefetch, activations
+sharded parameters, gradients and optimizer states on the device (a plan's ``tier``: what it keeps on host or
+disk in a column of its own, outside the peak), the peak of gathered parameters with prefetch, activations
 per micro-batch, the peak per rank, bytes sent per step per collective (AllGather, of which block-quantized
 codes + scales; ReduceScatter; HSDP's AllReduce across replicas), padding, and the predicted step time, under
 the mesh it names.
@@ -142,12 +143,22 @@ def _seconds(s: float) -> str:
     return f"{s:.3f} s" if s >= 0.01 else f"{s * 1e3:.2f} ms"
 
 
+def _off_device(off: dict) -> str:
+    """A plan's bytes off the device, per tier (the params / grads / optim columns count the device's only)."""
+    tiers: dict[str, float] = {}
+    for key, nbytes in off.items():
+        tiers[key.rpartition("/")[2]] = tiers.get(key.rpartition("/")[2], 0.0) + nbytes
+    return ", ".join(f"{t} {_mib(n)}" for t, n in sorted(tiers.items())) or "-"
+
+
 def format_runs(runs: list) -> str:
     from lightning_vescale.plan._table import _rows_to_text
 
     hsdp = any(run.replicate > 1 for run in runs)
     quant = any(k.startswith("all_gather_quant") for run in runs for k in run.vescale.collectives)
-    header = ["ranks", *(["mesh"] if hsdp else []), "engine", "params", "grads", "optim", "gathered peak",
+    tiered = any(run.vescale.off_device for run in runs)
+    header = ["ranks", *(["mesh"] if hsdp else []), "engine", "params", "grads", "optim",
+              *(["host/disk"] if tiered else []), "gathered peak",
               "activations", "peak/rank", "all-gather/step", *(["(quantized)"] if quant else []),
               "reduce-scatter/step", *(["all-reduce/step", "all-reduce time"] if hsdp else []), "padding",
               "step time", "(compute+exposed comm+optim)"]
@@ -158,6 +169,7 @@ def format_runs(runs: list) -> str:
             rows.append([
                 str(run.world_size), *([f"{run.replicate}x{run.world_size // run.replicate}"] if hsdp else []), name,
                 _mib(est.params), _mib(est.grads), _mib(est.optimizer),
+                *([_off_device(est.off_device)] if tiered else []),
                 _mib(est.gathered_peak), _mib(est.activations), _mib(est.peak), _mib(est.all_gather_bytes),
                 *([_mib(quantized) if quantized else "-"] if quant else []),
                 _mib(est.collectives.get("reduce_scatter", 0)),

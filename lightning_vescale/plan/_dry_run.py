@@ -92,11 +92,15 @@ class EngineEstimate:
     """Per-rank figures of one engine (lightning_vescale or FSDP2) for one world size."""
 
     params: float = 0.0
-    """Bytes of sharded parameters (local pieces)."""
+    """Bytes of sharded parameters (local pieces) on the device."""
     grads: float = 0.0
-    """Bytes of sharded gradients."""
+    """Bytes of sharded gradients on the device."""
     optimizer: float = 0.0
-    """Bytes of optimizer states on the busiest rank."""
+    """Bytes of optimizer states on the device, on the busiest rank."""
+    off_device: dict = field(default_factory=dict)
+    """Bytes per rank a plan's ``tier`` keeps off the device, by ``<class>/<tier>`` (``params/disk``,
+    ``optimizer_states/host``; states on the busiest rank): not in ``params`` / ``grads`` / ``optimizer`` nor in
+    ``peak``. Where the ranks share a CPU (``shared_compute``), host memory is the device's: ``host`` counts there."""
     gathered_peak: float = 0.0
     """Peak bytes of gathered (unsharded) parameters, prefetch included."""
     activations: float = 0.0
@@ -440,7 +444,17 @@ def dry_run(
     ve, fs = out.vescale, out.fsdp2
     ve.collectives.update(all_gather=0, reduce_scatter=0)
     ve_groups, fs_groups = [], []
-    state_per_rank = torch.zeros(N, dtype=torch.float64)
+    state_per_rank = torch.zeros(N, dtype=torch.float64)  # on the device
+    states_off: dict[str, torch.Tensor] = {}  # tier -> per rank, a plan's states off the device
+
+    def tier(name: str, cls: str) -> str:
+        """Where a plan puts ``cls`` of parameter ``name``: ``device`` unless off the device's memory."""
+        t = resolved.params[name].tier_of(cls) or "device"
+        return "device" if t == "host" and hardware.shared_compute else t
+
+    def add_off(cls: str, t: str, nbytes: float) -> None:
+        ve.off_device[f"{cls}/{t}"] = ve.off_device.get(f"{cls}/{t}", 0.0) + nbytes
+
     per_rank_cache: dict[tuple, torch.Tensor] = {}
     total_real = total_padding = fs_padding = 0.0
     fs_state = fs_params = 0.0
@@ -452,11 +466,18 @@ def dry_run(
     for g in groups:
         layouts = group_layouts(resolved, g, N, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
         gathers = 2 if g.reshard_after_forward and not g.is_root else 1
-        shard = gathered = late = grad = extra = ag = rs = ar = real = pad = transient = grad_piece = 0.0
+        shard = gathered = late = grad = extra = ag = rs = ar = real = pad = transient = grad_piece = off_params = 0.0
         largest = max((resolved.params[n].numel for n in g.params), default=0)
         for lay in layouts:
             S = lay.plan.shard_size
             pb, rb, mb = lay.param_dtype.itemsize, lay.reduce_dtype.itemsize, lay.dtype.itemsize
+            names = [(g.name + "." if g.name else "") + spec.name for spec in lay.plan.specs]
+            # A buffer's pieces move as one (resolve_plan checked that its parameters agree); quantized ones stay.
+            params_tier = tier(names[0], "params") if names and not lay.quant else "device"
+            grads_tier = tier(names[0], "grads") if names and not lay.quant else "device"
+            if params_tier != "device":
+                add_off("params", params_tier, lay.shard_bytes)
+                off_params += lay.shard_bytes
             shard += lay.shard_bytes
             gathered += lay.gathered_bytes
             real += lay.real_numel
@@ -470,8 +491,11 @@ def dry_run(
                 ag += gathers * sent
                 ag_calls[kind] = ag_calls.get(kind, 0) + gathers
             if lay.requires_grad:
-                ve.grads += S * mb
-                grad_piece += S * mb
+                if grads_tier != "device":  # written to its tier as soon as its ReduceScatter is done
+                    add_off("grads", grads_tier, S * mb)
+                else:
+                    ve.grads += S * mb
+                    grad_piece += S * mb
                 grad += N * S * pb
                 if lay.reduce_dtype != lay.param_dtype:
                     extra += N * S * rb
@@ -483,13 +507,19 @@ def dry_run(
                     ar_calls += 1
             if lay.quant == "quantized_storage":
                 continue  # frozen: no optimizer states
-            routes = [resolved.params[(g.name + "." if g.name else "") + spec.name].optimizer for spec in lay.plan.specs]
-            weights = tuple(_state_multiplier(workload.optimizer, r) * mb for r in routes)
-            key = (id(lay.plan), weights)  # identical groups share one BufferPlan (the planner's cache)
-            if key not in per_rank_cache:
-                per_rank_cache[key] = _per_rank_state_elements(lay, list(weights))
-            state_per_rank += per_rank_cache[key]
-        ve.params += shard
+            routes = [resolved.params[n].optimizer for n in names]
+            where = [tier(n, "optimizer_states") for n in names]
+            for t in sorted(set(where)):
+                weights = tuple(_state_multiplier(workload.optimizer, r) * mb if w == t else 0
+                                for r, w in zip(routes, where))
+                key = (id(lay.plan), weights)  # identical groups share one BufferPlan (the planner's cache)
+                if key not in per_rank_cache:
+                    per_rank_cache[key] = _per_rank_state_elements(lay, list(weights))
+                if t == "device":
+                    state_per_rank += per_rank_cache[key]
+                else:
+                    states_off[t] = states_off.get(t, torch.zeros(N, dtype=torch.float64)) + per_rank_cache[key]
+        ve.params += shard - off_params
         ve.collectives["reduce_scatter"] = ve.collectives.get("reduce_scatter", 0) + rs
         if R > 1:
             ve.collectives["all_reduce_replicate"] = ve.collectives.get("all_reduce_replicate", 0) + ar
@@ -572,6 +602,8 @@ def dry_run(
         ve.collectives["all_reduce_ragged"] = 2 * (N - 1) * n_grads * 4 // N
         ve.calls["all_reduce_ragged"] = 1
     ve.optimizer = float(state_per_rank.max()) if N else 0.0
+    for t, per_rank in states_off.items():
+        add_off("optimizer_states", t, float(per_rank.max()))
     fs.params, fs.optimizer = fs_params, fs_state
     ve.padding = total_padding / max(total_real, 1)
     fs.padding = fs_padding / max(total_real, 1)
@@ -595,11 +627,16 @@ def dry_run(
         overlapped = comm - est.replicate_seconds
         est.exposed_comm_seconds = est.replicate_seconds + (
             (max(overlapped - compute, 0.0) + first + last) if prefetching else overlapped)
-        est.optimizer_seconds = 4 * (est.params + est.grads + est.optimizer) / hardware.memory_bandwidth
+        moved = sum(est.off_device.values())  # stepped in memory too, once brought in
+        est.optimizer_seconds = 4 * (est.params + est.grads + est.optimizer + moved) / hardware.memory_bandwidth
         est.step_seconds = compute + est.exposed_comm_seconds + est.optimizer_seconds
     if ve.peak > hardware.memory_bytes:
         out.notes.append(f"the predicted peak {ve.peak / 2**30:.1f} GiB exceeds the device memory "
                          f"{hardware.memory_bytes / 2**30:.0f} GiB of {hardware.name}")
+    if ve.off_device:
+        out.notes.append("the plan's tiers keep " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in
+                         sorted(ve.off_device.items())) + " per rank off the device (the transfers' time and their "
+                         "buffers in flight are not counted)")
     if workload.optimizer == "muon":
         out.notes.append("Muon's own collectives (matrices not whole on one rank) are not counted")
     if quantized:

@@ -11,7 +11,12 @@ For each group and each parameter, and each field:
    ``override: true``, which replaces it (an equal value is fine);
 2. else, for ``granularity`` only, the model's own declaration ``param._vescale_granularity``;
 3. else the plan's ``fallback``; else the caller's (a strategy's arguments, the Trainer's precision);
-4. else the library default (element granularity, ``auto`` routing, reshard after forward, prefetch 1).
+4. else the library default (element granularity, ``auto`` routing, reshard after forward, prefetch 1; no
+   ``tier``: the run's ``MemoryPolicy`` places that state).
+
+``tier`` is chosen class by class (``params``, ``grads``, ``optimizer_states``), so rules placing different
+classes of the same parameter combine, and the classes of one DBuffer's parameters must agree on the weights'
+and gradients' tiers (see [Note: tiers in a plan] in :mod:`lightning_vescale.plan._spec`).
 
 ``granularity: muon`` then becomes what :func:`~lightning_vescale.optim.muon_granularity` gives the
 parameter under the plan's routing, and ``optimizer: auto`` what
@@ -38,11 +43,13 @@ from lightning_vescale.plan._glob import glob_matches
 from lightning_vescale.plan._spec import (
     GROUP_FIELDS,
     PARAM_FIELDS,
+    TIER_CLASSES,
     Plan,
     PlanError,
     Rule,
     _check_value,
     dtype_name,
+    tier_classes,
 )
 from lightning_vescale.planner import granularity_numel
 from lightning_vescale.tensor import is_sharded_param
@@ -51,8 +58,9 @@ __all__ = ["GroupPolicy", "ParamPolicy", "ResolvedPlan", "default_plan", "plan_f
 
 LIBRARY_DEFAULTS: dict[str, Any] = {
     "group": False, "reshard_after_forward": True, "prefetch": 1, "param_dtype": None, "reduce_dtype": None,
-    "granularity": "element", "optimizer": "auto", "quantization": "none", "tier": "device",
+    "granularity": "element", "optimizer": "auto", "quantization": "none", "tier": None,
 }
+"""``tier: None``: the run's ``MemoryPolicy`` places the classes no rule places."""
 _MAX_LISTED = 8
 
 GranularityFallback = Callable[[str, str, nn.Parameter], Any]
@@ -75,7 +83,9 @@ class ParamPolicy:
     optimizer: str
     """``muon``, ``adamw`` or ``none`` (no gradient)."""
     quantization: str
-    tier: str
+    tier: Mapping[str, str] = field(default_factory=dict)
+    """Class (``params``, ``grads``, ``optimizer_states``) -> tier, for the classes the plan places; the run's
+    ``MemoryPolicy`` places the others (see [Note: tiers in a plan] in :mod:`lightning_vescale.plan._spec`)."""
     sources: Mapping[str, str] = field(default_factory=dict)
     """Field -> where the value came from (``rule #2``, ``defaults``, ``library default`` ...)."""
     aliases: tuple[str, ...] = ()
@@ -88,6 +98,26 @@ class ParamPolicy:
             n *= s
         return n
 
+    def tier_of(self, cls: str) -> Optional[str]:
+        """The tier the plan gives this parameter's ``cls`` state (None: the memory policy's)."""
+        return self.tier.get(cls)
+
+    @property
+    def tier_setting(self) -> Union[str, dict[str, str], None]:
+        """:attr:`tier` as a plan writes it: one name when it places every class alike, else the mapping."""
+        values = set(self.tier.values())
+        if len(self.tier) == len(TIER_CLASSES) and len(values) == 1:
+            return values.pop()
+        return dict(self.tier) or None
+
+    @property
+    def tier_label(self) -> str:
+        """For tables: ``disk``, ``params=disk,optimizer_states=disk`` or ``-`` (the memory policy places it)."""
+        setting = self.tier_setting
+        if setting is None:
+            return "-"
+        return setting if isinstance(setting, str) else ",".join(f"{k}={v}" for k, v in setting.items())
+
     @property
     def route_is_explicit(self) -> bool:
         """Whether the plan chose the optimizer (rather than the routing defaults)."""
@@ -97,7 +127,8 @@ class ParamPolicy:
         return {
             "shape": list(self.shape), "dtype": self.dtype, "requires_grad": self.requires_grad, "group": self.group,
             "granularity": self.granularity, "optimizer": self.optimizer, "quantization": self.quantization,
-            "tier": self.tier, "sources": dict(self.sources), **({"aliases": list(self.aliases)} if self.aliases else {}),
+            **({"tier": self.tier_setting} if self.tier else {}),
+            "sources": dict(self.sources), **({"aliases": list(self.aliases)} if self.aliases else {}),
         }
 
 
@@ -449,6 +480,12 @@ def resolve_plan(
         param_values[pid] = chooser.choose("parameter", names[0], [_PartialRule(r, PARAM_FIELDS) for r in rules])
 
     def fallback(key: str, pid: Optional[int] = None) -> tuple[Any, str]:
+        if key.startswith("tier."):
+            cls = key.partition(".")[2]
+            for where, source in ((plan.fallback, "plan fallback"), (caller, "caller")):
+                if cls in tier_classes(where.get("tier")):
+                    return tier_classes(where["tier"])[cls], source
+            return None, "memory policy"
         if key == "granularity" and pid is not None:
             declared = getattr(param_objs[pid], "_vescale_granularity", None)
             if declared is not None:
@@ -484,7 +521,11 @@ def resolve_plan(
 
     # Required fields.
     for key in plan.require:
-        if key in PARAM_FIELDS:
+        if key == "tier":  # every class from a rule
+            missing = [param_names[pid][0] for pid in param_names
+                       if not all(param_values[pid].get(f"tier.{c}", (None, ""))[1].startswith("rule")
+                                  for c in TIER_CLASSES)]
+        elif key in PARAM_FIELDS:
             missing = [param_names[pid][0] for pid in param_names
                        if not param_values[pid].get(key, (None, ""))[1].startswith("rule")
                        and (key != "optimizer" or param_objs[pid].requires_grad)]
@@ -504,11 +545,18 @@ def resolve_plan(
 
     # Build the policies.
     params: dict[str, ParamPolicy] = {}
+    tier_sources: dict[str, dict[str, str]] = {}
     for pid, names in param_names.items():
         p = param_objs[pid]
         values = dict(param_values[pid])
         for key in PARAM_FIELDS:
-            values.setdefault(key, fallback(key, pid))
+            if key == "tier":
+                for cls in TIER_CLASSES:
+                    values.setdefault(f"tier.{cls}", fallback(f"tier.{cls}"))
+            else:
+                values.setdefault(key, fallback(key, pid))
+        tiers = {c: values[f"tier.{c}"][0] for c in TIER_CLASSES if values[f"tier.{c}"][0] is not None}
+        tier_sources[names[0]] = {c: values[f"tier.{c}"][1] for c in TIER_CLASSES}
         granularity = values["granularity"][0]
         try:
             granularity_numel(tuple(p.shape), granularity)
@@ -519,11 +567,14 @@ def resolve_plan(
         params[names[0]] = ParamPolicy(
             name=names[0], shape=tuple(p.shape), dtype=dtype_name(p.dtype) or "", requires_grad=p.requires_grad,
             group=group_ids[owners[pid]], granularity=granularity, optimizer=route,
-            quantization=values["quantization"][0], tier=values["tier"][0],
+            quantization=values["quantization"][0], tier=tiers,
             sources={"granularity": values["granularity"][1], "optimizer": route_source,
-                     "quantization": values["quantization"][1], "tier": values["tier"][1]},
+                     "quantization": values["quantization"][1], "tier": _tier_source(tier_sources[names[0]])},
             aliases=tuple(names[1:]),
         )
+    rule_names = {f"rule #{r.index + 1}": r.describe() for r in plan.rules}
+    named = {n: {c: rule_names.get(v, v) for c, v in s.items()} for n, s in tier_sources.items()}
+    problems += _tier_problems(params, named)
     if problems:
         raise PlanError(_report(plan, model, problems))
 
@@ -550,6 +601,56 @@ def resolve_plan(
     return ResolvedPlan(plan=plan, model_type=type(model).__name__, groups=tuple(groups), params=params)
 
 
+def _tier_source(sources: Mapping[str, str]) -> str:
+    if len(set(sources.values())) == 1:
+        return next(iter(sources.values()))
+    return "; ".join(f"{c} {s}" for c, s in sources.items())
+
+
+def _tier_problems(params: Mapping[str, ParamPolicy], sources: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """Tiers the engine cannot honour: weights and gradient pieces move per DBuffer (one per group, dtype and
+    trainability), so a buffer's parameters must agree on them; block-quantized and integer parameters keep
+    their own storage on the device (their optimizer states may still move)."""
+    problems = []
+    buffers: dict[tuple, list[ParamPolicy]] = {}
+    for p in params.values():
+        floating = p.dtype in ("float32", "float16", "bfloat16", "float64")
+        if not floating or (p.quantization != "none" and len(p.shape) in (2, 3)):
+            moved = {c: t for c, t in p.tier.items() if c in ("params", "grads") and t != "device"}
+            if moved:
+                why = f"is block-quantized ({p.quantization})" if floating else f"is not floating point ({p.dtype})"
+                problems.append(
+                    f"parameter {p.name} {why}: its storage stays on the device, but "
+                    f"{sources[p.name][next(iter(moved))]} "
+                    f"puts its {' and '.join(moved)} on {'/'.join(sorted(set(moved.values())))}; place only its "
+                    f"optimizer states (tier: {{optimizer_states: ...}}), or drop the quantization"
+                )
+            continue
+        buffers.setdefault((p.group, p.dtype, p.requires_grad), []).append(p)
+    for (group, dtype, trainable), members in buffers.items():
+        for cls in ("params", "grads") if trainable else ("params",):
+            by_value: dict[Optional[str], list[ParamPolicy]] = {}
+            for p in members:
+                by_value.setdefault(p.tier.get(cls), []).append(p)
+            if len(by_value) < 2:
+                continue
+            (t1, ps1), (t2, ps2) = sorted(by_value.items(), key=lambda kv: -len(kv[1]))[:2]
+            a, b = ps1[0], ps2[0]
+
+            def says(p: ParamPolicy, t: Optional[str]) -> str:
+                src = sources[p.name][cls]
+                return f"{p.name} gets {t} from {src}" if t is not None else f"{p.name} gets none (the memory policy's)"
+
+            problems.append(
+                f"conflict on the {cls} tier of group {group or '<root>'!r} ({dtype}, "
+                f"{'trainable' if trainable else 'frozen'}): {says(a, t1)} but {says(b, t2)}. A group's "
+                f"{'weight' if cls == 'params' else 'gradient'} pieces move as one buffer: give the whole group one "
+                f"{cls} tier (match the group's module: {group or '**'!r}), or make the "
+                f"parameters that differ a group of their own (group: true on their module)"
+            )
+    return problems
+
+
 class _PartialRule:
     """A rule seen through some of its fields (a rule may set group and parameter fields at once)."""
 
@@ -558,7 +659,13 @@ class _PartialRule:
         self.index, self.override, self.match = rule.index, rule.override, rule.match
 
     def settings(self) -> dict[str, Any]:
-        return {k: v for k, v in self._rule.settings().items() if k in self._keys}
+        out = {}
+        for k, v in self._rule.settings().items():
+            if k == "tier" and k in self._keys:  # chosen class by class (see [Note: tiers in a plan])
+                out.update({f"tier.{c}": t for c, t in tier_classes(v).items()})
+            elif k in self._keys:
+                out[k] = v
+        return out
 
     def describe(self) -> str:
         return self._rule.describe()

@@ -20,10 +20,19 @@ stacks a rule covers (1-D tensors stay unquantized): a frozen weight is stored a
 (:func:`~lightning_vescale.quant.quantize_frozen_weights`), a trained one keeps fp32 master pieces and is
 gathered as codes + scales (:func:`~lightning_vescale.quant.quantize_all_gather`).
 
-``tier`` is declared so plans can be written against it, and refused for anything but ``device``: the memory
-manager places whole classes of state (optimizer states, activations, ...) through a
-:class:`~lightning_vescale.memory.MemoryPolicy`, not single parameters, and a plan never silently ignores
-what it says.
+``tier`` places the persistent state of the parameters a rule covers (see [Note: tiers in a plan]).
+
+[Note: tiers in a plan]
+``tier`` is a tier name (``device``, ``host``, ``disk``: the parameter's master-weight piece, gradient piece and
+optimizer states all live there) or a mapping per class (``{params: disk, grads: device, optimizer_states:
+disk}``); a class a mapping leaves out, and every class of a parameter no rule places, is placed by the run's
+:class:`~lightning_vescale.memory.MemoryPolicy` (``MemoryPolicy(optimizer_states=...)``), so the plan's tier wins
+where it says something and the policy applies to the rest. Rules combine per class: one rule may set
+``optimizer_states`` and a later one ``params`` for the same parameters. The pieces of a group's parameters
+share one DBuffer per dtype, so every parameter of a buffer must get the same ``params`` and ``grads`` tiers
+(a conflict names the rules and the group); optimizer states are placed per parameter. The ``disk`` tier's
+directory is the policy's ``disk_dir``: a plan never holds a machine's paths, and one that puts anything on
+disk without a ``disk_dir`` is an error before any process group exists.
 """
 
 from __future__ import annotations
@@ -41,12 +50,14 @@ from lightning_vescale.plan._glob import compile_glob
 __all__ = [
     "GROUP_FIELDS",
     "PARAM_FIELDS",
+    "TIER_CLASSES",
     "Plan",
     "PlanError",
     "Rule",
     "dtype_name",
     "is_mpmd_plan",
     "parse_dtype",
+    "tier_classes",
 ]
 
 PLAN_VERSION = 1
@@ -62,11 +73,9 @@ OPTIMIZER_ROUTES = ("auto", "muon", "adamw")
 QUANTIZATION_FORMATS = ("none", "fp8_block", "int8_block")
 """``none``, or block quantization with 128x128 blocks."""
 TIERS = ("device", "host", "disk")
-"""``device`` works; host and disk are chosen per class of state by a ``MemoryPolicy``, not per parameter."""
-_NOT_YET = {
-    "tier": ("device", "per-parameter memory tiers are not available yet: place classes of state with "
-                       "MemoryPolicy (VeScaleStrategy(memory=...), recipes: memory=offload_disk or memory.budget=...)"),
-}
+"""Where a parameter's persistent state lives (see [Note: tiers in a plan])."""
+TIER_CLASSES = ("params", "grads", "optimizer_states")
+"""The classes of state a ``tier`` mapping places (the names of ``MemoryPolicy``'s fields)."""
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -124,18 +133,35 @@ def _check_value(name: str, value: Any, what: str) -> Any:
         if value not in OPTIMIZER_ROUTES:
             raise PlanError(f"{what}: optimizer must be one of {', '.join(OPTIMIZER_ROUTES)}, got {value!r}")
         return value
-    allowed = QUANTIZATION_FORMATS if name == "quantization" else TIERS
-    if value not in allowed:
-        raise PlanError(f"{what}: {name} must be one of {', '.join(allowed)}, got {value!r}")
-    if name not in _NOT_YET:
-        return value
-    default, reason = _NOT_YET[name]
-    if value != default:
-        raise PlanError(
-            f"{what}: {name}={value!r} is declared but {reason}; the field is reserved so plans can name it. "
-            f"Remove it or set {name}: {default}"
-        )
+    if name == "tier":
+        return _check_tier(value, what)
+    if value not in QUANTIZATION_FORMATS:
+        raise PlanError(f"{what}: {name} must be one of {', '.join(QUANTIZATION_FORMATS)}, got {value!r}")
     return value
+
+
+def _check_tier(value: Any, what: str) -> Union[str, dict[str, str]]:
+    """A tier name, or a mapping class -> tier name (stored in :data:`TIER_CLASSES` order)."""
+    if isinstance(value, Mapping):
+        _unknown_keys(value, TIER_CLASSES, f"{what}: tier")
+        bad = {k: v for k, v in value.items() if v not in TIERS}
+        if bad or not value:
+            raise PlanError(f"{what}: tier must map some of {', '.join(TIER_CLASSES)} to one of {', '.join(TIERS)}, "
+                            f"got {dict(value)!r}")
+        return {k: value[k] for k in TIER_CLASSES if k in value}
+    if value not in TIERS:
+        raise PlanError(f"{what}: tier must be one of {', '.join(TIERS)} or a mapping of "
+                        f"{', '.join(TIER_CLASSES)} to them (e.g. {{optimizer_states: disk}}), got {value!r}")
+    return value
+
+
+def tier_classes(value: Union[str, Mapping[str, str], None]) -> dict[str, str]:
+    """A ``tier`` value as class -> tier for the classes it places (a name places all three)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return dict.fromkeys(TIER_CLASSES, value)
+    return dict(value)
 
 
 def _unknown_keys(given: Mapping, allowed: tuple, what: str) -> None:
@@ -169,9 +195,10 @@ class Rule:
     optimizer: Optional[str] = None
     """``muon`` or ``adamw`` (with :func:`~lightning_vescale.optim.build_optimizer`), or ``auto``."""
     quantization: Optional[str] = None
-    """``none`` (reserved: ``fp8_block``, ``int8_block``)."""
-    tier: Optional[str] = None
-    """``device`` (reserved: ``host``, ``disk``)."""
+    """``none``, ``fp8_block`` or ``int8_block``."""
+    tier: Optional[Union[str, dict[str, str]]] = None
+    """``device``, ``host``, ``disk``, or a mapping per class (``{optimizer_states: disk}``); see
+    [Note: tiers in a plan]."""
     override: bool = False
     """Replace values that earlier rules set for the same names; otherwise a different value is a conflict."""
     index: int = field(default=-1, compare=False)
@@ -290,6 +317,15 @@ class Plan:
         import yaml
 
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def tier_settings(self) -> list[tuple[str, dict[str, str]]]:
+        """Where the plan places state off the device: ``(rule or 'fallback', class -> tier)`` for each rule (and
+        the fallback) whose ``tier`` names ``host`` or ``disk`` for some class. Read from the plan alone (no
+        model), so a run can be checked against its memory policy before anything starts."""
+        found = [(r.describe(), tier_classes(r.tier)) for r in self.rules]
+        found.append(("the plan's fallback", tier_classes(self.fallback.get("tier"))))
+        return [(who, {k: v for k, v in classes.items() if v != "device"}) for who, classes in found
+                if any(v != "device" for v in classes.values())]
 
 
 def _rule_from_dict(data: Any, index: int) -> Rule:

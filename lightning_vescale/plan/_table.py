@@ -40,6 +40,9 @@ def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, pa
     quantized = any(p.quantization != "none" for p in resolved.params.values())
     if quantized:
         header.append("quantization")
+    tiered = any(p.tier for p in resolved.params.values())
+    if tiered:
+        header.append("tier")  # what the plan places; "-": the memory policy's
     if world_size:
         header += ["shard/rank", "padding"]
     rows = []
@@ -57,6 +60,9 @@ def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, pa
         if quantized:
             formats = Counter(p.quantization for p in members if p.quantization != "none")
             row.append(", ".join(f"{k} x{c}" for k, c in formats.most_common()) or "-")
+        if tiered:
+            labels = Counter(p.tier_label for p in members)
+            row.append(", ".join(f"{k} x{c}" if len(labels) > 1 else k for k, c in labels.most_common()) or "-")
         if world_size:
             layouts = group_layouts(resolved, g, world_size)
             shard = sum(lay.shard_bytes for lay in layouts)
@@ -73,8 +79,9 @@ def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, pa
         prow = []
         for p in resolved.params.values():
             prow.append([p.name, "x".join(map(str, p.shape)), p.dtype, p.group or "<root>", str(p.granularity),
-                         p.optimizer, p.quantization, p.tier,
-                         "; ".join(f"{k}: {v}" for k, v in p.sources.items() if not v.startswith("library default"))])
+                         p.optimizer, p.quantization, p.tier_label,
+                         "; ".join(f"{k}: {v}" for k, v in p.sources.items()
+                                   if not v.startswith(("library default", "memory policy")))])
         lines.append("")
         lines.append(_rows_to_text(
             ["parameter", "shape", "dtype", "group", "granularity", "optimizer", "quant", "tier", "set by"], prow))

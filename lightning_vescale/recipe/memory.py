@@ -71,9 +71,14 @@ def estimate_for(config, world_size: int) -> MemoryEstimate:
 
 def memory_policy_for(config, run_dir: Path, world_size: int) -> Optional[MemoryPolicy]:
     """The :class:`MemoryPolicy` of ``config.memory`` (``None``: everything on the device). With a budget, the
-    placement is chosen here and its table logged before training."""
+    placement is chosen here and its table logged before training. Without a ``memory`` group, a plan that puts
+    state on disk gets the recipes' disk directory, ``<run dir>/swap``, as ``memory.disk_dir: null`` does."""
     m = config.memory
     if m is None:
+        from lightning_vescale.plan import Plan
+
+        if config.plan is not None and any("disk" in c.values() for _, c in Plan.from_dict(config.plan).tier_settings()):
+            return MemoryPolicy(disk_dir=os.path.join(str(run_dir), "swap"))
         return None
     disk_dir = m.disk_dir or os.path.join(str(run_dir), "swap")
     optimizer_states, params, grads, activations = m.optimizer_states, m.params, m.grads, m.activations

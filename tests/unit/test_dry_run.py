@@ -107,6 +107,29 @@ def test_dry_run_bytes_follow_the_ring_formula_and_fsdp2_pads_rows() -> None:
     assert single.vescale.bytes_per_step == 0 and single.vescale.params == 4 * (2 * 20 + 48)  # 16-byte aligned
 
 
+def test_a_plans_host_and_disk_tiers_leave_the_devices_bytes(capsys) -> None:
+    from lightning_vescale.plan import load_plan
+
+    with torch.device("meta"):
+        model = build("llama", "tiny")
+    workload = Workload(batch_size=1, seq_len=64, precision="32-true")
+    plain = dry_run(model, resolve_plan(model, load_plan("llama")), 4, workload=workload, hardware=load_profile("h200"))
+    tiered = dry_run(model, resolve_plan(model, load_plan("llama_offload")), 4, workload=workload,
+                     hardware=load_profile("h200"))
+    off, ve, base = tiered.vescale.off_device, tiered.vescale, plain.vescale
+    assert set(off) == {"params/disk", "grads/disk", "optimizer_states/disk"}
+    assert ve.params + off["params/disk"] == base.params and ve.grads + off["grads/disk"] == base.grads
+    assert 0 < ve.optimizer < base.optimizer and base.peak - ve.peak >= off["params/disk"] + off["optimizer_states/disk"]
+    assert ve.bytes_per_step == base.bytes_per_step  # the tiers move nothing between ranks
+    # Host memory is the device's where the ranks share a CPU.
+    host = resolve_plan(model, {"rules": [{"match": "layers.*", "group": True, "tier": "host"}]})
+    assert dry_run(model, host, 4, workload=workload, hardware=load_profile("h200")).vescale.off_device
+    assert not dry_run(model, host, 4, workload=workload, hardware=load_profile("cpu")).vescale.off_device
+    assert main(["model=llama_tiny", "world_size=4", "seq_len=64", "hardware=h200", "plan=llama_offload"]) == 0
+    out = capsys.readouterr().out
+    assert "host/disk" in out and "per rank off the device" in out
+
+
 def test_hardware_profiles_load_as_numbers() -> None:
     for name in ("h200", "cpu"):
         profile = load_profile(name)

@@ -71,18 +71,64 @@ def test_plan_rejects_unknown_keys_and_values() -> None:
         Plan.from_dict({"fallback": {"group": True}, "rules": []})
 
 
-@pytest.mark.parametrize("field, value", [("tier", "host"), ("tier", "disk")])
-def test_reserved_fields_refuse_what_is_not_available(field: str, value: str) -> None:
-    with pytest.raises(PlanError, match=rf"{field}='{value}' is declared but .* not available yet"):
-        Plan.from_dict({"rules": [{"match": "**", field: value}]})
-    with pytest.raises(PlanError, match="not available yet"):
-        Plan.from_dict({"fallback": {field: value}, "rules": []})
+TIER_PLAN = {"name": "tiers", "rules": [
+    {"match": "blocks.*", "group": True},
+    {"match": "blocks.0", "tier": "disk"},
+    {"match": "blocks.1", "tier": {"optimizer_states": "disk"}},
+    {"match": "blocks.1.**", "tier": {"params": "host", "grads": "host"}},  # combines with rule #3 per class
+]}
 
 
-def test_reserved_fields_accept_their_defaults() -> None:
-    plan = Plan.from_dict({"rules": [{"match": "**", "quantization": "none", "tier": "device"}]})
-    resolved = resolve_plan(MLP(), plan)
-    assert {(p.quantization, p.tier) for p in resolved.params.values()} == {("none", "device")}
+def test_tiers_resolve_per_class_print_and_round_trip() -> None:
+    resolved = resolve_plan(MLP(), TIER_PLAN)
+    assert resolved.policy("blocks.0.up.weight").tier_setting == "disk"
+    assert dict(resolved.policy("blocks.1.down.bias").tier) == {"params": "host", "grads": "host",
+                                                                "optimizer_states": "disk"}
+    assert resolved.policy("blocks.1.up.weight").sources["tier"] == "params rule #4; grads rule #4; optimizer_states rule #3"
+    assert resolved.policy("out.weight").tier == {} and resolved.policy("out.weight").tier_of("params") is None
+    table = resolved.table(params=True)
+    assert "params=host,grads=host,optimizer_states=disk" in table and "tier" in table.splitlines()[1]
+    plan = Plan.from_dict(TIER_PLAN)
+    assert Plan.from_dict(yaml.safe_load(plan.to_yaml())) == plan
+    data = yaml.safe_load(resolved.to_yaml())
+    assert data["params"]["blocks.0.up.weight"]["tier"] == "disk" and "tier" not in data["params"]["out.weight"]
+    assert plan.tier_settings() == [("rule #2 (match: 'blocks.0')", dict.fromkeys(("params", "grads", "optimizer_states"),
+                                                                                 "disk")),
+                                    ("rule #3 (match: 'blocks.1')", {"optimizer_states": "disk"}),
+                                    ("rule #4 (match: 'blocks.1.**')", {"params": "host", "grads": "host"})]
+    with pytest.raises(PlanError, match=r"rule #1 \(match: 'x'\): tier must be one of device, host, disk"):
+        Plan.from_dict({"rules": [{"match": "x", "tier": "nvme"}]})
+    with pytest.raises(PlanError, match=r"tier: unknown key\(s\) 'param' \(did you mean 'params'\?\)"):
+        Plan.from_dict({"rules": [{"match": "x", "tier": {"param": "disk"}}]})
+
+
+def test_tiers_that_split_a_buffer_are_a_conflict_naming_the_rules_and_the_group() -> None:
+    plan = {"rules": [{"match": "blocks.*", "group": True}, {"match": "blocks.0.up", "tier": "disk"},
+                      {"match": "blocks.0.down", "tier": {"params": "host", "optimizer_states": "disk"}}]}
+    with pytest.raises(PlanError) as err:
+        resolve_plan(MLP(), plan)
+    message = str(err.value)
+    assert ("conflict on the params tier of group 'blocks.0' (float32, trainable): blocks.0.up.weight gets disk from "
+            "rule #2 (match: 'blocks.0.up') but blocks.0.down.weight gets host from rule #3 (match: 'blocks.0.down')"
+            in message)
+    assert "conflict on the grads tier of group 'blocks.0'" in message and "gets none (the memory policy's)" in message
+    # Optimizer states are placed per parameter: no conflict.
+    plan["rules"][2]["tier"] = {"params": "disk", "grads": "disk", "optimizer_states": "device"}
+    assert resolve_plan(MLP(), plan).policy("blocks.0.down.weight").tier_of("optimizer_states") == "device"
+
+
+def test_a_disk_tier_without_a_disk_dir_stops_before_anything_starts(tmp_path) -> None:
+    from lightning_vescale.lightning import VeScaleStrategy
+    from lightning_vescale.memory import MemoryPolicy, check_plan_tiers
+
+    with pytest.raises(ValueError, match=r"VeScaleStrategy: the plan 'tiers' puts state on the disk tier \(rule #2 "
+                                         r"\(match: 'blocks.0'\) puts grads, optimizer_states, params on disk; rule #3 .*"
+                                         r"no memory policy is given: pass MemoryPolicy\(disk_dir="):
+        VeScaleStrategy(plan=TIER_PLAN).check_plan()  # Trainer.fit calls it before launching any process
+    with pytest.raises(ValueError, match="the memory policy names no disk_dir"):
+        VeScaleStrategy(plan=TIER_PLAN, memory=MemoryPolicy(optimizer_states="host"))
+    check_plan_tiers(TIER_PLAN, MemoryPolicy(disk_dir=str(tmp_path / "swap")), "here")
+    check_plan_tiers({"rules": [{"match": "x", "tier": {"params": "host"}}]}, None, "here")  # no disk: fine
 
 
 def test_default_plan_groups_every_block_innermost_first() -> None:

@@ -334,3 +334,16 @@ def test_initial_weights_from_a_sharded_checkpoint_directory(tmp_path):
     state = load_initial_weights(tmp_path / "step-000003.ckpt", cfg.model)
     assert state.keys() == model.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_plans_disk_tier_gets_the_runs_swap_directory(tmp_path):
+    from lightning_vescale.recipe.memory import memory_policy_for
+
+    cfg = load("plan=llama_offload")
+    assert cfg.plan["rules"][0] == {"match": "**.layers.*", "group": True, "tier": "disk"}
+    policy = memory_policy_for(cfg, tmp_path, 2)  # no memory group: <run dir>/swap, as memory.disk_dir=null gives
+    assert policy.disk_dir == str(tmp_path / "swap") and policy.optimizer_states == policy.params == "device"
+    assert memory_policy_for(load("plan=llama"), tmp_path, 2) is None
+    explicit = memory_policy_for(load("plan=llama_offload", "memory=offload_disk",
+                                      f"memory.disk_dir={tmp_path / 'nvme'}"), tmp_path, 2)
+    assert explicit.disk_dir == str(tmp_path / "nvme")
