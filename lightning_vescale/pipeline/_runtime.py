@@ -139,9 +139,14 @@ def check_stage_plans(model: nn.Module, plan: MPMDPlan) -> None:
         for name in stage.modules:
             container.add_module(name, shadow.get_submodule(name))
         try:
-            resolve_for(container, stage.plan)
+            resolved = resolve_for(container, stage.plan)
         except PlanError as err:
             raise PlanError(f"MPMD plan {plan.name!r}, stage {stage.name!r}: {err}") from None
+        off_device = sorted({t for p in resolved.params.values() for t in p.tier.values()} - {"device"})
+        if off_device:  # MPMD stages do not run the memory manager yet: say so rather than train on the device
+            raise PlanError(f"MPMD plan {plan.name!r}, stage {stage.name!r}: its plan places state on "
+                            f"{off_device} tiers, which MPMD stages do not apply yet; keep stage plans on the "
+                            f"device (tier: device)")
 
 
 def check_batch(plan: MPMDPlan, batch: int) -> None:

@@ -97,6 +97,15 @@ def test_a_stage_plan_that_matches_nothing_in_its_stage_is_refused_before_any_gr
         check_stage_plans(VLM(vlm_config("tiny")), plan)
 
 
+def test_a_stage_plan_placing_state_off_the_device_is_refused_rather_than_ignored():
+    plan = MPMDPlan.from_dict(plan_dict(stages=[
+        {"name": "vision", "modules": ["encoder", "projector"], "ranks": 1},
+        {"name": "language", "modules": ["decoder"], "ranks": 1,
+         "plan": {"rules": [{"match": "*", "tier": {"optimizer_states": "disk"}}]}}]))
+    with pytest.raises(PlanError, match=r"stage 'language': its plan places state on \['disk'\] tiers"):
+        check_stage_plans(VLM(vlm_config("tiny")), plan)
+
+
 def test_stage_activations_that_do_not_fit_are_refused_naming_both_stages():
     config = vlm_config("tiny")
     model = VLM(config)
