@@ -32,6 +32,7 @@ import contextlib
 import fnmatch
 import hashlib
 import logging
+import warnings
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
@@ -208,6 +209,18 @@ def _granularity_fn(granularity: GranularityArg) -> Callable[[str, nn.Parameter]
     return lambda name, p: granularity
 
 
+def _warn_unapplied_tiers(states: list[_VeScaleState]) -> None:
+    from lightning_vescale.plan._registry import unapplied_tiers
+
+    names = unapplied_tiers((mp.fqn, mp.sharded) for st in states if st.group is not None for mp in st.group.managed)
+    if names:
+        warnings.warn(f"the plan places state of {len(names)} parameters ({', '.join(names[:3])}"
+                      f"{', ...' if len(names) > 3 else ''}) on host or disk, but nothing applied it, so it all "
+                      f"stays on the device: call lightning_vescale.memory.apply_memory_policy(model, [optimizer], "
+                      f"MemoryPolicy(disk_dir=...)) once the optimizer exists (the strategies and recipes do)",
+                      stacklevel=3)
+
+
 def _check_patterns_matched(states: list[_VeScaleState]) -> None:
     """Every glob of a granularity mapping must have matched a parameter in some ``fully_shard`` call using it."""
     by_key: dict[tuple, list[GranularityByPattern]] = {}
@@ -282,6 +295,7 @@ class _VeScaleState:
             self.states.append(state)
         _check_patterns_matched(self.states)
         _verify_plans_agree(self.states, self.mesh)
+        _warn_unapplied_tiers(self.states)
         logger.debug("lightning_vescale: root %s with %d groups", type(self.module).__name__, len(self.states))
 
     # -- forward --------------------------------------------------------------------------------------------

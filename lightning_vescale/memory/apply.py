@@ -22,6 +22,7 @@ from lightning_vescale.memory.disk import check_disk_space
 from lightning_vescale.memory.optimizer_states import StateOffload, offload_optimizer_states
 from lightning_vescale.memory.pieces import PieceOffload, offload_pieces
 from lightning_vescale.memory.policy import MemoryPolicy
+from lightning_vescale.plan._registry import mark_tiers_applied
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,12 @@ def _check_room(placement: TierPlacement, disk_dir: Optional[str]) -> None:
         check_disk_space(disk_dir, sum(need.values()), " + ".join(need))
 
 
+def _sharded_groups(model: nn.Module) -> list:
+    from lightning_vescale.fully_shard import sharded_groups
+
+    return sharded_groups(model)
+
+
 def apply_memory_policy(
     model: nn.Module, optimizers: Iterable[torch.optim.Optimizer], policy: Optional[MemoryPolicy], *, rank: int = 0,
 ) -> MemoryHandles:
@@ -186,6 +193,7 @@ def apply_memory_policy(
     local = MemoryPolicy(optimizer_states=policy.optimizer_states, params=policy.params, grads=policy.grads,
                          disk_dir=disk_dir, prefetch=policy.prefetch, bucket_bytes=policy.bucket_bytes)
     handles.policy, handles.placement = local, placement
+    mark_tiers_applied(mp.sharded for group in _sharded_groups(model) for mp in group.managed)
     if any(t != ("device", "device") for t in placement.buffers.values()):
         handles.pieces = offload_pieces(model, local, tiers=placement.buffers)
     for opt in optimizers:

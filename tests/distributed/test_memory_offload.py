@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import warnings
 from unittest import mock
 
 import pytest
@@ -285,7 +286,10 @@ def _plan_tiers(rank: int, world: int, tmp: str) -> None:
 
         for step in range(2):  # step 1 zeroes the gradients in place
             train_step_clipped(plain, plain_opt, step, rank, world)
-            train_step_clipped(tiered, opt, step, rank, world)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                train_step_clipped(tiered, opt, step, rank, world)
+            assert not [w for w in said if "nothing applied it" in str(w.message)], "applied tiers warned as unapplied"
             pieces = {n for n, p in held.items() if released(p)}
             assert pieces == {n for n in held if (module_of(n) if n.startswith("blocks.") else "") in moved_pieces}, \
                 (i, step, pieces)
@@ -296,6 +300,11 @@ def _plan_tiers(rank: int, world: int, tmp: str) -> None:
                     assert torch.equal(p.to_local(), q.to_local()), (i, step, n)
                 assert all(torch.equal(a, b) for a, b in zip(states_of(plain_opt), states_of(opt))), (i, step)
         handles.close()
+    # Plain torch that forgets apply_memory_policy: the first forward says the plan's tiers were not applied.
+    forgotten = lv.parallelize(MLP(), cases[0][0], mesh)
+    with pytest.warns(UserWarning, match=r"on host or disk, but nothing applied it.*apply_memory_policy"):
+        with torch.no_grad():
+            forgotten(torch.randn(2, 7))
 
 
 def test_plan_tiers_train_bitwise_and_move_only_what_the_plan_places(tmp_path) -> None:
