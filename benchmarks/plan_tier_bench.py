@@ -1,6 +1,7 @@
 """A plan's per-parameter tiers: peak memory (as the operating system sees it) and step time, side by side.
 
     python benchmarks/plan_tier_bench.py                    # bench_small (33.6M), 2 ranks, 6 steps, 2 repeats
+    python benchmarks/plan_tier_bench.py --suite gathered   # gathered parameters on disk vs gathered again
 
 The same measure as ``offload_bench.py`` (its rank launcher and peak-RSS reading: fresh rank processes per run,
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` at 128 KiB, peak RSS growth over the baseline after imports
@@ -8,6 +9,9 @@ and the process group, max over ranks; median step time after the first step; co
 medians of the repeats). Configurations: everything in memory (the default plan); a plan putting half the
 transformer blocks' weights, gradient pieces and optimizer states on disk (``tier: disk``); every block; and, for
 reference, ``MemoryPolicy`` placing the same classes of the whole model (embedding and head included) on disk.
+``--suite gathered``: the gathered parameters of the blocks (which reshard after forward) on disk between forward
+and backward instead of gathered again, alone and with everything else on disk; AllGather bytes per step from
+``comm_stats``.
 """
 
 from __future__ import annotations
@@ -41,12 +45,22 @@ from lightning_vescale.models import Llama  # noqa: E402
 GROUPS = [{"match": "tok_embeddings", "group": True, "reshard_after_forward": False},
           {"match": "layers.*", "group": True}]  # the default plan of these models
 ALL = {"params": "disk", "grads": "disk", "optimizer_states": "disk"}
-CONFIGS: dict[str, tuple[Optional[dict], dict]] = {  # name -> (plan, MemoryPolicy placements)
-    "in memory": (None, {}),
-    "plan: blocks 0-3 on disk (tier: disk)": ({"rules": GROUPS + [{"match": "layers.[0-3]", "tier": "disk"}]}, {}),
-    "plan: every block on disk (tier: disk)": ({"rules": GROUPS + [{"match": "layers.*", "tier": "disk"}]}, {}),
-    "policy: whole model's weights + grads + states on disk": (None, ALL),
+SUITES: dict[str, dict[str, tuple[Optional[dict], dict]]] = {  # suite -> name -> (plan, MemoryPolicy placements)
+    "tiers": {
+        "in memory": (None, {}),
+        "plan: blocks 0-3 on disk (tier: disk)": ({"rules": GROUPS + [{"match": "layers.[0-3]", "tier": "disk"}]}, {}),
+        "plan: every block on disk (tier: disk)": ({"rules": GROUPS + [{"match": "layers.*", "tier": "disk"}]}, {}),
+        "policy: whole model's weights + grads + states on disk": (None, ALL),
+    },
+    # Gathered parameters between forward and backward: gathered again (the default) or read back from disk.
+    "gathered": {
+        "in memory": (None, {}),
+        "policy: gathered params on disk": (None, {"gathered_params": "disk"}),
+        "policy: weights + grads + states on disk": (None, ALL),
+        "policy: weights + grads + states + gathered params on disk": (None, {**ALL, "gathered_params": "disk"}),
+    },
 }
+CONFIGS = {name: config for suite in SUITES.values() for name, config in suite.items()}
 
 
 def _rank(rank: int, world: int, init: str, model_name: str, name: str, steps: int, swap: str, out) -> None:
@@ -66,8 +80,9 @@ def _rank(rank: int, world: int, init: str, model_name: str, name: str, steps: i
         apply_memory_policy(model, [opt], MemoryPolicy(disk_dir=swap, bucket_bytes=BUCKET_BYTES, **classes),
                             rank=rank)
     g = torch.Generator().manual_seed(rank)
-    times = []
+    times, gathered = [], []
     for _ in range(steps):
+        lv.comm_stats.step()
         tokens = torch.randint(0, config.vocab_size, (2, 129), generator=g)
         start = time.perf_counter()
         logits = model(tokens[:, :-1])
@@ -75,15 +90,16 @@ def _rank(rank: int, world: int, init: str, model_name: str, name: str, steps: i
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+        gathered.append(lv.comm_stats.step().get("all_gather", 0))
     on_disk = sum(v for (_, tier), v in memory_stats.peak.items() if tier == "disk")
-    out.put((rank, _peak_rss() - baseline, statistics.median(times[1:]), on_disk))
+    out.put((rank, _peak_rss() - baseline, statistics.median(times[1:]), on_disk, statistics.median(gathered)))
     dist.destroy_process_group()
 
 
 def run(model_name: str, name: str, world: int, steps: int) -> dict:
     rows = _spawn(_rank, world, model_name, name, steps, _TMP, what=name)
     return {"peak_rss_mb": max(r[1] for r in rows) / 2**20, "step_s": max(r[2] for r in rows),
-            "on_disk_peak_mb": max(r[3] for r in rows) / 2**20}
+            "on_disk_peak_mb": max(r[3] for r in rows) / 2**20, "all_gather_mb": max(r[4] for r in rows) / 2**20}
 
 
 def main() -> None:
@@ -92,19 +108,25 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "plan_tier"))
+    parser.add_argument("--suite", default="tiers", choices=sorted(SUITES),
+                        help="tiers: a plan's per-parameter tiers; gathered: gathered parameters on disk")
+    parser.add_argument("--out", default=None, help="default: results/plan_tier (tiers), results/gathered")
     args = parser.parse_args()
+    args.out = args.out or str(Path(__file__).resolve().parent / "results" / (
+        "plan_tier" if args.suite == "tiers" else args.suite))
+    configs = SUITES[args.suite]
     load_before = os.getloadavg()[0]
-    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(args.repeats):  # interleaved: a slow spell of the shared machine hits every configuration
-        for name in CONFIGS:
+        for name in configs:
             runs[name].append(run(args.model, name, args.world_size, args.steps))
     results = {name: _median_of(r) for name, r in runs.items()}
     load_after = os.getloadavg()[0]
     base = results["in memory"]
     params = sum(p.numel() for p in Llama(dataclasses.replace(MODELS[args.model])).parameters())
     lines = [
-        "# A plan's per-parameter tiers",
+        "# A plan's per-parameter tiers" if args.suite == "tiers" else "# Gathered parameters on disk between forward "
+        "and backward",
         "",
         f"Model `{args.model}` ({params / 1e6:.1f}M parameters, {MODELS[args.model].n_layers} blocks), "
         f"{args.world_size} gloo ranks on this machine's CPUs (2 cores shared with other work), AdamW fp32, batch "
@@ -112,16 +134,18 @@ def main() -> None:
         f"{args.repeats} times interleaved, medians shown. Peak RSS: the OS high-water mark over the baseline after "
         f"imports and the process group (MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072), max over "
         f"ranks; on disk: the ledger's peak bytes on the disk tier.",
-        f"Command: `python benchmarks/plan_tier_bench.py --model {args.model} --world-size {args.world_size} "
-        f"--steps {args.steps} --repeats {args.repeats}`",
+        f"Command: `python benchmarks/plan_tier_bench.py --suite {args.suite} --model {args.model} --world-size "
+        f"{args.world_size} --steps {args.steps} --repeats {args.repeats}`",
         "",
-        "| placement | peak RSS growth / rank (MiB) | vs in memory | on disk, ledger peak (MiB) | median step (s) "
-        "| vs in memory |",
-        "|---|---|---|---|---|---|",
+        "| placement | peak RSS growth / rank (MiB) | vs in memory | on disk, ledger peak (MiB) | AllGather / step "
+        "(MiB, comm_stats) | vs in memory | median step (s) | vs in memory |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         lines.append(f"| {name} | {r['peak_rss_mb']:.1f} | {r['peak_rss_mb'] / base['peak_rss_mb']:.3f} | "
-                     f"{r['on_disk_peak_mb']:.1f} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.3f} |")
+                     f"{r['on_disk_peak_mb']:.1f} | {r['all_gather_mb']:.1f} | "
+                     f"{r['all_gather_mb'] / base['all_gather_mb']:.3f} | {r['step_s']:.3f} | "
+                     f"{r['step_s'] / base['step_s']:.3f} |")
     lines += ["", f"Load average (1 min) of the machine: {load_before:.1f} before, {load_after:.1f} after these runs "
               f"(2 cores)."]
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")

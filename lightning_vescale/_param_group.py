@@ -360,11 +360,13 @@ class ParamGroup:
         for mp in self.managed:
             self._use_unsharded(mp)
 
-    def reshard(self) -> None:
+    def reshard(self, keep_for_backward: bool = False) -> None:
+        """Free the gathered parameters; ``keep_for_backward``: after a forward whose backward gathers them again
+        (a buffer with a gathered-parameters tier saves them there instead)."""
         for mp in self.managed:
             self._use_sharded(mp)
         for buf in self.buffers.values():
-            buf.reshard()
+            buf.reshard(keep_for_backward)
 
     # -- backward ---------------------------------------------------------------------------------------
     def pre_backward(self) -> None:

@@ -138,6 +138,10 @@ class DBuffer:
         self._reduce_accumulate = False
         self.grad_allocated = False
         self.offload = None  # lightning_vescale.memory's tier moves of local / local_grad; None: always in memory
+        # lightning_vescale.memory.GatheredOffload: ``unsharded`` on disk between forward and backward (None: the
+        # backward gathers again); see [Note: gathered parameters on disk].
+        self.gathered_offload = None
+        self._read_back = False
 
     def enable_grad(self) -> None:
         """Give the buffer gradient storage (a frozen parameter of it was unfrozen); its layout is unchanged."""
@@ -188,6 +192,13 @@ class DBuffer:
         """Gather every rank's piece into ``unsharded`` with one in-place AllGather."""
         if self.state is not BufferState.SHARDED:
             return
+        if self.gathered_offload is not None and self.gathered_offload.has(self):
+            if torch._C._current_graph_task_id() != -1:  # backward of the forward that saved it: read it back
+                self._gather_handle = self.gathered_offload.load(self, async_op)
+                self.state = BufferState.GATHERING if self._gather_handle is not None else BufferState.UNSHARDED
+                self._read_back = True
+                return
+            self.gathered_offload.drop(self)  # a new forward (or evaluation): the weights may have changed
         if self.offload is not None:
             self.offload.before_gather()  # ``local`` back from its tier
         _alloc_storage(self.unsharded)
@@ -213,13 +224,21 @@ class DBuffer:
             self._gather_handle.wait()
             self._gather_handle = None
             self.state = BufferState.UNSHARDED
-            if self.offload is not None:
+            if self.offload is not None and not self._read_back:
                 self.offload.after_gather()
+        self._read_back = False
 
-    def reshard(self) -> None:
-        """Free the unsharded storage (views stay valid objects and refill on the next unshard)."""
+    def reshard(self, keep_for_backward: bool = False) -> None:
+        """Free the unsharded storage (views stay valid objects and refill on the next unshard).
+        ``keep_for_backward``: a forward's reshard whose backward will gather again; with a ``gathered_offload``
+        the bytes go to disk for it instead (released once written)."""
         self.wait_unshard()
-        _free_storage(self.unsharded)
+        if keep_for_backward and self.gathered_offload is not None:
+            self.gathered_offload.save(self)
+        else:
+            if self.gathered_offload is not None:
+                self.gathered_offload.drop(self)
+            _free_storage(self.unsharded)
         self.state = BufferState.SHARDED
 
     def materialize_unsharded_for_init(self) -> torch.Tensor:

@@ -343,7 +343,7 @@ class _VeScaleState:
             # No output needs a gradient (evaluation, or a frozen module): no backward will come to free the
             # parameters, so free them now; the root otherwise keeps them for backward.
             if not tensors or (self.group.reshard_after_forward and not self.is_root):
-                self.group.reshard()
+                self.group.reshard(keep_for_backward=bool(tensors))
         if self.is_root and self.mp_policy.output_dtype is not None:
             # Only the model's outputs: inner groups feed each other in param_dtype.
             output = _cast_floating(output, self.mp_policy.output_dtype)

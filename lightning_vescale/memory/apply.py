@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 
 from lightning_vescale.memory.activations import ActivationOffload, checkpoint_blocks, offload_activations
-from lightning_vescale.memory.disk import check_disk_space
+from lightning_vescale.memory.disk import DiskStore, check_disk_space
+from lightning_vescale.memory.gathered import GatheredOffload
 from lightning_vescale.memory.optimizer_states import StateOffload, offload_optimizer_states
 from lightning_vescale.memory.pieces import PieceOffload, offload_pieces
 from lightning_vescale.memory.policy import MemoryPolicy
@@ -118,6 +119,8 @@ class MemoryHandles:
     states: list[StateOffload] = field(default_factory=list)
     pieces: Optional[PieceOffload] = None
     activations: Optional[ActivationOffload] = None
+    gathered: Optional[GatheredOffload] = None
+    gathered_buffers: list = field(default_factory=list)
     checkpointed: list[str] = field(default_factory=list)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -143,19 +146,33 @@ class MemoryHandles:
         if self.activations is not None:
             self.activations.close()
             self.activations = None
+        if self.gathered is not None:
+            for buf in self.gathered_buffers:
+                buf.gathered_offload = None
+            self.gathered.close()
+            self.gathered, self.gathered_buffers = None, []
 
 
-def _check_room(placement: TierPlacement, disk_dir: Optional[str]) -> None:
+def _check_room(placement: TierPlacement, disk_dir: Optional[str], gathered: int = 0) -> None:
     """The disk tier must hold this rank's weights, gradients and optimizer states placed there (the states
-    estimated as two per element, Adam's), before anything moves."""
+    estimated as two per element, Adam's), and ``gathered`` bytes of gathered parameters, before anything moves."""
     if disk_dir is None:
         return
     names = {"params": "master weights", "grads": "gradients", "optimizer_states": "optimizer states"}
     need = {names[c]: placement.bytes.get((c, "disk"), 0) for c in names}
+    need["gathered parameters"] = gathered
     need = {k: v for k, v in need.items() if v}
     if need:
         os.makedirs(disk_dir, exist_ok=True)
         check_disk_space(disk_dir, sum(need.values()), " + ".join(need))
+
+
+def _gathered_buffers(model: nn.Module) -> list:
+    """The plain floating-point DBuffers of groups that reshard after forward (gathered again for backward)."""
+    from lightning_vescale.dbuffer import DBuffer
+
+    return [b for g in _sharded_groups(model) if g.reshard_after_forward for b in g.buffers.values()
+            if type(b) is DBuffer and b.dtype.is_floating_point]
 
 
 def _sharded_groups(model: nn.Module) -> list:
@@ -189,9 +206,20 @@ def apply_memory_policy(
     elif policy.activations != "device":
         handles.activations = offload_activations(model, policy.activation_blocks, policy.activations,
                                                   disk_dir=disk_dir, prefetch=policy.prefetch)
-    _check_room(placement, disk_dir)
+    gathered = _gathered_buffers(model) if policy.gathered_params != "device" else []
+    if policy.gathered_params == "host" and any(b.device.type != "cpu" for b in gathered):
+        raise ValueError("MemoryPolicy(gathered_params='host') is not available on accelerators yet: use 'disk' "
+                         "or 'device'")
+    _check_room(placement, disk_dir, sum(b.unsharded.numel() * b.unsharded.element_size() for b in gathered)
+                if policy.gathered_params == "disk" else 0)
+    if policy.gathered_params == "disk" and gathered:
+        handles.gathered = GatheredOffload(DiskStore(disk_dir, tag="-gathered"))
+        handles.gathered_buffers = gathered
+        for buf in gathered:
+            buf.gathered_offload = handles.gathered
     local = MemoryPolicy(optimizer_states=policy.optimizer_states, params=policy.params, grads=policy.grads,
-                         disk_dir=disk_dir, prefetch=policy.prefetch, bucket_bytes=policy.bucket_bytes)
+                         gathered_params=policy.gathered_params, disk_dir=disk_dir, prefetch=policy.prefetch,
+                         bucket_bytes=policy.bucket_bytes)
     handles.policy, handles.placement = local, placement
     mark_tiers_applied(mp.sharded for group in _sharded_groups(model) for mp in group.managed)
     if any(t != ("device", "device") for t in placement.buffers.values()):
@@ -199,7 +227,8 @@ def apply_memory_policy(
     for opt in optimizers:
         handles.add_optimizer(opt)
     logger.info("lightning_vescale memory: master weights on %s, gradients on %s, optimizer states on %s, "
-                "activations %s%s%s", policy.params, policy.grads, policy.optimizer_states, policy.activations,
+                "gathered parameters on %s, activations %s%s%s", policy.params, policy.grads, policy.optimizer_states,
+                policy.gathered_params, policy.activations,
                 f" ({len(handles.checkpointed)} blocks recomputed)" if handles.checkpointed else "",
                 "; the plan's tiers for its parameters: " + ", ".join(
                     f"{c} {t} {n / 2**20:.1f} MiB" for (c, t), n in sorted(placement.bytes.items()) if t != "device")

@@ -47,6 +47,11 @@ class MemoryPolicy:
     grads: Tier = "device"
     """This rank's pieces of the reduced gradients: on ``host`` / ``disk`` each is written there as soon as its
     ReduceScatter finished and read back by the optimizer step (and by clipping, gradient accumulation)."""
+    gathered_params: Tier = "device"
+    """The gathered (unsharded) parameters of groups that reshard after forward, between their forward and
+    backward: ``device`` frees them and gathers again in backward; ``disk`` writes them under ``disk_dir`` and
+    reads them back for backward instead of the AllGather (see [Note: gathered parameters on disk]); ``host`` is
+    the device's memory on a CPU-only machine (nothing moves) and not available on accelerators yet."""
     activations: str = "device"
     """Activations saved for backward by ``activation_blocks``: ``device``, ``host``, ``disk``, or ``checkpoint``
     (recompute the blocks' forward in backward instead of keeping them)."""
@@ -67,7 +72,7 @@ class MemoryPolicy:
     """Target size of one swapped bucket of optimizer states: the transient memory offload needs."""
 
     def __post_init__(self) -> None:
-        for name in ("optimizer_states", "params", "grads"):  # a tier
+        for name in ("optimizer_states", "params", "grads", "gathered_params"):  # a tier
             value = getattr(self, name)
             if value not in TIERS:
                 raise ValueError(f"MemoryPolicy.{name} must be one of {TIERS}, got {value!r}")
@@ -79,7 +84,7 @@ class MemoryPolicy:
             parse_bytes(self.budget)
         if self.bucket_bytes <= 0:
             raise ValueError(f"MemoryPolicy.bucket_bytes must be > 0, got {self.bucket_bytes}")
-        if "disk" in (self.optimizer_states, self.params, self.grads, self.activations):
+        if "disk" in (self.optimizer_states, self.params, self.grads, self.gathered_params, self.activations):
             if not self.disk_dir:
                 raise ValueError("MemoryPolicy: a 'disk' tier needs disk_dir=<a directory on a local disk>")
             _check_writable(self.disk_dir)

@@ -97,6 +97,6 @@ class QuantizedGatherBuffer(DBuffer):
         self._codes = self._scales = None
         self.state = BufferState.UNSHARDED
 
-    def reshard(self) -> None:
+    def reshard(self, keep_for_backward: bool = False) -> None:
         self.wait_unshard()
         super().reshard()

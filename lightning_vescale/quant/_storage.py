@@ -183,7 +183,7 @@ class QuantizedStorage:
         self._gathered_codes = self._gathered_scales = None
         self.state = BufferState.UNSHARDED
 
-    def reshard(self) -> None:
+    def reshard(self, keep_for_backward: bool = False) -> None:
         self.wait_unshard()
         _free_storage(self.unsharded)
         self.state = BufferState.SHARDED

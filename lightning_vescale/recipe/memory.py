@@ -89,5 +89,5 @@ def memory_policy_for(config, run_dir: Path, world_size: int) -> Optional[Memory
         params, grads = placement.tiers["params"], placement.tiers["grads"]
         logger.info("memory budget %s per rank: placement chosen by the cost model\n%s", m.budget, placement.table())
     return MemoryPolicy(optimizer_states=optimizer_states, params=params, grads=grads, activations=activations,
-                        activation_blocks=tuple(m.activation_blocks), disk_dir=disk_dir, prefetch=m.prefetch,
+                        gathered_params=m.gathered_params, activation_blocks=tuple(m.activation_blocks), disk_dir=disk_dir, prefetch=m.prefetch,
                         bucket_bytes=m.bucket_bytes)

@@ -537,6 +537,10 @@ class MemoryConfig:
     grads: str = "device"
     """The sharded gradient pieces: ``device``, ``host`` or ``disk`` (written out after each ReduceScatter, read
     back by the optimizer step and clipping)."""
+    gathered_params: str = "device"
+    """The gathered parameters of groups that reshard after forward, between forward and backward: ``device``
+    (gathered again for backward) or ``disk`` (written after forward, read back for backward instead of the
+    AllGather); ``host`` only on CPU-only machines, where it is the device's memory."""
     activations: str = "device"
     """``device``, ``host``, ``disk`` or ``checkpoint`` (recompute the blocks' forward in backward)."""
     activation_blocks: List[str] = field(default_factory=lambda: ["*layers.*"])
@@ -552,7 +556,7 @@ class MemoryConfig:
     """Optimizer states swapped per bucket."""
 
     def __post_init__(self) -> None:
-        for name in ("optimizer_states", "params", "grads"):
+        for name in ("optimizer_states", "params", "grads", "gathered_params"):
             value = getattr(self, name)
             _check(value in ("device", "host", "disk"), f"memory.{name} must be device, host or disk, got {value!r}")
         _check(self.activations in ("device", "host", "disk", "checkpoint"),

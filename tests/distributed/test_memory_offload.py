@@ -309,3 +309,57 @@ def _plan_tiers(rank: int, world: int, tmp: str) -> None:
 
 def test_plan_tiers_train_bitwise_and_move_only_what_the_plan_places(tmp_path) -> None:
     run_distributed(_plan_tiers, 2, str(tmp_path), timeout=300)
+
+
+def _gathered(rank: int, world: int, tmp: str) -> None:
+    """Gathered parameters on disk between forward and backward (fp32 AdamW, accumulation, clipping): bitwise the
+    run that gathers again, the blocks' gathered storage released after forward, and exactly the backward
+    AllGathers' bytes replaced by reads."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_vescale.fully_shard import sharded_groups
+    from lightning_vescale.memory import apply_memory_policy, memory_stats
+    from lightning_vescale.memory.pieces import resident_pieces
+
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {"rules": [{"match": "blocks.*", "group": True, "reshard_after_forward": True}]}
+    torch.manual_seed(0)
+    ref = MLP()
+    plain = lv.parallelize(copy.deepcopy(ref), plan, mesh)
+    saved = lv.parallelize(copy.deepcopy(ref), plan, mesh)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(saved.parameters(), lr=1e-2, weight_decay=0.1)
+    handles = apply_memory_policy(saved, [opt], MemoryPolicy(gathered_params="disk", disk_dir=os.path.join(tmp, "g")),
+                                  rank=rank)
+    offload = handles.gathered
+    blocks = [b for blk in saved.blocks for g in sharded_groups(blk) for b in g.buffers.values()]
+    for step in range(3):
+        lv.comm_stats.step()
+        train_step_clipped(plain, plain_opt, step, rank, world)
+        sent_plain = lv.comm_stats.step()["all_gather"]
+        read_before = offload.bytes_read
+        train_step_clipped(saved, opt, step, rank, world)
+        sent_saved = lv.comm_stats.step()["all_gather"]
+        read = offload.bytes_read - read_before
+        assert read > 0 and sent_plain - sent_saved == read * (world - 1) // world, (step, sent_plain, sent_saved, read)
+        with resident_pieces(saved):
+            for (n, p), q in zip(plain.named_parameters(), saved.parameters()):
+                assert torch.equal(p.to_local(), q.to_local()), (step, n)
+    # After a forward that needs a backward, the blocks' gathered bytes are on disk, not in memory.
+    out = saved(torch.randn(3, 7))
+    for buf in blocks:
+        offload.has(buf) and offload._saved[id(buf)].future.result()
+    assert all(offload.has(b) and b.unsharded.untyped_storage().nbytes() == 0 for b in blocks)
+    assert memory_stats.snapshot()["gathered_params/disk"][0] == sum(b.unsharded.numel() * 4 for b in blocks)
+    # A forward that ends without backward (evaluation) replaces nothing: its unshards gather, nothing is written.
+    with torch.no_grad():
+        saved(torch.randn(3, 7))
+    assert not any(offload.has(b) for b in blocks)
+    assert memory_stats.snapshot()["gathered_params/disk"][0] == 0
+    del out
+    handles.close()
+    assert all(b.gathered_offload is None for b in blocks)
+
+
+def test_gathered_params_on_disk_replace_the_backward_allgather_bitwise(tmp_path) -> None:
+    run_distributed(_gathered, 2, str(tmp_path), timeout=300)
