@@ -9,8 +9,9 @@ submodule) one :class:`ParamGroup`. Hooks drive it through a training step:
 * post-forward: free the unsharded buffer (``reshard_after_forward``; never for the root, whose
   parameters backward needs first) and hook the outputs so that backward reaching them runs
   pre-backward;
-* pre-backward: finish every ReduceScatter that has completed, gather again, zero the gradient buffer in
-  one op, prefetch the next group in backward order (``set_backward_prefetch``);
+* pre-backward: finish every ReduceScatter that has completed, gather again, prefetch the next group in
+  backward order (``set_backward_prefetch``); the group's first parameter gradient (a tensor hook, before autograd
+  accumulates it) allocates the gradient buffer, zeroed in one op, and binds its views as the ``.grad``;
 * post-accumulate-grad hooks on the unsharded parameters count arrivals; the last one frees the
   parameters, finishes the previous group's ReduceScatter (freeing its unsharded gradient buffer) and issues
   the group's own asynchronously, so at most one overlaps compute;

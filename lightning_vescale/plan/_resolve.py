@@ -199,16 +199,11 @@ def default_plan(model: nn.Module) -> Plan:
     transformer layers) is a group, as FSDP2 users apply ``fully_shard`` per block; and an untied
     ``nn.Embedding`` beside such a list (the token embedding) is a group of its own, kept gathered from forward
     to backward (see [Note: the embedding's own group])."""
-    rules: list[dict[str, Any]] = []
-    tied = _tied_parameter_ids(model)
+    rules: list[dict[str, Any]] = [
+        {"match": _escape(name), "group": True, "reshard_after_forward": False} for name in embedding_groups(model)]
 
     def visit(module: nn.Module, prefix: str) -> None:
-        children = list(module.named_children())
-        if any(_is_block_list(child) for _, child in children):
-            for name, child in children:
-                if isinstance(child, nn.Embedding) and id(child.weight) not in tied:
-                    rules.append({"match": _escape(f"{prefix}{name}"), "group": True, "reshard_after_forward": False})
-        for name, child in children:
+        for name, child in module.named_children():
             full = f"{prefix}{name}"
             if _is_block_list(child):
                 rules.append({"match": f"{full}.*", "group": True})
@@ -217,6 +212,26 @@ def default_plan(model: nn.Module) -> Plan:
 
     visit(model, "")
     return Plan.from_dict({"name": "default", "rules": rules})
+
+
+def embedding_groups(model: nn.Module) -> list[str]:
+    """The names of the untied ``nn.Embedding`` s beside an ``nn.ModuleList`` of identical blocks (the token
+    embedding), which the default plan makes groups of their own kept gathered from forward to backward (see
+    [Note: the embedding's own group]); :func:`~lightning_vescale.parallel.fully_shard_expert_parallel` does too."""
+    names: list[str] = []
+    tied = _tied_parameter_ids(model)
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        children = list(module.named_children())
+        if any(_is_block_list(child) for _, child in children):
+            names.extend(f"{prefix}{name}" for name, child in children
+                         if isinstance(child, nn.Embedding) and id(child.weight) not in tied)
+        for name, child in children:
+            if not _is_block_list(child):
+                visit(child, f"{prefix}{name}.")
+
+    visit(model, "")
+    return names
 
 
 # [Note: the embedding's own group]

@@ -133,6 +133,37 @@ def _no_reduce_scatter_in_flight_on_cpu(rank: int, world: int) -> None:
     assert len(seen) == 2 * len(model.blocks) and all(not s for s in seen), seen
 
 
+def _grad_buffer_allocated_at_first_gradient(rank: int, world: int) -> None:
+    """A group's unsharded gradient buffer is allocated when its first gradient arrives, not when backward reaches
+    its outputs: the root (inp and out) is gathered for backward before the loss's gradient reaches its head, and
+    holds no gradient buffer yet; its gradients are still complete (training parity: test_fully_shard_training)."""
+    model = _sharded_mlp()
+    root = sharded_groups(model)[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen = []
+    out = model(torch.randn(4, 7))
+    # Runs after the root's pre-backward hook (registered on the output at its post-forward, before this one).
+    out.register_hook(lambda grad: seen.append((root.training_state.name, root.is_unsharded, [
+        b.unsharded_grad.untyped_storage().nbytes() for b in root.buffers.values()])))
+    F.mse_loss(out, torch.randn(4, 5)).backward()
+    optimizer.step()
+    assert seen == [("PRE_BACKWARD", True, [0])], seen
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def _cast_grad_buffer_freed_at_reduce_scatter(rank: int, world: int) -> None:
+    """Under mixed precision with a wider reduce dtype the ReduceScatter reads a cast copy: the gradient buffer
+    (param_dtype) is freed as soon as it is issued, not when it completes; the reduced gradient is unchanged."""
+    policy = lv.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    buf = next(iter(sharded_groups(lv.fully_shard(nn.Linear(7, 5), mp_policy=policy))[0].buffers.values()))
+    buf.alloc_grad()
+    buf.unsharded_grad.fill_(3.0)
+    buf.reduce_grad(accumulate=False, async_op=True)
+    assert buf.reducing and buf.unsharded_grad.untyped_storage().nbytes() == 0
+    buf.wait_reduce()
+    assert torch.equal(buf.local_grad, torch.full_like(buf.local_grad, 3.0))
+
+
 def _backward_prefetch_follows_post_forward_order(rank: int, world: int) -> None:
     """Backward prefetches in reverse order of the groups' post-forwards: a root holding only the head is done
     first in backward and is not gathered again; the input layer, in a group of its own kept gathered from
@@ -191,6 +222,8 @@ def _run(rank: int, world: int) -> None:
     _grads_kept_without_set_to_none(rank, world)
     _one_reduce_scatter_in_flight(rank, world)
     _no_reduce_scatter_in_flight_on_cpu(rank, world)
+    _grad_buffer_allocated_at_first_gradient(rank, world)
+    _cast_grad_buffer_freed_at_reduce_scatter(rank, world)
     _backward_prefetch_follows_post_forward_order(rank, world)
     _backward_prefetch_switch(rank, world)
 
