@@ -277,6 +277,7 @@ def fully_shard_expert_parallel(
         dense_mesh = mesh._flatten()
     if dense_mesh.ndim != 1 or dense_mesh.size() != dp * ep:
         raise ValueError(f"dense_mesh must be a 1-D mesh of the {dp * ep} ranks of mesh, got {dense_mesh}")
+    embeddings = embedding_groups(model)  # before sharding: fully_shard gives each block a class of its own
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     if not any(isinstance(m, ExpertParallelGroupedExperts) for m in experts):
         apply_expert_parallel(model, ep_mesh)
@@ -290,7 +291,7 @@ def fully_shard_expert_parallel(
     for block in blocks:
         fully_shard(block, mesh=dense_mesh, **fully_shard_kwargs)
     inside_blocks = {id(m) for block in blocks for m in block.modules()}
-    for name in embedding_groups(model):
+    for name in embeddings:
         embedding = model.get_submodule(name)
         if id(embedding) not in inside_blocks and get_state(embedding) is None:
             fully_shard(embedding, mesh=dense_mesh, **{**fully_shard_kwargs, "reshard_after_forward": False})
