@@ -108,6 +108,13 @@ def default_reduces_in_flight(device: torch.device) -> int:
     return 0 if torch.device(device).type == "cpu" else REDUCES_IN_FLIGHT
 
 
+def backward_reads_params(modules: list[nn.Module]) -> bool:
+    """Whether backward through ``modules`` reads the values of their parameters. False only when every one runs
+    ``nn.Embedding``'s own forward: autograd keeps the indices and the weight's size for its backward, not the
+    weight, so a group of embeddings need not be gathered for backward (only its gradient buffer is needed)."""
+    return not modules or not all(type(m).forward is nn.Embedding.forward for m in modules)
+
+
 class ParamGroup:
     """The parameters of one sharded module and the DBuffers that hold them."""
 
@@ -150,6 +157,8 @@ class ParamGroup:
         self.reduce_queue: list[ParamGroup] = []
         self.reduces_in_flight = default_reduces_in_flight(device)
         self._build(params, granularity_fn)
+        # False (embeddings only): freed after forward (reshard_after_forward) and never gathered for backward.
+        self.backward_reads_params = backward_reads_params([m for mp in self.managed for m, _ in mp.uses])
         self._frozen_in_use = False  # frozen buffers stay gathered until backward has used them (see below)
         if any(not mp.requires_grad for mp in self.managed):
             module.register_forward_pre_hook(self._watch_inputs_for_backward, with_kwargs=True)
@@ -374,8 +383,9 @@ class ParamGroup:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # a module called twice in forward reaches backward twice
         self.finish_reductions(keep=self.reduces_in_flight)
-        self.unshard()
-        self.wait_for_unshard()
+        if self.backward_reads_params:
+            self.unshard()
+            self.wait_for_unshard()
         self._grad_count = 0
         self._grads_bound = False  # the gradient buffer comes with the first gradient (see the note below)
         self.training_state = TrainingState.PRE_BACKWARD

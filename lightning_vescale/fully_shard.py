@@ -9,8 +9,8 @@ submodule) one :class:`ParamGroup`. Hooks drive it through a training step:
 * post-forward: free the unsharded buffer (``reshard_after_forward``; never for the root, whose
   parameters backward needs first) and hook the outputs so that backward reaching them runs
   pre-backward;
-* pre-backward: finish every ReduceScatter that has completed, gather again, prefetch the next group in
-  backward order (``set_backward_prefetch``); the group's first parameter gradient (a tensor hook, before autograd
+* pre-backward: finish every ReduceScatter that has completed, gather again (not a group of embeddings, whose
+  backward reads no weight), prefetch the next group in backward order (``set_backward_prefetch``); the group's first parameter gradient (a tensor hook, before autograd
   accumulates it) allocates the gradient buffer, zeroed in one op, and binds its views as the ``.grad``;
 * post-accumulate-grad hooks on the unsharded parameters count arrivals; the last one frees the
   parameters, finishes the previous group's ReduceScatter (freeing its unsharded gradient buffer) and issues
@@ -371,8 +371,9 @@ class _VeScaleState:
         # backward has freed them.
         if root.order_recorded and self.backward_prefetch and not self.is_root:
             for nxt in root._next_in(root.post_forward_order[::-1], self, self.prefetch):
-                if nxt.group is not None and nxt.group.training_state is TrainingState.IDLE:
-                    nxt.group.unshard(async_op=True)
+                group = nxt.group
+                if group is not None and group.training_state is TrainingState.IDLE and group.backward_reads_params:
+                    group.unshard(async_op=True)
 
     def _finish_backward(self) -> None:
         """End of backward: complete every group, wait for all ReduceScatters, reshard everything."""
@@ -609,7 +610,8 @@ def fully_shard(
             of the default process group on the backend's device type.
         reshard_after_forward: free the gathered parameters after forward and gather again for backward
             (ZeRO-3). False keeps them until backward ends (ZeRO-2-like: more memory, one AllGather less).
-            The root module's parameters are never freed between its forward and backward.
+            The root module's parameters are never freed between its forward and backward. A module whose
+            parameters are used only by ``nn.Embedding`` s is not gathered again: their backward reads no weight.
         mp_policy: mixed precision; the local pieces keep the original dtype (fp32 master weights).
         granularity: the cut granularity per parameter, a unit no rank boundary may split (see
             :func:`~lightning_vescale.planner.granule`): ``"element"`` (default, least padding); for matrices,

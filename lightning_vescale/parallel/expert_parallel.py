@@ -242,9 +242,9 @@ def fully_shard_expert_parallel(
     2. every expert module: ``fully_shard(experts, mesh=mesh[dp_dim], gradient_divide_factor=dp * ep,
        norm_group=dense_mesh)`` (see the module's note on why these two arguments);
     3. every block (``blocks``, default ``model.layers``), then ``model``: ``fully_shard(.., mesh=dense_mesh)``;
-       an untied token embedding beside the blocks gets a group of its own kept gathered from forward to
-       backward (``reshard_after_forward=False``), as the default plan of :func:`lightning_vescale.parallelize`
-       gives it: in the root group its gradient buffer would live through the whole backward.
+       an untied token embedding beside the blocks gets a group of its own, as the default plan of
+       :func:`lightning_vescale.parallelize` gives it: in the root group its gradient buffer would live through
+       the whole backward (and its weight, which its backward does not read, would stay gathered).
 
     Args:
         model: a model containing ``GroupedExperts``, identical on every rank.
@@ -294,7 +294,7 @@ def fully_shard_expert_parallel(
     for name in embeddings:
         embedding = model.get_submodule(name)
         if id(embedding) not in inside_blocks and get_state(embedding) is None:
-            fully_shard(embedding, mesh=dense_mesh, **{**fully_shard_kwargs, "reshard_after_forward": False})
+            fully_shard(embedding, mesh=dense_mesh, **fully_shard_kwargs)
     return fully_shard(model, mesh=dense_mesh, **fully_shard_kwargs)
 
 

@@ -23,9 +23,11 @@ a block-quantized one holds the gathered codes and scales until it is waited for
 parameters, dequantized into); it is freed after its forward if it reshards after
 forward and is not a root (a group containing others stays gathered while they run). Activations accumulate.
 Backward visits them in reverse: the root's gradient buffer is allocated when backward starts (its outputs
-come first; FSDP2's root prefetches the next groups there, lightning-vescale's does not); a root that holds only modules after every other group (final norm, head) is done at once, one
+come first; lightning-vescale's at the head's gradient; FSDP2's root prefetches the next groups there,
+lightning-vescale's does not); a root that holds only modules after every other group (final norm, head) is done at once, one
 that holds the embedding lives to the end (its gradient comes last). Each other group is gathered again if
-it was freed, gets its unsharded gradient buffer, prefetches the next groups, frees its activations and
+it was freed (not a group of embeddings: lightning-vescale frees it after forward and does not gather it
+again; FSDP2 is sized keeping it gathered), gets its unsharded gradient buffer, prefetches the next groups, frees its activations and
 parameters when done and issues its ReduceScatter, whose buffers (and an fp32 copy when reducing in another
 dtype) stay until it completes: one left in flight on an accelerator, none on CPU (the engines' defaults). Then the optimizer steps. Transients: the loss's
 gradient over the vocabulary at the start of backward, and per group the gradients flowing through it
@@ -41,6 +43,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from lightning_vescale._param_group import backward_reads_params
 from lightning_vescale.plan._activations import activation_profile
 from lightning_vescale.plan._hardware import HardwareProfile
 from lightning_vescale.plan._layout import BufferLayout, group_layouts
@@ -215,6 +218,7 @@ class _Group:
     gathered_late: float = 0.0  # block-quantized buffers: unsharded bytes (part of ``gathered``) allocated only when
     # the gather is waited for (dequantized into), not when it is issued
     in_flight: float = 0.0  # block-quantized buffers: codes and scales alive from the gather's issue to its wait
+    backward_reads: bool = True  # False: embeddings only, not gathered for backward (ParamGroup.backward_reads_params)
 
 
 def _backward_transient(g: _Group) -> float:
@@ -314,10 +318,11 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
     for i, g in enumerate(reverse):
         if g.is_root:
             continue
-        gather(g)
+        if g.backward_reads:
+            gather(g)
         grad_buffers[g.name] = g.grad
         for nxt in reverse[i + 1 : i + 1 + g.prefetch]:
-            if not nxt.is_root:
+            if not nxt.is_root and nxt.backward_reads:
                 issue(nxt)
         note(_backward_transient(g))
         activations -= g.activations
@@ -449,9 +454,14 @@ def dry_run(
     rs_calls = ar_calls = 0
     quantized: dict[str, int] = {}
     early = _roots_done_early(model, groups)
+    modules = dict(model.named_modules(remove_duplicate=False))
     for g in groups:
         layouts = group_layouts(resolved, g, N, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
-        gathers = 2 if g.reshard_after_forward and not g.is_root else 1
+        # A group of embeddings is not gathered for backward (it reads no weight): lightning-vescale frees it after
+        # forward, and FSDP2, which would gather it again, is sized keeping it instead (one AllGather each).
+        reads = backward_reads_params([modules[n.rpartition(".")[0]] for p in g.params
+                                       for n in (p, *resolved.params[p].aliases)])
+        gathers = 2 if g.reshard_after_forward and not g.is_root and reads else 1
         shard = gathered = late = grad = extra = ag = rs = ar = real = pad = transient = grad_piece = 0.0
         largest = max((resolved.params[n].numel for n in g.params), default=0)
         for lay in layouts:
@@ -502,7 +512,7 @@ def dry_run(
         largest_bytes = largest * (layouts[0].param_dtype.itemsize if layouts else 4)
         ve_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, gathered, grad, extra, act,
                                 largest_bytes, recompute, gathered_late=late, in_flight=transient, grad_piece=grad_piece,
-                                done_early=g.name in early))
+                                done_early=g.name in early, backward_reads=reads))
         t_ag = hardware.collective_seconds(ag / max(gathers, 1), N)
         t_rs = hardware.collective_seconds(rs, N)
         t_ar = t_replicate(ar) if ar else 0.0
@@ -544,7 +554,7 @@ def dry_run(
             fs.collectives["all_reduce_replicate"] = fs.collectives.get("all_reduce_replicate", 0) + f_ar
         # FSDP2 copies the gradients into a ReduceScatter input (in the reduce dtype) and frees them: the input
         # replaces them until the ReduceScatter completes, and both live during the copy.
-        fs_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, f_gathered, f_grad,
+        fs_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward and reads, g.prefetch, f_gathered, f_grad,
                                 f_rs_input - f_grad, act, largest_bytes, recompute, gather_transient=f_gathered,
                                 reduce_transient=f_grad, grad_piece=f_piece, done_early=g.name in early))
         ft_ag = hardware.collective_seconds(f_ag / max(gathers, 1), N)

@@ -108,11 +108,10 @@ def _worker(rank: int, world: int) -> None:
     ref = _make_reference()
     vocab = ref.config.vocab_size
     model = fully_shard_expert_parallel(copy.deepcopy(ref), mesh)
-    # The token embedding is a group of its own kept gathered from forward to backward (as the default plan makes
-    # it), not in the root: there its gradient buffer would live through the whole backward.
+    # The token embedding is a group of its own (as the default plan makes it), not in the root: there its gradient
+    # buffer would live through the whole backward.
     embedding = get_state(model.tok_embeddings)
-    assert embedding is not None and embedding.group.reshard_after_forward is False
-    assert [mp.fqn for mp in embedding.group.managed] == ["weight"]
+    assert embedding is not None and [mp.fqn for mp in embedding.group.managed] == ["weight"]
     assert "tok_embeddings.weight" not in [mp.fqn for mp in get_state(model).group.managed]
 
     # The layout: every parameter reports the unsharded model's shape (experts: all E experts), laid out over
