@@ -10,8 +10,9 @@ submodule) one :class:`ParamGroup`. Hooks drive it through a training step:
   parameters backward needs first) and hook the outputs so that backward reaching them runs
   pre-backward;
 * pre-backward: finish every ReduceScatter that has completed, gather again (not a group of embeddings, whose
-  backward reads no weight), prefetch the next group in backward order (``set_backward_prefetch``); the group's first parameter gradient (a tensor hook, before autograd
-  accumulates it) allocates the gradient buffer, zeroed in one op, and binds its views as the ``.grad``;
+  backward reads no weight), prefetch the next group in backward order (``set_backward_prefetch``); the
+  group's first parameter gradient (a tensor hook, before autograd accumulates it) allocates the gradient
+  buffer, zeroed in one op, and binds its views as the ``.grad``;
 * post-accumulate-grad hooks on the unsharded parameters count arrivals; the last one frees the
   parameters, finishes the previous group's ReduceScatter (freeing its unsharded gradient buffer) and issues
   the group's own asynchronously, so at most one overlaps compute;
