@@ -24,14 +24,15 @@ parameters, dequantized into); it is freed after its forward if it reshards afte
 forward and is not a root (a group containing others stays gathered while they run). Activations accumulate.
 Backward visits them in reverse: the root's gradient buffer is allocated when backward starts (its outputs
 come first; lightning-vescale's at the head's gradient; FSDP2's root prefetches the next groups there,
-lightning-vescale's does not); a root that holds only modules after every other group (final norm, head) is done at once, one
-that holds the embedding lives to the end (its gradient comes last). Each other group is gathered again if
-it was freed (not a group of embeddings: lightning-vescale frees it after forward and does not gather it
-again; FSDP2 is sized keeping it gathered), gets its unsharded gradient buffer, prefetches the next groups, frees its activations and
-parameters when done and issues its ReduceScatter, whose buffers (and an fp32 copy when reducing in another
-dtype) stay until it completes: one left in flight on an accelerator, none on CPU (the engines' defaults). Then the optimizer steps. Transients: the loss's
-gradient over the vocabulary at the start of backward, and per group the gradients flowing through it
-(:func:`_backward_transient`).
+lightning-vescale's does not); a root that holds only modules after every other group (final norm, head) is
+done at once, one that holds the embedding lives to the end (its gradient comes last). Each other group is
+gathered again if it was freed (not a group of embeddings: lightning-vescale frees it after forward and does
+not gather it again; FSDP2 is sized keeping it gathered), gets its unsharded gradient buffer, prefetches the
+next groups (lightning-vescale: not on CPU), frees its activations and parameters when done and issues its
+ReduceScatter, whose buffers (and an fp32 copy when reducing in another dtype) stay until it completes: one
+left in flight on an accelerator, none on CPU (the engines' defaults). Then the optimizer steps. Transients:
+the loss's gradient over the vocabulary at the start of backward, and per group the gradients flowing through
+it (:func:`_backward_transient`).
 """
 
 from __future__ import annotations
@@ -229,14 +230,17 @@ def _backward_transient(g: _Group) -> float:
 
 
 def _simulate(order: list[_Group], persistent: float, logits_grad: float,
-              reduces_in_flight: int = 1, root_prefetches: bool = True) -> tuple[float, float]:
+              reduces_in_flight: int = 1, root_prefetches: bool = True,
+              backward_prefetch: bool = True) -> tuple[float, float]:
     """(peak bytes, peak gathered bytes) of one step, walking [Note: one training step, as the engine runs it].
 
     ``order``: the groups in forward order; ``persistent``: bytes alive throughout (parameter pieces, states);
     ``logits_grad``: bytes of the loss's gradient over the vocabulary (fp32, every token);
     ``reduces_in_flight``: ReduceScatters left running while backward goes on (the engine's default for the device);
     ``root_prefetches``: whether the roots' pre-backward gathers the next groups (FSDP2) or each group gathers
-    at its own (lightning-vescale: not while the head's backward holds the step's peak).
+    at its own (lightning-vescale: not while the head's backward holds the step's peak);
+    ``backward_prefetch``: whether a group's backward gathers the next groups (lightning-vescale: not on a CPU,
+    see ``default_backward_prefetch``).
     """
     gathered: dict[str, float] = {}
     activations = 0.0
@@ -321,7 +325,7 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
         if g.backward_reads:
             gather(g)
         grad_buffers[g.name] = g.grad
-        for nxt in reverse[i + 1 : i + 1 + g.prefetch]:
+        for nxt in reverse[i + 1 : i + 1 + (g.prefetch if backward_prefetch else 0)]:
             if not nxt.is_root and nxt.backward_reads:
                 issue(nxt)
         note(_backward_transient(g))
@@ -590,7 +594,8 @@ def dry_run(
     for est, order in ((ve, ve_groups), (fs, fs_groups)):
         est.activations = sum(g.activations for g in order)
         persistent = est.params + est.optimizer  # gradient pieces: allocated group by group in backward
-        est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad, in_flight, root_prefetches=est is fs)
+        est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad, in_flight, root_prefetches=est is fs,
+                                                backward_prefetch=est is fs or not hardware.shared_compute)
     # Time: compute at the profile's rate; communication overlapped with it (prefetch) except the first gather
     # and the last reduce; the optimizer reads and writes its states once (memory bound).
     flops = _flops_per_token(model, workload.seq_len) * tokens

@@ -238,9 +238,11 @@ def _backward_prefetch_follows_post_forward_order(rank: int, world: int) -> None
 
 
 def _backward_prefetch_switch(rank: int, world: int) -> None:
-    """With the default, a block's backward has already started gathering the next block in backward order;
-    set_backward_prefetch(False) leaves it sharded until its own backward. The bytes sent are the same."""
+    """With set_backward_prefetch(True) (the default on accelerators) a block's backward has already started
+    gathering the next block in backward order; with False (CPU's default) it is left sharded until its own
+    backward. The bytes sent are the same."""
     sent, prefetched = {}, {}
+    assert not any(s.backward_prefetch for s in _sharded_mlp()._vescale_states(recurse=True))
     for enabled in (True, False):
         model = _sharded_mlp()
         model.set_backward_prefetch(enabled)
