@@ -495,8 +495,9 @@ class VeScaleModule:
 
     def set_backward_prefetch(self, enabled: bool, *, recurse: bool = True) -> None:
         """Whether a group's backward starts the AllGather of the next group in backward order (default True on an
-        accelerator, False on CPU: :func:`default_backward_prefetch`), so that it overlaps this group's compute. False keeps that group's unsharded parameters (and the backend's
-        AllGather staging) out of the backward peak, at the cost of the overlap; the bytes sent are the same."""
+        accelerator, False on CPU: :func:`default_backward_prefetch`), so that it overlaps this group's compute.
+        False keeps that group's unsharded parameters (and the backend's AllGather staging) out of the backward
+        peak, at the cost of the overlap; the bytes sent are the same."""
         for state in self._vescale_states(recurse):
             state.backward_prefetch = enabled
 
