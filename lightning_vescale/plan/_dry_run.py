@@ -22,17 +22,16 @@ issues the AllGathers of the next ``prefetch`` groups (a plain buffer's unsharde
 a block-quantized one holds the gathered codes and scales until it is waited for, and only then its unsharded
 parameters, dequantized into); it is freed after its forward if it reshards after
 forward and is not a root (a group containing others stays gathered while they run). Activations accumulate.
-Backward visits them in reverse: the root's gradient buffer is allocated when backward starts (its outputs
-come first; lightning-vescale's at the head's gradient; FSDP2's root prefetches the next groups there,
-lightning-vescale's does not); a root that holds only modules after every other group (final norm, head) is
-done at once, one that holds the embedding lives to the end (its gradient comes last). Each other group is
-gathered again if it was freed (not a group of embeddings: lightning-vescale frees it after forward and does
-not gather it again; FSDP2 is sized keeping it gathered), gets its unsharded gradient buffer, prefetches the
-next groups (lightning-vescale: not on CPU), frees its activations and parameters when done and issues its
-ReduceScatter, whose buffers (and an fp32 copy when reducing in another dtype) stay until it completes: one
-left in flight on an accelerator, none on CPU (the engines' defaults). Then the optimizer steps. Transients:
-the loss's gradient over the vocabulary at the start of backward, and per group the gradients flowing through
-it (:func:`_backward_transient`).
+Backward visits them in reverse: the root is reached first (its outputs; FSDP2's root prefetches the next
+groups there, lightning-vescale's does not) and its gradient buffer comes with the head's gradient; a root
+that holds only modules after every other group (final norm, head) is done at once, one that holds the
+embedding lives to the end (its gradient comes last). Each other group is gathered again if it was freed (not
+a group of embeddings: lightning-vescale frees it after forward and does not gather it again; FSDP2 is sized
+keeping it gathered), gets its unsharded gradient buffer, prefetches the next groups (lightning-vescale: not
+on CPU), frees its activations and parameters when done and issues its ReduceScatter, whose buffers (and an
+fp32 copy when reducing in another dtype) stay until it completes: one left in flight on an accelerator, none
+on CPU (the engines' defaults). Then the optimizer steps. Transients: the loss's gradient over the vocabulary
+at the start of backward, and per group the gradients flowing through it (:func:`_backward_transient`).
 """
 
 from __future__ import annotations
@@ -293,17 +292,21 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
         if done.reshard and not done.is_root:
             gathered.pop(done.name, None)
     # Backward starts at the loss: the gradients of the log-probabilities and of the logits, then the output
-    # head's weight gradient while the logits' is still alive (the roots' gradient buffers exist by then, and
-    # the roots have prefetched the last groups again).
+    # head's weight gradient while the logits' is still alive (the roots have prefetched the last groups again).
     note(2 * logits_grad)
     reverse = order[::-1]
     roots = [g for g in order if g.is_root]
     for root in roots:
         gather(root)
-        grad_buffers[root.name] = root.grad
         for nxt in [g for g in reverse if not g.is_root][: root.prefetch if root_prefetches else 0]:
             issue(nxt)
-    note(logits_grad + max((r.largest_param for r in roots), default=0.0))
+    # The head's weight gradient is made while the logits' is alive; the roots' gradient buffers come with it
+    # (lightning-vescale allocates a group's at its first gradient; FSDP2 has none before), the logits' gone.
+    largest = max((r.largest_param for r in roots), default=0.0)
+    note(logits_grad + largest)
+    for root in roots:
+        grad_buffers[root.name] = root.grad
+    note(largest)
 
     def reduce(g: _Group) -> None:
         nonlocal pieces
