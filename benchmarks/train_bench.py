@@ -77,9 +77,10 @@ SETUPS = {
     "moe": Setup("bench_moe"),
     "moe-ep": Setup("bench_moe", ep=2),
 }
-ENGINES = ("fsdp2", "vescale", "ddp", "vescale-nobp", "vescale-rootemb", "vescale-overlap", "fsdp2-emb")
-"""Variants, to measure the choices the defaults make: ``vescale-nobp``, lightning-vescale with
-``set_backward_prefetch(False)`` (FSDP2 has no public switch for it); ``vescale-rootemb``, the token embedding
+ENGINES = ("fsdp2", "vescale", "ddp", "vescale-bp", "vescale-rootemb", "vescale-overlap", "fsdp2-emb")
+"""Variants, to measure the choices the defaults make: ``vescale-bp``, lightning-vescale with
+``set_backward_prefetch(True)`` (the default on accelerators; CPU's is off; FSDP2 always prefetches);
+``vescale-rootemb``, the token embedding
 in the root group (the default plan gives it a group of its own); ``vescale-overlap``, one ReduceScatter left
 in flight during backward (``set_reduces_in_flight(1)``, the default on accelerators; CPU's is 0);
 ``fsdp2-emb``, FSDP2 with the embedding in its own group as well (``reshard_after_forward=False``)."""
@@ -166,8 +167,8 @@ def build(engine: str, setup: Setup, world: int):
             lv.parallelize(model, mp_policy=policy)  # the default plan, as users get it
         if variant == "vescale-overlap":
             model.set_reduces_in_flight(1)
-        if variant == "vescale-nobp":
-            model.set_backward_prefetch(False)
+        if variant == "vescale-bp":
+            model.set_backward_prefetch(True)
         plans = [p for g in sharded_groups(model) for p in g.plans]
         padding = sum(p.padding for p in plans) / sum(p.total_numel for p in plans)
     elif engine == "fsdp2":

@@ -108,6 +108,13 @@ def default_reduces_in_flight(device: torch.device) -> int:
     return 0 if torch.device(device).type == "cpu" else REDUCES_IN_FLIGHT
 
 
+def backward_reads_params(modules: list[nn.Module]) -> bool:
+    """Whether backward through ``modules`` reads the values of their parameters. False only when every one runs
+    ``nn.Embedding``'s own forward: autograd keeps the indices and the weight's size for its backward, not the
+    weight, so a group of embeddings need not be gathered for backward (only its gradient buffer is needed)."""
+    return not modules or not all(type(m).forward is nn.Embedding.forward for m in modules)
+
+
 class ParamGroup:
     """The parameters of one sharded module and the DBuffers that hold them."""
 
@@ -144,11 +151,14 @@ class ParamGroup:
         self.buffers: dict[tuple, DBuffer] = {}
         self._grad_count = 0
         self._grad_expected = 0
+        self._grads_bound = False  # this backward's gradient buffers are allocated and bound as .grad
         # Shared by all groups of a root: ReduceScatters in flight, oldest first (at most REDUCES_IN_FLIGHT
         # while compute runs), so the unsharded gradient buffers of finished groups are freed during backward.
         self.reduce_queue: list[ParamGroup] = []
         self.reduces_in_flight = default_reduces_in_flight(device)
         self._build(params, granularity_fn)
+        # False (embeddings only): freed after forward (reshard_after_forward) and never gathered for backward.
+        self.backward_reads_params = backward_reads_params([m for mp in self.managed for m, _ in mp.uses])
         self._frozen_in_use = False  # frozen buffers stay gathered until backward has used them (see below)
         if any(not mp.requires_grad for mp in self.managed):
             module.register_forward_pre_hook(self._watch_inputs_for_backward, with_kwargs=True)
@@ -336,6 +346,7 @@ class ParamGroup:
 
     def _hook(self, mp: _ManagedParam) -> None:
         if not mp.hooked:
+            mp.unsharded.register_hook(self._on_grad)  # runs before the gradient is accumulated into .grad
             mp.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
             mp.hooked = True
 
@@ -374,15 +385,34 @@ class ParamGroup:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # a module called twice in forward reaches backward twice
         self.finish_reductions(keep=self.reduces_in_flight)
-        self.unshard()
-        self.wait_for_unshard()
+        if self.backward_reads_params:
+            self.unshard()
+            self.wait_for_unshard()
+        self._grad_count = 0
+        self._grads_bound = False  # the gradient buffer comes with the first gradient (see the note below)
+        self.training_state = TrainingState.PRE_BACKWARD
+
+    # [Note: the gradient buffer comes with the first gradient]
+    # Backward reaches a group's outputs (pre-backward) some time before it produces the group's first parameter
+    # gradient: the loss's backward over the vocabulary before the root's head, an inner group's backward (the
+    # experts) before the rest of its block. The unsharded gradient buffer is allocated, zeroed and bound as the
+    # parameters' ``.grad`` only when the first gradient arrives (a tensor hook runs before autograd accumulates
+    # it), so it is not held through that stretch; autograd then adds every gradient into its view in place, as
+    # before. A group none of whose gradients arrived still reduces (zeros) at its post-backward, so every rank
+    # issues the same ReduceScatters.
+    def _on_grad(self, _grad: torch.Tensor) -> None:
+        if self.training_state is TrainingState.PRE_BACKWARD and not self._grads_bound:
+            self._bind_grads()
+
+    def _bind_grads(self) -> None:
+        """Allocate the gradient buffers (zeroed; kept as they are while accumulating under no-sync) and point the
+        unsharded parameters' ``.grad`` at their views."""
         for buf in self._buffers_with_grads():
             buf.alloc_grad()
         for mp in self.managed:
             if mp.unsharded.requires_grad:
                 mp.unsharded.grad = self.buffers[mp.key].unsharded_grad_view(mp.index)
-        self._grad_count = 0
-        self.training_state = TrainingState.PRE_BACKWARD
+        self._grads_bound = True
 
     def _on_grad_accumulated(self, _param: torch.Tensor) -> None:
         self._grad_count += 1
@@ -417,6 +447,8 @@ class ParamGroup:
         """Every gradient arrived: free the parameters and issue the ReduceScatter (unless no-sync)."""
         if self.training_state is not TrainingState.PRE_BACKWARD:
             return
+        if not self._grads_bound:
+            self._bind_grads()  # no gradient arrived: reduce zeros, as every other rank reduces its gradients
         self.training_state = TrainingState.POST_BACKWARD
         for mp in self.managed:
             mp.unsharded.grad = None  # the buffer stays; only the views are dropped

@@ -12,6 +12,8 @@ flat buffer of ``N * S`` elements; rank ``r`` owns ``[r * S, (r + 1) * S)``. The
                               saved stay valid;
 * ``unsharded_grad``  (N*S,)  ``param_dtype`` — the unsharded parameters' ``.grad`` are views into
                               it, so autograd accumulates straight into the ReduceScatter input;
+                              allocated at the group's first gradient, freed when its ReduceScatter
+                              completes (once it is issued, when the collective reads a cast copy);
 * ``local_grad``      (S,)    original dtype — the sharded parameters' ``.grad`` are views into it;
                               allocated by the ReduceScatter and dropped once every gradient of the
                               buffer was set to None (``zero_grad(set_to_none=True)``), as FSDP2 frees
@@ -283,6 +285,10 @@ class DBuffer:
                 out = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
             self._reduce_handle = collectives.reduce_scatter_tensor(out, send, self.group, async_op=async_op)
             self._reduce_send = send
+        if send is not self.unsharded_grad:
+            # The collective reads the cast copy: the gradient buffer is free from here (a later allocation on the
+            # compute stream is ordered after the cast), not only when the ReduceScatter completes.
+            self.free_grad()
         self._reduce_output = out
         self._reduce_accumulate = accumulate
 

@@ -9,8 +9,10 @@ submodule) one :class:`ParamGroup`. Hooks drive it through a training step:
 * post-forward: free the unsharded buffer (``reshard_after_forward``; never for the root, whose
   parameters backward needs first) and hook the outputs so that backward reaching them runs
   pre-backward;
-* pre-backward: finish every ReduceScatter that has completed, gather again, zero the gradient buffer in
-  one op, prefetch the next group in backward order (``set_backward_prefetch``);
+* pre-backward: finish every ReduceScatter that has completed, gather again (not a group of embeddings, whose
+  backward reads no weight), prefetch the next group in backward order (``set_backward_prefetch``); the
+  group's first parameter gradient (a tensor hook, before autograd accumulates it) allocates the gradient
+  buffer, zeroed in one op, and binds its views as the ``.grad``;
 * post-accumulate-grad hooks on the unsharded parameters count arrivals; the last one frees the
   parameters, finishes the previous group's ReduceScatter (freeing its unsharded gradient buffer) and issues
   the group's own asynchronously, so at most one overlaps compute;
@@ -246,6 +248,14 @@ def _check_patterns_matched(states: list[_VeScaleState]) -> None:
 # State
 
 
+def default_backward_prefetch(device: torch.device) -> bool:
+    """True on an accelerator (the next group's AllGather runs beside this group's backward); False on CPU, where
+    gloo's AllGather is a thread on the cores that compute and holds a staging copy of its output while it runs:
+    prefetching saved no step time and put the next group twice into the backward peak (MoE, 2 ranks: 0.89x
+    FSDP2's peak without it, 0.99x with it; benchmarks/results/train_gradalloc.md)."""
+    return torch.device(device).type != "cpu"
+
+
 class _VeScaleState:
     """Per-module state: its group, its hooks, and for the root the whole model's bookkeeping."""
 
@@ -261,7 +271,8 @@ class _VeScaleState:
         self.prefetch = prefetch  # how many groups ahead this group's hooks issue AllGathers
         self.is_root: Optional[bool] = None
         self.root: Optional[_VeScaleState] = None
-        self.backward_prefetch = True  # gather the next group in backward order during this group's backward
+        # Gather the next group in backward order during this group's backward (see default_backward_prefetch).
+        self.backward_prefetch = default_backward_prefetch(_mesh_device(mesh))
         # Root only:
         self.states: list[_VeScaleState] = []
         self.forward_order: list[_VeScaleState] = []
@@ -343,7 +354,7 @@ class _VeScaleState:
             # No output needs a gradient (evaluation, or a frozen module): no backward will come to free the
             # parameters, so free them now; the root otherwise keeps them for backward.
             if not tensors or (self.group.reshard_after_forward and not self.is_root):
-                self.group.reshard(keep_for_backward=bool(tensors))
+                self.group.reshard(keep_for_backward=bool(tensors) and self.group.backward_reads_params)
         if self.is_root and self.mp_policy.output_dtype is not None:
             # Only the model's outputs: inner groups feed each other in param_dtype.
             output = _cast_floating(output, self.mp_policy.output_dtype)
@@ -384,8 +395,9 @@ class _VeScaleState:
         # backward has freed them.
         if root.order_recorded and self.backward_prefetch and not self.is_root:
             for nxt in root._next_in(root.post_forward_order[::-1], self, self.prefetch):
-                if nxt.group is not None and nxt.group.training_state is TrainingState.IDLE:
-                    nxt.group.unshard(async_op=True)
+                group = nxt.group
+                if group is not None and group.training_state is TrainingState.IDLE and group.backward_reads_params:
+                    group.unshard(async_op=True)
 
     def _finish_backward(self) -> None:
         """End of backward: complete every group, wait for all ReduceScatters, reshard everything."""
@@ -496,9 +508,10 @@ class VeScaleModule:
                 state.group.requires_grad_sync = requires_gradient_sync
 
     def set_backward_prefetch(self, enabled: bool, *, recurse: bool = True) -> None:
-        """Whether a group's backward starts the AllGather of the next group in backward order (default True), so
-        that it overlaps this group's compute. False keeps that group's unsharded parameters (and the backend's
-        AllGather staging) out of the backward peak, at the cost of the overlap; the bytes sent are the same."""
+        """Whether a group's backward starts the AllGather of the next group in backward order (default True on an
+        accelerator, False on CPU: :func:`default_backward_prefetch`), so that it overlaps this group's compute.
+        False keeps that group's unsharded parameters (and the backend's AllGather staging) out of the backward
+        peak, at the cost of the overlap; the bytes sent are the same."""
         for state in self._vescale_states(recurse):
             state.backward_prefetch = enabled
 
@@ -622,7 +635,8 @@ def fully_shard(
             of the default process group on the backend's device type.
         reshard_after_forward: free the gathered parameters after forward and gather again for backward
             (ZeRO-3). False keeps them until backward ends (ZeRO-2-like: more memory, one AllGather less).
-            The root module's parameters are never freed between its forward and backward.
+            The root module's parameters are never freed between its forward and backward. A module whose
+            parameters are used only by ``nn.Embedding`` s is not gathered again: their backward reads no weight.
         mp_policy: mixed precision; the local pieces keep the original dtype (fp32 master weights).
         granularity: the cut granularity per parameter, a unit no rank boundary may split (see
             :func:`~lightning_vescale.planner.granule`): ``"element"`` (default, least padding); for matrices,

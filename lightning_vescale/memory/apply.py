@@ -171,8 +171,8 @@ def _gathered_buffers(model: nn.Module) -> list:
     """The plain floating-point DBuffers of groups that reshard after forward (gathered again for backward)."""
     from lightning_vescale.dbuffer import DBuffer
 
-    return [b for g in _sharded_groups(model) if g.reshard_after_forward for b in g.buffers.values()
-            if type(b) is DBuffer and b.dtype.is_floating_point]
+    return [b for g in _sharded_groups(model) if g.reshard_after_forward and g.backward_reads_params
+            for b in g.buffers.values() if type(b) is DBuffer and b.dtype.is_floating_point]
 
 
 def _sharded_groups(model: nn.Module) -> list:

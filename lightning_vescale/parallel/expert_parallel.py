@@ -241,7 +241,10 @@ def fully_shard_expert_parallel(
        parallel over a group of that size);
     2. every expert module: ``fully_shard(experts, mesh=mesh[dp_dim], gradient_divide_factor=dp * ep,
        norm_group=dense_mesh)`` (see the module's note on why these two arguments);
-    3. every block (``blocks``, default ``model.layers``), then ``model``: ``fully_shard(.., mesh=dense_mesh)``.
+    3. every block (``blocks``, default ``model.layers``), then ``model``: ``fully_shard(.., mesh=dense_mesh)``;
+       an untied token embedding beside the blocks gets a group of its own, as the default plan of
+       :func:`lightning_vescale.parallelize` gives it: in the root group its gradient buffer would live through
+       the whole backward (and its weight, which its backward does not read, would stay gathered).
 
     Args:
         model: a model containing ``GroupedExperts``, identical on every rank.
@@ -256,7 +259,8 @@ def fully_shard_expert_parallel(
     Returns:
         ``model``.
     """
-    from lightning_vescale.fully_shard import fully_shard
+    from lightning_vescale.fully_shard import fully_shard, get_state
+    from lightning_vescale.plan._resolve import embedding_groups
 
     names = mesh.mesh_dim_names or ()
     if mesh.ndim != 2 or dp_dim not in names or ep_dim not in names:
@@ -273,6 +277,7 @@ def fully_shard_expert_parallel(
         dense_mesh = mesh._flatten()
     if dense_mesh.ndim != 1 or dense_mesh.size() != dp * ep:
         raise ValueError(f"dense_mesh must be a 1-D mesh of the {dp * ep} ranks of mesh, got {dense_mesh}")
+    embeddings = embedding_groups(model)  # before sharding: fully_shard gives each block a class of its own
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     if not any(isinstance(m, ExpertParallelGroupedExperts) for m in experts):
         apply_expert_parallel(model, ep_mesh)
@@ -282,8 +287,14 @@ def fully_shard_expert_parallel(
         fully_shard(
             module, mesh=dp_mesh, gradient_divide_factor=dp * ep, norm_group=dense_mesh, **fully_shard_kwargs
         )
-    for block in model.layers if blocks is None else blocks:  # type: ignore[union-attr]
+    blocks = list(model.layers if blocks is None else blocks)  # type: ignore[union-attr]
+    for block in blocks:
         fully_shard(block, mesh=dense_mesh, **fully_shard_kwargs)
+    inside_blocks = {id(m) for block in blocks for m in block.modules()}
+    for name in embeddings:
+        embedding = model.get_submodule(name)
+        if id(embedding) not in inside_blocks and get_state(embedding) is None:
+            fully_shard(embedding, mesh=dense_mesh, **fully_shard_kwargs)
     return fully_shard(model, mesh=dense_mesh, **fully_shard_kwargs)
 
 

@@ -22,14 +22,16 @@ issues the AllGathers of the next ``prefetch`` groups (a plain buffer's unsharde
 a block-quantized one holds the gathered codes and scales until it is waited for, and only then its unsharded
 parameters, dequantized into); it is freed after its forward if it reshards after
 forward and is not a root (a group containing others stays gathered while they run). Activations accumulate.
-Backward visits them in reverse: the root's gradient buffer is allocated when backward starts (its outputs
-come first; FSDP2's root prefetches the next groups there, lightning-vescale's does not); a root that holds only modules after every other group (final norm, head) is done at once, one
-that holds the embedding lives to the end (its gradient comes last). Each other group is gathered again if
-it was freed, gets its unsharded gradient buffer, prefetches the next groups, frees its activations and
-parameters when done and issues its ReduceScatter, whose buffers (and an fp32 copy when reducing in another
-dtype) stay until it completes: one left in flight on an accelerator, none on CPU (the engines' defaults). Then the optimizer steps. Transients: the loss's
-gradient over the vocabulary at the start of backward, and per group the gradients flowing through it
-(:func:`_backward_transient`).
+Backward visits them in reverse: the root is reached first (its outputs; FSDP2's root prefetches the next
+groups there, lightning-vescale's does not) and its gradient buffer comes with the head's gradient; a root
+that holds only modules after every other group (final norm, head) is done at once, one that holds the
+embedding lives to the end (its gradient comes last). Each other group is gathered again if it was freed (not
+a group of embeddings: lightning-vescale frees it after forward and does not gather it again; FSDP2 is sized
+keeping it gathered), gets its unsharded gradient buffer, prefetches the next groups (lightning-vescale: not
+on CPU), frees its activations and parameters when done and issues its ReduceScatter, whose buffers (and an
+fp32 copy when reducing in another dtype) stay until it completes: one left in flight on an accelerator, none
+on CPU (the engines' defaults). Then the optimizer steps. Transients: the loss's gradient over the vocabulary
+at the start of backward, and per group the gradients flowing through it (:func:`_backward_transient`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from lightning_vescale._param_group import backward_reads_params
 from lightning_vescale.plan._activations import activation_profile
 from lightning_vescale.plan._hardware import HardwareProfile
 from lightning_vescale.plan._layout import BufferLayout, group_layouts
@@ -219,6 +222,7 @@ class _Group:
     gathered_late: float = 0.0  # block-quantized buffers: unsharded bytes (part of ``gathered``) allocated only when
     # the gather is waited for (dequantized into), not when it is issued
     in_flight: float = 0.0  # block-quantized buffers: codes and scales alive from the gather's issue to its wait
+    backward_reads: bool = True  # False: embeddings only, not gathered for backward (ParamGroup.backward_reads_params)
 
 
 def _backward_transient(g: _Group) -> float:
@@ -229,14 +233,17 @@ def _backward_transient(g: _Group) -> float:
 
 
 def _simulate(order: list[_Group], persistent: float, logits_grad: float,
-              reduces_in_flight: int = 1, root_prefetches: bool = True) -> tuple[float, float]:
+              reduces_in_flight: int = 1, root_prefetches: bool = True,
+              backward_prefetch: bool = True) -> tuple[float, float]:
     """(peak bytes, peak gathered bytes) of one step, walking [Note: one training step, as the engine runs it].
 
     ``order``: the groups in forward order; ``persistent``: bytes alive throughout (parameter pieces, states);
     ``logits_grad``: bytes of the loss's gradient over the vocabulary (fp32, every token);
     ``reduces_in_flight``: ReduceScatters left running while backward goes on (the engine's default for the device);
     ``root_prefetches``: whether the roots' pre-backward gathers the next groups (FSDP2) or each group gathers
-    at its own (lightning-vescale: not while the head's backward holds the step's peak).
+    at its own (lightning-vescale: not while the head's backward holds the step's peak);
+    ``backward_prefetch``: whether a group's backward gathers the next groups (lightning-vescale: not on a CPU,
+    see ``default_backward_prefetch``).
     """
     gathered: dict[str, float] = {}
     activations = 0.0
@@ -288,18 +295,25 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
     for done in parents:
         if done.reshard and not done.is_root:
             gathered.pop(done.name, None)
-    # Backward starts at the loss: the gradients of the log-probabilities and of the logits, then the output
-    # head's weight gradient while the logits' is still alive (the roots' gradient buffers exist by then, and
-    # the roots have prefetched the last groups again).
-    note(2 * logits_grad)
+    # Backward starts at the loss: the gradients of the log-probabilities and of the logits, and one more
+    # vocabulary-sized tensor the system holds there (measured, not identified: benchmarks/plan_check.py puts the
+    # step's peak at this point since the head's gradient buffer comes with its gradient, 1 logits' size above two,
+    # at batch 2 and 4), then the output head's weight gradient while the logits' is still alive (the roots have
+    # prefetched the last groups again).
+    note(3 * logits_grad)
     reverse = order[::-1]
     roots = [g for g in order if g.is_root]
     for root in roots:
         gather(root)
-        grad_buffers[root.name] = root.grad
         for nxt in [g for g in reverse if not g.is_root][: root.prefetch if root_prefetches else 0]:
             issue(nxt)
-    note(logits_grad + max((r.largest_param for r in roots), default=0.0))
+    # The head's weight gradient is made while the logits' is alive; the roots' gradient buffers come with it
+    # (lightning-vescale allocates a group's at its first gradient; FSDP2 has none before), the logits' gone.
+    largest = max((r.largest_param for r in roots), default=0.0)
+    note(logits_grad + largest)
+    for root in roots:
+        grad_buffers[root.name] = root.grad
+    note(largest)
 
     def reduce(g: _Group) -> None:
         nonlocal pieces
@@ -318,10 +332,11 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
     for i, g in enumerate(reverse):
         if g.is_root:
             continue
-        gather(g)
+        if g.backward_reads:
+            gather(g)
         grad_buffers[g.name] = g.grad
-        for nxt in reverse[i + 1 : i + 1 + g.prefetch]:
-            if not nxt.is_root:
+        for nxt in reverse[i + 1 : i + 1 + (g.prefetch if backward_prefetch else 0)]:
+            if not nxt.is_root and nxt.backward_reads:
                 issue(nxt)
         note(_backward_transient(g))
         activations -= g.activations
@@ -463,9 +478,14 @@ def dry_run(
     rs_calls = ar_calls = 0
     quantized: dict[str, int] = {}
     early = _roots_done_early(model, groups)
+    modules = dict(model.named_modules(remove_duplicate=False))
     for g in groups:
         layouts = group_layouts(resolved, g, N, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
-        gathers = 2 if g.reshard_after_forward and not g.is_root else 1
+        # A group of embeddings is not gathered for backward (it reads no weight): lightning-vescale frees it after
+        # forward, and FSDP2, which would gather it again, is sized keeping it instead (one AllGather each).
+        reads = backward_reads_params([modules[n.rpartition(".")[0]] for p in g.params
+                                       for n in (p, *resolved.params[p].aliases)])
+        gathers = 2 if g.reshard_after_forward and not g.is_root and reads else 1
         shard = gathered = late = grad = extra = ag = rs = ar = real = pad = transient = grad_piece = off_params = 0.0
         largest = max((resolved.params[n].numel for n in g.params), default=0)
         for lay in layouts:
@@ -532,7 +552,7 @@ def dry_run(
         largest_bytes = largest * (layouts[0].param_dtype.itemsize if layouts else 4)
         ve_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, gathered, grad, extra, act,
                                 largest_bytes, recompute, gathered_late=late, in_flight=transient, grad_piece=grad_piece,
-                                done_early=g.name in early))
+                                done_early=g.name in early, backward_reads=reads))
         t_ag = hardware.collective_seconds(ag / max(gathers, 1), N)
         t_rs = hardware.collective_seconds(rs, N)
         t_ar = t_replicate(ar) if ar else 0.0
@@ -574,7 +594,7 @@ def dry_run(
             fs.collectives["all_reduce_replicate"] = fs.collectives.get("all_reduce_replicate", 0) + f_ar
         # FSDP2 copies the gradients into a ReduceScatter input (in the reduce dtype) and frees them: the input
         # replaces them until the ReduceScatter completes, and both live during the copy.
-        fs_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, f_gathered, f_grad,
+        fs_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward and reads, g.prefetch, f_gathered, f_grad,
                                 f_rs_input - f_grad, act, largest_bytes, recompute, gather_transient=f_gathered,
                                 reduce_transient=f_grad, grad_piece=f_piece, done_early=g.name in early))
         ft_ag = hardware.collective_seconds(f_ag / max(gathers, 1), N)
@@ -612,7 +632,8 @@ def dry_run(
     for est, order in ((ve, ve_groups), (fs, fs_groups)):
         est.activations = sum(g.activations for g in order)
         persistent = est.params + est.optimizer  # gradient pieces: allocated group by group in backward
-        est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad, in_flight, root_prefetches=est is fs)
+        est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad, in_flight, root_prefetches=est is fs,
+                                                backward_prefetch=est is fs or not hardware.shared_compute)
     # Time: compute at the profile's rate; communication overlapped with it (prefetch) except the first gather
     # and the last reduce; the optimizer reads and writes its states once (memory bound).
     flops = _flops_per_token(model, workload.seq_len) * tokens

@@ -230,16 +230,10 @@ def default_plan(model: nn.Module) -> Plan:
     transformer layers) is a group, as FSDP2 users apply ``fully_shard`` per block; and an untied
     ``nn.Embedding`` beside such a list (the token embedding) is a group of its own, kept gathered from forward
     to backward (see [Note: the embedding's own group])."""
-    rules: list[dict[str, Any]] = []
-    tied = _tied_parameter_ids(model)
+    rules: list[dict[str, Any]] = [{"match": _escape(name), "group": True} for name in embedding_groups(model)]
 
     def visit(module: nn.Module, prefix: str) -> None:
-        children = list(module.named_children())
-        if any(_is_block_list(child) for _, child in children):
-            for name, child in children:
-                if isinstance(child, nn.Embedding) and id(child.weight) not in tied:
-                    rules.append({"match": _escape(f"{prefix}{name}"), "group": True, "reshard_after_forward": False})
-        for name, child in children:
+        for name, child in module.named_children():
             full = f"{prefix}{name}"
             if _is_block_list(child):
                 rules.append({"match": f"{full}.*", "group": True})
@@ -250,12 +244,33 @@ def default_plan(model: nn.Module) -> Plan:
     return Plan.from_dict({"name": "default", "rules": rules})
 
 
+def embedding_groups(model: nn.Module) -> list[str]:
+    """The names of the untied ``nn.Embedding`` s beside an ``nn.ModuleList`` of identical blocks (the token
+    embedding), which the default plan makes groups of their own (see [Note: the embedding's own group]);
+    :func:`~lightning_vescale.parallel.fully_shard_expert_parallel` does too."""
+    names: list[str] = []
+    tied = _tied_parameter_ids(model)
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        children = list(module.named_children())
+        if any(_is_block_list(child) for _, child in children):
+            names.extend(f"{prefix}{name}" for name, child in children
+                         if isinstance(child, nn.Embedding) and id(child.weight) not in tied)
+        for name, child in children:
+            if not _is_block_list(child):
+                visit(child, f"{prefix}{name}.")
+
+    visit(model, "")
+    return names
+
+
 # [Note: the embedding's own group]
-# In the root group, the token embedding's gradient buffer is allocated when backward starts (the head's
-# gradient comes first) but is written only at its very end, so it adds its full size to the backward peak;
-# as a group of its own its gradient buffer exists only for the embedding's backward. It stays gathered
-# from forward to backward (``reshard_after_forward: false``), so the bytes per step do not change: one
-# AllGather per step, as in the root. Measured: benchmarks/results/train.md.
+# In the root group, the token embedding's gradient buffer is allocated at the root's first gradient (the
+# head's, at the start of backward) but is written only at its very end, so it adds its full size to the
+# backward peak; as a group of its own its gradient buffer exists only for the embedding's backward. Its
+# backward reads no weight (autograd keeps the indices), so the group is freed after forward and not gathered
+# again (``ParamGroup.backward_reads_params``): one AllGather per step, as in the root, and no gathered
+# embedding in the forward's or the backward's peak. Measured: benchmarks/results/train.md.
 
 
 def _tied_parameter_ids(model: nn.Module) -> set[int]:

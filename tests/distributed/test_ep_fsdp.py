@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_vescale as lv
+from lightning_vescale.fully_shard import get_state
 from lightning_vescale.models import MoE, moe_config
 from lightning_vescale.parallel import (
     apply_expert_parallel,
@@ -107,6 +108,11 @@ def _worker(rank: int, world: int) -> None:
     ref = _make_reference()
     vocab = ref.config.vocab_size
     model = fully_shard_expert_parallel(copy.deepcopy(ref), mesh)
+    # The token embedding is a group of its own (as the default plan makes it), not in the root: there its gradient
+    # buffer would live through the whole backward.
+    embedding = get_state(model.tok_embeddings)
+    assert embedding is not None and [mp.fqn for mp in embedding.group.managed] == ["weight"]
+    assert "tok_embeddings.weight" not in [mp.fqn for mp in get_state(model).group.managed]
 
     # The layout: every parameter reports the unsharded model's shape (experts: all E experts), laid out over
     # all 4 ranks. An expert stack's piece lies inside this rank's experts (E/ep of them, split over dp).

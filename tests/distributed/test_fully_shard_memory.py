@@ -5,6 +5,8 @@ Each check names one behaviour; training results are covered by test_fully_shard
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -133,6 +135,81 @@ def _no_reduce_scatter_in_flight_on_cpu(rank: int, world: int) -> None:
     assert len(seen) == 2 * len(model.blocks) and all(not s for s in seen), seen
 
 
+def _grad_buffer_allocated_at_first_gradient(rank: int, world: int) -> None:
+    """A group's unsharded gradient buffer is allocated when its first gradient arrives, not when backward reaches
+    its outputs: the root (inp and out) is gathered for backward before the loss's gradient reaches its head, and
+    holds no gradient buffer yet; its gradients are still complete (training parity: test_fully_shard_training)."""
+    model = _sharded_mlp()
+    root = sharded_groups(model)[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen = []
+    out = model(torch.randn(4, 7))
+    # Runs after the root's pre-backward hook (registered on the output at its post-forward, before this one).
+    out.register_hook(lambda grad: seen.append((root.training_state.name, root.is_unsharded, [
+        b.unsharded_grad.untyped_storage().nbytes() for b in root.buffers.values()])))
+    F.mse_loss(out, torch.randn(4, 5)).backward()
+    optimizer.step()
+    assert seen == [("PRE_BACKWARD", True, [0])], seen
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def _cast_grad_buffer_freed_at_reduce_scatter(rank: int, world: int) -> None:
+    """Under mixed precision with a wider reduce dtype the ReduceScatter reads a cast copy: the gradient buffer
+    (param_dtype) is freed as soon as it is issued, not when it completes; the reduced gradient is unchanged."""
+    policy = lv.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    buf = next(iter(sharded_groups(lv.fully_shard(nn.Linear(7, 5), mp_policy=policy))[0].buffers.values()))
+    buf.alloc_grad()
+    buf.unsharded_grad.fill_(3.0)
+    buf.reduce_grad(accumulate=False, async_op=True)
+    assert buf.reducing and buf.unsharded_grad.untyped_storage().nbytes() == 0
+    buf.wait_reduce()
+    assert torch.equal(buf.local_grad, torch.full_like(buf.local_grad, 3.0))
+
+
+class _EmbeddingMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 7)
+        self.mlp = MLP(num_blocks=2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.embed(idx))
+
+
+def _embedding_not_gathered_for_backward(rank: int, world: int) -> None:
+    """A group of embeddings is freed after forward and not gathered for backward, which reads no weight: one
+    AllGather per step, nothing gathered while its backward runs, and the same gradient as one process."""
+    torch.manual_seed(0)
+    ref = _EmbeddingMLP()
+    model = copy.deepcopy(ref)
+    lv.fully_shard(model.embed)
+    for block in model.mlp.blocks:
+        lv.fully_shard(block)
+    lv.fully_shard(model)
+    embed = sharded_groups(model.embed)[0]
+    idx, target = torch.randint(0, 11, (4, 3)), torch.randn(4, 3, 5)  # the same batch on every rank
+    seen = []
+
+    def watch_backward(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(lambda grad: seen.append(embed.is_unsharded))
+
+    model.embed.register_forward_hook(watch_backward)
+    for _ in range(2):  # the first step also checks the plans (one more AllGather); the second one is counted
+        calls = []
+        original = collectives.all_gather_into_tensor
+        collectives.all_gather_into_tensor = lambda *a, **k: calls.append(1) or original(*a, **k)
+        try:
+            F.mse_loss(model(idx), target).backward()
+        finally:
+            collectives.all_gather_into_tensor = original
+        assert seen[-1] is False and not embed.is_unsharded
+        got = model.embed.weight.grad.full_tensor()
+        model.zero_grad()
+    assert len(calls) == 1 + 2 * len(model.mlp.blocks) + 1, len(calls)  # embedding, blocks twice, root
+    F.mse_loss(ref(idx), target).backward()
+    assert torch.allclose(got, ref.embed.weight.grad, atol=1e-6), (got - ref.embed.weight.grad).abs().max()
+
+
 def _backward_prefetch_follows_post_forward_order(rank: int, world: int) -> None:
     """Backward prefetches in reverse order of the groups' post-forwards: a root holding only the head is done
     first in backward and is not gathered again; the input layer, in a group of its own kept gathered from
@@ -161,9 +238,11 @@ def _backward_prefetch_follows_post_forward_order(rank: int, world: int) -> None
 
 
 def _backward_prefetch_switch(rank: int, world: int) -> None:
-    """With the default, a block's backward has already started gathering the next block in backward order;
-    set_backward_prefetch(False) leaves it sharded until its own backward. The bytes sent are the same."""
+    """With set_backward_prefetch(True) (the default on accelerators) a block's backward has already started
+    gathering the next block in backward order; with False (CPU's default) it is left sharded until its own
+    backward. The bytes sent are the same."""
     sent, prefetched = {}, {}
+    assert not any(s.backward_prefetch for s in _sharded_mlp()._vescale_states(recurse=True))
     for enabled in (True, False):
         model = _sharded_mlp()
         model.set_backward_prefetch(enabled)
@@ -191,6 +270,9 @@ def _run(rank: int, world: int) -> None:
     _grads_kept_without_set_to_none(rank, world)
     _one_reduce_scatter_in_flight(rank, world)
     _no_reduce_scatter_in_flight_on_cpu(rank, world)
+    _grad_buffer_allocated_at_first_gradient(rank, world)
+    _cast_grad_buffer_freed_at_reduce_scatter(rank, world)
+    _embedding_not_gathered_for_backward(rank, world)
     _backward_prefetch_follows_post_forward_order(rank, world)
     _backward_prefetch_switch(rank, world)
 

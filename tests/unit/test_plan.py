@@ -135,7 +135,7 @@ def test_default_plan_groups_every_block_innermost_first() -> None:
     model = meta("llama", "tiny")
     resolved = resolve_plan(model)
     assert default_plan(model).to_dict()["rules"] == [
-        {"match": "tok_embeddings", "group": True, "reshard_after_forward": False},
+        {"match": "tok_embeddings", "group": True},
         {"match": "layers.*", "group": True},
     ]
     assert [g.name for g in resolved.groups] == ["layers.1", "layers.0", "tok_embeddings", ""]
@@ -143,7 +143,6 @@ def test_default_plan_groups_every_block_innermost_first() -> None:
     assert {p.group for p in resolved.params.values()} == {"layers.0", "layers.1", "tok_embeddings", ""}
     assert resolved.policy("layers.0.attention.wq.weight").group == "layers.0"
     assert resolved.policy("tok_embeddings.weight").group == "tok_embeddings"
-    assert {g.name: g.reshard_after_forward for g in resolved.groups}["tok_embeddings"] is False
     assert resolved.policy("output.weight").group == ""
     assert len(resolved.params) == len(list(model.parameters()))
 
