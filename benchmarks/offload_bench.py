@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning_vescale as lv  # noqa: E402
+from lightning_vescale.fully_shard import sharded_groups  # noqa: E402
 from lightning_vescale.memory import MemoryPolicy, apply_memory_policy, memory_stats  # noqa: E402
 from lightning_vescale.models import Llama, LlamaConfig  # noqa: E402
 
@@ -148,41 +149,57 @@ def _build(model_name: str, spec: Optional[dict], swap: str, rank: int, tag: str
     lv.parallelize(model, init_weights=False)  # the default plan, as users get it
     lv.init_sharded_weights(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if spec is not None:
-        apply_memory_policy(model, [opt], MemoryPolicy(disk_dir=os.path.join(swap, tag), bucket_bytes=BUCKET_BYTES,
-                                                       **spec), rank=rank)
-    return model, opt
+    handles = apply_memory_policy(model, [opt], None if spec is None else MemoryPolicy(
+        disk_dir=os.path.join(swap, tag), bucket_bytes=BUCKET_BYTES, **spec), rank=rank)
+    return model, opt, handles
 
 
 PAIRED = {"in memory": None, "prefetch on": dict(optimizer_states="disk", prefetch=True),
           "prefetch off": dict(optimizer_states="disk", prefetch=False)}
 
 
+def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
 def _paired_rank(rank: int, world: int, init: str, model_name: str, steps: int, tokens_shape: tuple, swap: str,
                  out) -> None:
-    """Goal (d): the three copies of :data:`PAIRED` in the same processes, stepping in turn."""
+    """Goal (d): the three copies of :data:`PAIRED` in the same processes, taking turns. A copy's turn (timed) is
+    its backward, optimizer step and next forward, then a wait for any write-back still in flight: everything the
+    offload does for one step (reads during backward and the step, writes during the step and the next forward)
+    falls in the copy's own turn and can only overlap the copy's own compute."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    runs = {name: _build(model_name, spec, swap, rank, tag=f"p{i}") for i, (name, spec) in enumerate(PAIRED.items())}
+    built = {name: _build(model_name, spec, swap, rank, tag=f"p{i}") for i, (name, spec) in enumerate(PAIRED.items())}
+    runs = {name: b[:2] for name, b in built.items()}
+    handles = {name: b[2] for name, b in built.items()}
     vocab = MODELS[model_name].vocab_size
     g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, vocab, tokens_shape, generator=g) for _ in range(steps + 1)]
+    losses = {name: _loss(model, batches[0]) for name, (model, _) in runs.items()}  # the first forward: untimed
     times: dict[str, list[float]] = {name: [] for name in runs}
+    opt_times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     for step in range(steps):
-        tokens = torch.randint(0, vocab, tokens_shape, generator=g)
         for name in names[step % 3:] + names[: step % 3]:  # rotated: no copy always first or last
             model, opt = runs[name]
-            logits = model(tokens[:, :-1])
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
-            del logits
             dist.barrier()
             start = time.perf_counter()
+            losses[name].backward()
+            opt_start = time.perf_counter()
             opt.step()
-            times[name].append(time.perf_counter() - start)
+            opt_end = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-    same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(runs["in memory"][0].parameters(),
-                                                                         runs["prefetch on"][0].parameters()))
-    out.put((rank, {name: t[1:] for name, t in times.items()}, same))
+            losses[name] = _loss(model, batches[step + 1])
+            for offload in handles[name].states:
+                offload.flush()  # inside the turn: no write-back overlaps another copy's compute
+            times[name].append(time.perf_counter() - start)
+            opt_times[name].append(opt_end - opt_start)
+    losses.clear()  # the last forward's graph: no backward follows
+    pieces = [[b.local for grp in sharded_groups(runs[n][0]) for b in grp.buffers.values()] for n in PAIRED]
+    same = all(all(torch.equal(a, b) for a, b in zip(pieces[0], other)) for other in pieces[1:])
+    out.put((rank, {name: t[1:] for name, t in times.items()}, same, {name: t[1:] for name, t in opt_times.items()}))
     dist.destroy_process_group()
 
 
@@ -191,11 +208,15 @@ def paired(model_name: str, world: int, steps: int, tokens_shape: tuple = (2, 12
     rows = _spawn(_paired_rank, world, model_name, steps, tokens_shape, _TMP, what="paired prefetch run")
     result: dict = {"load_before": load, "load_after": os.getloadavg()[0], "bitwise": all(r[2] for r in rows)}
     for name in PAIRED:
-        result[name + " optimizer_step_s"] = max(statistics.median(r[1][name]) for r in rows)
+        result[name + " turn_s"] = max(statistics.median(r[1][name]) for r in rows)
+        result[name + " optimizer_step_s"] = max(statistics.median(r[3][name]) for r in rows)
         if name != "in memory":
             result[name + " cost_s"] = max(statistics.median(a - b for a, b in zip(r[1][name], r[1]["in memory"]))
                                            for r in rows)
+            result[name + " optimizer_step_cost_s"] = max(
+                statistics.median(a - b for a, b in zip(r[3][name], r[3]["in memory"])) for r in rows)
     result["steps"] = {r[0]: r[1] for r in rows}
+    result["optimizer_steps"] = {r[0]: r[3] for r in rows}
     return result
 
 
@@ -210,7 +231,7 @@ def _ledger_rank(rank: int, world: int, init: str, model_name: str, spec, stagin
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     baseline = _memory.rss_bytes()
-    model, opt = _build(model_name, spec, swap, rank)
+    model, opt, _ = _build(model_name, spec, swap, rank)
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, MODELS[model_name].vocab_size, (2, 129), generator=g) for _ in range(4)]
     step(model, opt, batches[0])

@@ -156,6 +156,8 @@ class ParamGroup:
         # while compute runs), so the unsharded gradient buffers of finished groups are freed during backward.
         self.reduce_queue: list[ParamGroup] = []
         self.reduces_in_flight = default_reduces_in_flight(device)
+        # Called with the group once its gradients are reduced (the memory manager reads optimizer states ahead).
+        self.grads_reduced_hooks: list[Callable[[ParamGroup], None]] = []
         self._build(params, granularity_fn)
         # False (embeddings only): freed after forward (reshard_after_forward) and never gathered for backward.
         self.backward_reads_params = backward_reads_params([m for mp in self.managed for m, _ in mp.uses])
@@ -517,8 +519,10 @@ class ParamGroup:
 
     def finalize_grads(self) -> None:
         """Wait for the ReduceScatters and point each sharded parameter's ``.grad`` at its piece."""
+        reduced = False
         for buf in self.buffers.values():
             if buf.reducing:
+                reduced = True
                 buf.wait_reduce()
                 for mp in self.managed:
                     if self.buffers[mp.key] is buf and mp.sharded.requires_grad:
@@ -527,6 +531,9 @@ class ParamGroup:
                         mp.sharded.grad = mp.grad
                 if buf.offload is not None:
                     buf.offload.after_reduce()  # the reduced piece to its tier (after its views exist)
+        if reduced:
+            for hook in self.grads_reduced_hooks:
+                hook(self)
         if self.training_state is TrainingState.PRE_BACKWARD:
             # Backward ended before every gradient arrived (unused parameters): treat it as complete.
             self.post_backward()

@@ -24,7 +24,8 @@ rank's slot of ``unsharded``) and writes ``unsharded``; the ReduceScatter reads 
 and writes ``local_grad``. Nothing is copied into or out of a staging buffer around a collective
 (FSDP2 copies every parameter in before its AllGather and out after it, and chunk-cats gradients
 before its ReduceScatter). All storage is owned here, so a memory tier change is one place: ``offload`` (set by
-:mod:`lightning_vescale.memory`) is told before and after the AllGather reads ``local``, and when ``local_grad``
+:mod:`lightning_vescale.memory`) is told before and after the AllGather reads ``local`` (an offloaded ``local`` is
+copied into its slot of ``unsharded``, as under mixed precision, and released before the AllGather), and when ``local_grad``
 is dropped; it releases and re-allocates their storage in place, as ``unsharded`` is.
 """
 
@@ -207,11 +208,15 @@ class DBuffer:
         # The gather mutates storage that autograd may have saved (the parameters' views) while the
         # values it restores are the same ones: keep the version counter so backward accepts them.
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded), torch.no_grad():
-            if self.param_dtype == self.dtype:
+            if self.param_dtype == self.dtype and not (self.offload is not None and self.offload.sends_copy):
                 send = self.local
             else:
+                # The mixed-precision cast, one op for the whole group; or an offloaded piece, which then goes
+                # back to its tier at once instead of staying in memory until the AllGather completes.
                 send = self.rank_slice(self.unsharded)
-                send.copy_(self.local)  # the mixed-precision cast, one op for the whole group
+                send.copy_(self.local)
+                if self.offload is not None:
+                    self.offload.after_gather()
             self._gather_handle = collectives.all_gather_into_tensor(
                 self.unsharded, send, self.group, async_op=async_op
             )

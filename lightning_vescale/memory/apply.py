@@ -116,6 +116,8 @@ class MemoryHandles:
     """This rank's policy (its ``disk_dir`` is the rank's own directory)."""
     placement: Optional[TierPlacement] = None
     """The plan's tiers and the policy's, per buffer and parameter."""
+    model: Optional[nn.Module] = None
+    """The sharded model the policy was applied to."""
     states: list[StateOffload] = field(default_factory=list)
     pieces: Optional[PieceOffload] = None
     activations: Optional[ActivationOffload] = None
@@ -134,7 +136,8 @@ class MemoryHandles:
         if tier != "device" or self.pieces is not None:
             select = None if not placement.from_plan else (lambda p: placement.state_tier(p) == tier)
             self.states.append(offload_optimizer_states(
-                optimizer, dataclasses.replace(policy, optimizer_states=tier), pieces=self.pieces, select=select))
+                optimizer, dataclasses.replace(policy, optimizer_states=tier), pieces=self.pieces, select=select,
+                model=self.model))
 
     def close(self) -> None:
         for offload in self.states:
@@ -220,7 +223,7 @@ def apply_memory_policy(
     local = MemoryPolicy(optimizer_states=policy.optimizer_states, params=policy.params, grads=policy.grads,
                          gathered_params=policy.gathered_params, disk_dir=disk_dir, prefetch=policy.prefetch,
                          bucket_bytes=policy.bucket_bytes)
-    handles.policy, handles.placement = local, placement
+    handles.policy, handles.placement, handles.model = local, placement, model
     mark_tiers_applied(mp.sharded for group in _sharded_groups(model) for mp in group.managed)
     if any(t != ("device", "device") for t in placement.buffers.values()):
         handles.pieces = offload_pieces(model, local, tiers=placement.buffers)

@@ -7,27 +7,42 @@ but its storage is released (resized to 0) after its bytes were written to the t
 ``step`` runs bucket by bucket: the parameter lists of its param groups are narrowed to one bucket of about
 ``MemoryPolicy.bucket_bytes`` of states, that bucket's states are read back into their own storage, the
 optimizer's own ``step`` runs (any elementwise torch optimizer: the numerics are untouched, so training is
-bitwise the same as without offload), and the states are written back and released. The next bucket's states
-are read on a background thread while a bucket steps, and a stepped bucket's states are written back on another
-while the next one steps, with at most ``StateOffload.writes_in_flight`` buckets being written at a time (the
-oldest is waited for before another is sent, and every write has completed when ``step`` returns, so between
-steps every state is on the tier and nothing is half-written). At most ``2 + writes_in_flight`` buckets of
-states are in memory at a time (the one stepping, the one being read, those being written), instead of all of
-them. Without ``prefetch`` every read and write is synchronous.
+bitwise the same as without offload), and the states are written back and released. Without ``prefetch``
+every read and write is synchronous, inside ``step``. With it, the reads and writes run on two background
+threads and overlap compute -- the optimizer step's, and backward's and forward's:
+
+* Reads: while a bucket steps, the next ``StateOffload.reads_ahead`` buckets are read. The step's first
+  ``1 + reads_ahead`` buckets are read during backward already, once all but ``StateOffload.backward_lead`` of
+  the gradient reductions backward makes are done (counted in the backward before the previous step; the
+  groups report them through ``ParamGroup.grads_reduced_hooks``): late, when backward has freed most
+  activations, and early enough to hide the reads. A forward that starts before the step (gradient
+  accumulation, an evaluation) releases what was read ahead and not stepped (its tier copy is current), so
+  reads ahead never stay through a forward.
+* Writes: a stepped bucket's states are written while the next ones step, at most
+  ``StateOffload.writes_in_flight`` buckets at a time (the oldest is waited for before another is sent); the
+  writer releases a state's storage as soon as it is written. ``step`` returns with up to that many buckets
+  still being written: they complete during the next forward. They are waited for (:meth:`StateOffload.flush`)
+  before anything reads a state again: the next read ahead or step, ``resident()`` (every checkpoint save and
+  export), the optimizer's ``state_dict`` / ``load_state_dict``, ``close``, and a step that failed.
+
+So at most ``1 + reads_ahead + writes_in_flight`` buckets of states (5 with the defaults) are in memory at a
+time, during the step; ``1 + reads_ahead`` at the end of backward, ``writes_in_flight`` at the start of
+forward; none otherwise.
 
 On the disk tier large states bypass the page cache (``DiskStore(direct=True)``): each is read into storage
 allocated on a page boundary (:func:`~lightning_vescale.memory.disk.alloc_aligned`) and written from it with
-``O_DIRECT``, so the bytes leave memory for real and a read is the device's time, which the background thread
-overlaps with the step, as an NVMe swapper does.
+``O_DIRECT``, so the bytes leave memory for real and a read is the device's time, which the background threads
+overlap with compute, as an NVMe swapper does.
 
 A state whose storage is present when a bucket is brought in (a checkpoint load replaced it, or it was just
 created by the optimizer) is newer than the tier's copy and is used as it is. Scalar states (``step``) stay
-in memory. The swap files are scratch: a checkpoint never reads them, so a killed process leaves nothing a
-resume could read half-written.
+in memory. The swap files are scratch: a checkpoint never reads them (it reads the states through
+``resident()``, after the writes in flight completed), so a killed process leaves nothing a resume could read
+half-written.
 
 With the weights and gradient pieces offloaded too (``pieces``, see [Note: offloading the pieces]), a bucket's
-pieces are read with its states (the next bucket's ahead), and its weights written back after the step; the
-buckets are then cut only between DBuffers, so a buffer's piece is read and written once per step.
+pieces are read with its states during the step (the next bucket's ahead), and its weights written back after
+the step; the buckets are then cut only between DBuffers, so a buffer's piece is read and written once per step.
 """
 
 from __future__ import annotations
@@ -36,10 +51,11 @@ import collections
 import contextlib
 import logging
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.nn as nn
 
 from lightning_vescale.memory.disk import DiskStore, alloc_aligned, realign
 from lightning_vescale.memory.ledger import memory_stats
@@ -75,10 +91,15 @@ class StateOffload:
 
     writes_in_flight: int = 2
     """Buckets whose write-back may be in progress at once (each holds its states' memory until written)."""
+    reads_ahead: int = 2
+    """Buckets read ahead of the one stepping (each holds its states' memory from its read until it stepped)."""
+    backward_lead: int = 3
+    """The step's first buckets are read during backward once all but this many of its gradient reductions
+    (one per sharded group) are done."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, policy: MemoryPolicy,
                  pieces: Optional[PieceOffload] = None,
-                 select: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
+                 select: Optional[Callable[[torch.Tensor], bool]] = None, model: Optional[nn.Module] = None) -> None:
         if policy.optimizer_states == "device" and pieces is None:
             raise ValueError("offload_optimizer_states needs MemoryPolicy(optimizer_states='host' or 'disk') or "
                              "offloaded pieces (pieces=offload_pieces(model, policy))")
@@ -92,16 +113,32 @@ class StateOffload:
         self._known: set[str] = set()  # states counted in the ledger
         self._host: dict[str, torch.Tensor] = {}
         self._offloaded: dict[str, tuple[torch.Tensor, int]] = {}  # key -> (storage tensor, nbytes) on the tier
+        self._fresh: dict[str, tuple[torch.Tensor, int]] = {}  # read from the tier and not stepped since: current
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lv-prefetch") if policy.prefetch else None
         background_writes = policy.prefetch and self.store is not None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lv-writeback") if background_writes \
             else None
-        self._writes: collections.deque[tuple[Future, list[tuple[str, torch.Tensor, int]]]] = collections.deque()
+        self._writes: collections.deque[Future] = collections.deque()
+        self._ahead: dict[tuple[int, ...], Future] = {}  # buckets (parameter ids) being or read ahead, not stepped
+        # Gradient reductions in the backward under way (its autograd task) and in the last one before a step.
+        self._backward, self._reduced, self._reductions = -1, 0, 0
+        self._hooks: list[tuple[Any, Any]] = []
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
-        optimizer.step = self.step  # type: ignore[method-assign]
+        self._original_state_dict = optimizer.state_dict
+        self._original_load_state_dict = optimizer.load_state_dict
+        self._patched = {"step": self.step, "state_dict": self._state_dict, "load_state_dict": self._load_state_dict}
         if pieces is not None and pieces.grads_io is not None:
-            optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
+            self._patched["zero_grad"] = self.zero_grad
+        self._own_attrs = {name: optimizer.__dict__[name] for name in self._patched if name in optimizer.__dict__}
+        for name, method in self._patched.items():
+            setattr(optimizer, name, method)
+        if model is not None and self.moves_states and self._reader is not None:
+            from lightning_vescale.fully_shard import sharded_groups
+
+            for group in sharded_groups(model):
+                group.grads_reduced_hooks.append(self._grads_reduced)
+                self._hooks.append((group, group.module.register_forward_pre_hook(self._before_forward)))
         _OFFLOADS[optimizer] = self
 
     # -- buckets --------------------------------------------------------------------------------------------
@@ -151,6 +188,7 @@ class StateOffload:
         background writer, asynchronously (released once written; see :meth:`flush`)."""
         jobs = []
         for key, t in self._entries(params):
+            self._fresh.pop(key, None)
             storage = t.untyped_storage()
             if storage.nbytes() == 0:
                 continue  # already on the tier
@@ -176,14 +214,20 @@ class StateOffload:
             self._release(jobs)
         else:
             while len(self._writes) >= self.writes_in_flight:
-                self._finish_oldest_write()
-            self._writes.append((self._writer.submit(self._write_files, jobs), jobs))
+                self._writes.popleft().result()  # a write that failed raises here; its states stay in memory
+            self._writes.append(self._writer.submit(self._write_and_release, jobs))
 
     def _write_files(self, jobs: list[tuple[str, torch.Tensor, int]]) -> None:
         for key, t, nbytes in jobs:
             if t.device.type == "cpu" and self.store.moves_direct(nbytes):
                 realign(t)  # once, for a state the optimizer just created: O_DIRECT from then on
             self.store.write(key, t)
+
+    def _write_and_release(self, jobs: list[tuple[str, torch.Tensor, int]]) -> None:
+        """On the writer thread: nothing touches these states until they are read again, and every read of them
+        waits for this write first."""
+        self._write_files(jobs)  # raises (nothing released: the states stay in memory) when the tier cannot take it
+        self._release(jobs)
 
     def _release(self, jobs: list[tuple[str, torch.Tensor, int]]) -> None:
         for key, t, nbytes in jobs:
@@ -192,16 +236,11 @@ class StateOffload:
             memory_stats.add("optimizer_states", self.tier, nbytes)
             memory_stats.add("optimizer_states", "device", -nbytes)
 
-    def _finish_oldest_write(self) -> None:
-        future, jobs = self._writes.popleft()
-        future.result()  # a write that failed raises here; its states stay in memory (nothing is lost)
-        self._release(jobs)
-
     def flush(self) -> None:
-        """Wait for every write-back in flight and release what it wrote: afterwards every state not in use
-        is on the tier, whole."""
+        """Wait for every write-back in flight (raising the first that failed: its states stay in memory):
+        afterwards every state not in use is on the tier, whole."""
         while self._writes:
-            self._finish_oldest_write()
+            self._writes.popleft().result()
 
     def _read_in(self, params: list[torch.Tensor]) -> None:
         for key, t in self._entries(params):
@@ -213,23 +252,76 @@ class StateOffload:
                 alloc_aligned(t, nbytes)  # O_DIRECT straight into the state's own storage
             else:
                 t.untyped_storage().resize_(nbytes)
-            if self.store is not None:
-                self.store.read_into(key, t)
-            else:
-                t.copy_(self._host[key], non_blocking=True)
+            try:
+                if self.store is not None:
+                    self.store.read_into(key, t)
+                else:
+                    t.copy_(self._host[key], non_blocking=True)
+            except BaseException:
+                t.untyped_storage().resize_(0)  # still on the tier, whole: nothing is lost
+                self._offloaded[key] = held
+                raise
+            self._fresh[key] = (t, nbytes)
             memory_stats.add("optimizer_states", self.tier, -nbytes)
             memory_stats.add("optimizer_states", "device", nbytes)
 
-    def _prefetch(self, params: Optional[list[torch.Tensor]]) -> Optional[Future]:
-        if params is None:
-            return None
-        if self.pieces is not None:
-            for offload in self.pieces.buffers_of(params):
-                offload.start_reads(self.pieces.reader)
-        if self._reader is None:
-            self._read_in(params)
-            return None
-        return self._reader.submit(self._read_in, params)
+    def _start_reads(self, buckets: list[list[torch.Tensor]], *, pieces: bool) -> None:
+        """Read ``buckets`` (those not read yet) on the background thread, and their pieces when ``pieces``."""
+        for bucket in buckets:
+            key = _bucket_key(bucket)
+            if self._reader is not None and self.moves_states and key not in self._ahead:
+                self._ahead[key] = self._reader.submit(self._read_in, bucket)
+            if pieces and self.pieces is not None and self.pieces.reader is not None:
+                for offload in self.pieces.buffers_of(bucket):
+                    offload.start_reads(self.pieces.reader)
+
+    def _bring_in(self, bucket: list[torch.Tensor]) -> None:
+        future = self._ahead.pop(_bucket_key(bucket), None)
+        if future is not None:
+            future.result()
+        else:
+            self._read_in(bucket)  # no prefetch: now (states already resident are skipped)
+
+    def _finish_reads(self) -> None:
+        """Wait for the reads ahead (their states stay in memory, current: see :meth:`_drop_unstepped`)."""
+        ahead, self._ahead = list(self._ahead.values()), {}
+        for future in ahead:
+            future.result()
+
+    def _drop_unstepped(self) -> None:
+        """Release the states read ahead that did not step: the tier's copy is theirs (nothing to write)."""
+        self._finish_reads()
+        fresh, self._fresh = self._fresh, {}
+        for key, (t, nbytes) in fresh.items():
+            if t.untyped_storage().nbytes() == 0:
+                continue
+            t.untyped_storage().resize_(0)
+            self._offloaded[key] = (t, nbytes)
+            memory_stats.add("optimizer_states", self.tier, nbytes)
+            memory_stats.add("optimizer_states", "device", -nbytes)
+
+    # -- reading ahead during backward ------------------------------------------------------------------------
+    def _grads_reduced(self, group: Any) -> None:
+        """A group's gradients were reduced (``ParamGroup.grads_reduced_hooks``): read the step's first buckets
+        once all but ``backward_lead`` of backward's reductions are done."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return  # finished outside backward (a forward after a backward without a step)
+        if task != self._backward:
+            self._backward, self._reduced = task, 0
+        self._reduced += 1
+        if not self._reductions or self._reduced != max(self._reductions - self.backward_lead, 1):
+            return
+        while self._writes:  # the last step's write-back: finished during forward, normally
+            wait([self._writes[0]])
+            if self._writes[0].exception() is not None:
+                return  # the step raises it
+            self._writes.popleft()
+        self._start_reads(self.buckets()[: 1 + self.reads_ahead], pieces=False)
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if (self._ahead or self._fresh) and torch._C._current_graph_task_id() == -1:  # not a recomputation
+            self._drop_unstepped()
 
     # -- the step -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -239,15 +331,17 @@ class StateOffload:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._reduced:  # the backward just done: how many reductions the next one makes
+            self._reductions, self._reduced, self._backward = self._reduced, 0, -1
+        self.flush()  # the last step's write-back (complete by now, normally); raises a failure before any change
         groups = self.optimizer.param_groups
         originals = [g["params"] for g in groups]
         buckets = self.buckets()
-        pending = self._prefetch(buckets[0] if buckets else None)
+        failed = True
         try:
             for i, bucket in enumerate(buckets):
-                if pending is not None:
-                    pending.result()
-                pending = self._prefetch(buckets[i + 1] if i + 1 < len(buckets) else None)
+                self._start_reads(buckets[i : i + 1 + self.reads_ahead], pieces=True)
+                self._bring_in(bucket)
                 mine = {id(p) for p in bucket}
                 for g, params in zip(groups, originals):
                     g["params"] = [p for p in params if id(p) in mine]
@@ -258,16 +352,17 @@ class StateOffload:
                 self._write_out(bucket)
                 for offload in pieces:
                     offload.put_back(params_changed=True)
+            failed = False
         finally:
             for g, params in zip(groups, originals):  # first: a read or write that failed raises below
                 g["params"] = params
             if self.pieces is not None:
                 self.pieces.step_done()
             try:
-                if pending is not None:
-                    pending.result()
+                self._finish_reads()  # after a failure: buckets read ahead that did not step stay, current
             finally:
-                self.flush()
+                if failed:
+                    self.flush()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -284,11 +379,25 @@ class StateOffload:
         for p in rest:
             p.grad.zero_()
 
+    def _settle(self) -> None:
+        """Every write-back done and nothing read ahead: each state is on the tier, whole."""
+        self.flush()
+        self._drop_unstepped()
+
+    def _state_dict(self) -> dict:
+        self._settle()  # not a state half-written or about to be released under the caller
+        return self._original_state_dict()
+
+    def _load_state_dict(self, state_dict: dict) -> None:
+        self._settle()  # nothing in flight writes or reads the states being replaced
+        self._original_load_state_dict(state_dict)
+
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
         """Every state in memory inside the block (to save or load a checkpoint), put back on the tier after."""
         params = self._params()
         self.flush()
+        self._finish_reads()
         self._read_in(params)
         try:
             yield
@@ -299,9 +408,18 @@ class StateOffload:
     def close(self) -> None:
         """Bring every state back and stop offloading."""
         self.flush()
+        self._finish_reads()
         self._read_in(self._params())
-        self.optimizer.step = self._original_step  # type: ignore[method-assign]
-        self.optimizer.zero_grad = self._original_zero_grad  # type: ignore[method-assign]
+        self._fresh.clear()
+        for name in self._patched:  # the optimizer's own methods again
+            if name in self._own_attrs:
+                setattr(self.optimizer, name, self._own_attrs[name])
+            else:
+                delattr(self.optimizer, name)
+        for group, handle in self._hooks:
+            group.grads_reduced_hooks.remove(self._grads_reduced)
+            handle.remove()
+        self._hooks.clear()
         _OFFLOADS.pop(self.optimizer, None)
         for pool in (self._reader, self._writer):
             if pool is not None:
@@ -310,20 +428,26 @@ class StateOffload:
             self.store.close()
 
 
+def _bucket_key(bucket: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(id(p) for p in bucket)
+
+
 def offload_optimizer_states(optimizer: torch.optim.Optimizer, policy: MemoryPolicy, *,
                              pieces: Optional[PieceOffload] = None,
-                             select: Optional[Callable[[torch.Tensor], bool]] = None) -> StateOffload:
+                             select: Optional[Callable[[torch.Tensor], bool]] = None,
+                             model: Optional[nn.Module] = None) -> StateOffload:
     """Keep ``optimizer``'s per-element states on ``policy.optimizer_states`` between steps.
 
     Works with any optimizer whose states are per-element tensors and scalars (every elementwise
     ``torch.optim`` optimizer, this package's Muon): training is bitwise the same as without offload.
     ``pieces``: the model's offloaded weights and gradient pieces (:func:`~lightning_vescale.memory.offload_pieces`),
     brought in bucket by bucket with the states (which may then stay on the device). ``select``: the parameters
-    whose states move (default: all).
+    whose states move (default: all). ``model``: the sharded model the optimizer trains; with ``policy.prefetch``,
+    the step's first buckets are then read during its backward (see [Note: swapping optimizer states]).
     """
     if optimizer in _OFFLOADS:
         raise ValueError("this optimizer's states are already offloaded")
-    return StateOffload(optimizer, policy, pieces, select)
+    return StateOffload(optimizer, policy, pieces, select, model)
 
 
 @contextlib.contextmanager

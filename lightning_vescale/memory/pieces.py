@@ -164,6 +164,14 @@ class BufferOffload:
         self._stepping = False
 
     # -- weights: around the AllGather -----------------------------------------------------------------------
+    @property
+    def sends_copy(self) -> bool:
+        """The AllGather sends a copy of the weights piece (written into its slot of the gathered buffer), so that
+        the piece goes back to its tier before the AllGather completes: with the next group's piece read ahead,
+        one piece is in memory at a time, not two."""
+        piece = self.params
+        return piece is not None and piece.tensor is not None and piece.io.releases(piece.tensor)
+
     def before_gather(self) -> None:
         if self.params is not None:
             self.params.fetch()

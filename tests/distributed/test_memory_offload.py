@@ -2,9 +2,10 @@
 
 On 1 and 3 gloo ranks (fp32, CPU): a sharded MLP trained with AdamW and with Muon + AdamW
 (``build_optimizer``), once with states in memory and once with ``MemoryPolicy(optimizer_states="disk")`` and
-small buckets (so several buckets, prefetch included, are exercised): every parameter and state is bitwise
-equal after every step; between steps the states' storage is released (the ledger counts it on disk); a
-save and a resume into a fresh offloaded optimizer continue bitwise.
+small buckets (so several buckets, prefetch included, are exercised, and the first buckets are read during
+backward): every parameter and state is bitwise equal after every step; between steps the states' storage is
+released once the write-back finished (the ledger counts it on disk); a save and a resume into a fresh offloaded
+optimizer continue bitwise.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _run(rank: int, world: int, tmp: str) -> None:
         plain, swapped = sharded(ref), sharded(ref)
         plain_opt, opt = make_optimizer(kind, plain), make_optimizer(kind, swapped)
         policy = MemoryPolicy(optimizer_states="disk", disk_dir=os.path.join(tmp, f"swap{rank}"), bucket_bytes=2048)
-        offload = offload_optimizer_states(opt, policy)
+        offload = offload_optimizer_states(opt, policy, model=swapped)  # the model: reads during backward too
         assert len(offload.buckets()) > 2, "several buckets must be swapped for the test to mean anything"
         memory_stats.reset()
         for step in range(STEPS):
@@ -76,7 +77,9 @@ def _run(rank: int, world: int, tmp: str) -> None:
             train_step(swapped, opt, step, rank, world)
             for p, q in zip(plain.parameters(), swapped.parameters()):
                 assert torch.equal(p.to_local(), q.to_local()), (kind, step)
-            # Between steps every per-element state lives on disk: its storage is released.
+            # Between steps every per-element state lives on disk (once the write-back in flight finished): its
+            # storage is released.
+            offload.flush()
             released = [v.to_local().untyped_storage().nbytes() == 0
                         for s in opt.state.values() for v in s.values() if hasattr(v, "to_local")]
             assert released and all(released), (kind, step)
@@ -94,7 +97,8 @@ def _run(rank: int, world: int, tmp: str) -> None:
         resumed = sharded(MLP())
         resumed_opt = make_optimizer(kind, resumed)
         offload_optimizer_states(resumed_opt, MemoryPolicy(optimizer_states="disk", bucket_bytes=2048,
-                                                           disk_dir=os.path.join(tmp, f"swap_resumed{rank}")))
+                                                           disk_dir=os.path.join(tmp, f"swap_resumed{rank}")),
+                                 model=resumed)
         ckpt.load(path, resumed, resumed_opt)
         for step in range(STEPS, STEPS + 2):
             train_step(plain, plain_opt, step, rank, world)

@@ -1,10 +1,13 @@
-"""The disk tier's write-back of optimizer states, in one process (no process group: plain parameters).
+"""The disk tier's write-back and read-ahead of optimizer states, in one process.
 
-With prefetch on, a stepped bucket's states are written on a background thread while the next bucket steps. Writes
-are slowed down here so that they pile up: the number in flight must reach its bound and never pass it, ``step``
-must return only when every write has completed (states released, the files current), and training stays
-bitwise the same as without offload. A write that fails must leave its states in memory and say so. Large states
-move with ``O_DIRECT`` (out of the page cache) and come back bitwise.
+With prefetch on, a stepped bucket's states are written on a background thread while the next bucket steps, and
+``step`` returns with the last buckets still being written (they complete during the next forward). Writes are
+slowed down here so that they pile up: the number in flight must reach its bound and never pass it, every read
+(the next step's, backward's read-ahead, a checkpoint's) must wait for the write of the same state, and training
+stays bitwise the same as without offload. With the sharded model given, the step's first buckets are read during
+backward, at most ``1 + reads_ahead`` of them, and a forward before the step releases them. A write that fails
+must leave its states in memory and say so before the next step changes anything. Large states move with
+``O_DIRECT`` (out of the page cache) and come back bitwise.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_vescale.memory import DiskTierError, MemoryPolicy, offload_optimizer_states, resident_states
@@ -44,7 +48,7 @@ def _states(opt) -> list[torch.Tensor]:
     return [v for s in opt.state.values() for v in s.values() if v.dim()]
 
 
-def test_write_back_is_bounded_and_complete_when_step_returns(tmp_path) -> None:
+def test_write_back_is_bounded_and_finishes_in_the_background(tmp_path) -> None:
     model, ref, opt, ref_opt, offload = _setup(tmp_path)
     assert len(offload.buckets()) >= 4 and offload._writer is not None
     write, submit = offload.store.write, offload._writer.submit
@@ -63,11 +67,14 @@ def test_write_back_is_bounded_and_complete_when_step_returns(tmp_path) -> None:
     for step in range(2):
         _train(model, opt, step)
         _train(ref, ref_opt, step)
-        assert not offload._writes, "step returned with writes in flight"
+        assert offload._writes, "the last buckets' write-back overlaps what follows the step"
+        offload.flush()
         assert all(s.untyped_storage().nbytes() == 0 for s in _states(opt)), "every state released once written"
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())), step
     assert max(in_flight) == offload.writes_in_flight, in_flight
-    with resident_states(opt):  # what a checkpoint reads: the files as last written
+    _train(model, opt, 2)
+    _train(ref, ref_opt, 2)
+    with resident_states(opt):  # right after the step: a checkpoint sees the stepped states, whole
         assert all(torch.equal(a, b) for a, b in zip(_states(opt), _states(ref_opt)))
     offload.close()
 
@@ -76,7 +83,7 @@ def test_a_failed_write_back_keeps_the_states_in_memory(tmp_path) -> None:
     model, ref, opt, ref_opt, offload = _setup(tmp_path)
     _train(model, opt, 0)
     _train(ref, ref_opt, 0)
-    offload.writes_in_flight = 100  # every bucket steps; the failure surfaces when step waits for the writes
+    offload.writes_in_flight = 100  # every bucket steps; the failure surfaces when the writes are waited for
     write, failed = offload.store.write, []
 
     def full_disk(key, t):
@@ -86,13 +93,78 @@ def test_a_failed_write_back_keeps_the_states_in_memory(tmp_path) -> None:
         write(key, t)
 
     offload.store.write = full_disk
-    with pytest.raises(DiskTierError, match="the disk is full"):
-        _train(model, opt, 1)
+    _train(model, opt, 1)
     _train(ref, ref_opt, 1)
+    with pytest.raises(DiskTierError, match="the disk is full"):
+        _train(model, opt, 2)  # raised by the next step before it changes anything
     offload.store.write = write
     with resident_states(opt):
         assert all(torch.equal(a, b) for a, b in zip(_states(opt), _states(ref_opt))), "nothing was lost"
     offload.close()
+
+
+def test_reads_during_backward_wait_for_the_write_back_and_forward_releases_them(tmp_path) -> None:
+    """The step's first buckets are read during backward (the sharded model given), after the previous step's
+    write of the same states completed; a forward before the step (gradient accumulation) releases them."""
+    import lightning_vescale as lv
+    from lightning_vescale.memory import apply_memory_policy
+    from tests.toy_models import MLP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ref = MLP(num_blocks=4)
+        model = copy.deepcopy(ref)
+        for block in model.blocks:
+            lv.fully_shard(block)
+        lv.fully_shard(model)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        handles = apply_memory_policy(model, [opt], MemoryPolicy(optimizer_states="disk", disk_dir=str(tmp_path),
+                                                                 bucket_bytes=2048))
+        offload = handles.states[0]
+        assert len(offload.buckets()) > 1 + offload.reads_ahead + 1
+        writing: set[str] = set()
+        write, read = offload.store.write, offload.store.read_into
+        stale: list[str] = []
+
+        def slow_write(key, t):
+            writing.add(key)
+            time.sleep(0.01)  # still in flight when the next backward wants to read the same states
+            write(key, t)
+            writing.discard(key)
+
+        def checked_read(key, t, *args):
+            if key in writing:
+                stale.append(key)
+            read(key, t, *args)
+
+        offload.store.write, offload.store.read_into = slow_write, checked_read
+        resident = lambda: sum(s.to_local().untyped_storage().nbytes() > 0 for s in _states(opt))  # noqa: E731
+        ahead = 2 * sum(map(len, offload.buckets()[: 1 + offload.reads_ahead]))  # AdamW: two states per parameter
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(2, 8, 7, generator=g)
+            for m, o in ((ref, None), (model, offload)):
+                for micro in range(2):  # gradient accumulation: a forward between backward and the step
+                    loss = m(x[micro]).square().mean()
+                    if o is not None and micro == 1:
+                        assert resident() == 0, "a forward before the step releases what was read ahead"
+                    loss.backward()
+                    if o is not None and step >= 1:
+                        assert resident() == ahead, ("the step's first buckets are read during backward", step)
+                (ref_opt if o is None else opt).step()
+                (ref_opt if o is None else opt).zero_grad()
+            assert all(torch.equal(p.full_tensor(), q) for p, q in zip(model.parameters(), ref.parameters())), step
+        assert not stale, f"read while being written: {stale}"
+        assert offload._writes, "the writes were slow enough to be in flight after the step"
+        opt.state_dict()  # what a checkpoint reads: every write done first
+        assert not offload._writes and resident() == 0
+        with resident_states(opt):
+            assert all(torch.equal(a.full_tensor(), b) for a, b in zip(_states(opt), _states(ref_opt)))
+        handles.close()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_large_states_move_with_o_direct_and_come_back_bitwise(tmp_path) -> None:
