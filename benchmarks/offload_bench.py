@@ -13,9 +13,10 @@ applied by ``apply_memory_policy``): everything in memory; optimizer states on d
 optimizer states + master weights; + gradient pieces; + the blocks' activations (goal a).
 
 Two more passes: goal (d) paired -- in one set of rank processes, three copies of the model (states in memory,
-on disk with prefetch and write-back in the background, on disk with both synchronous) step in turn, the order
-rotated every step, so the shared machine's load hits all three alike; the cost of offloading is each step's
-optimizer-step time minus the in-memory copy's in the same step (median over steps, max over ranks). And the
+on disk with prefetch and write-back in the background, on disk with both synchronous) take turns, the order
+rotated every step, so the shared machine's load hits all three alike; a turn is a copy's backward, optimizer step
+and next forward, and a wait for its write-back still in flight; the cost of offloading is each turn minus the
+in-memory copy's in the same step (median over steps, max over ranks). And the
 ledger (``benchmarks/_memory.py``: every live storage by class after every op, beside the OS peak per phase) for
 everything in memory and for states + weights on disk: what the remaining peak is made of.
 """
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning_vescale as lv  # noqa: E402
 from lightning_vescale.fully_shard import sharded_groups  # noqa: E402
-from lightning_vescale.memory import MemoryPolicy, apply_memory_policy, memory_stats  # noqa: E402
+from lightning_vescale.memory import MemoryPolicy, StateOffload, apply_memory_policy, memory_stats  # noqa: E402
 from lightning_vescale.models import Llama, LlamaConfig  # noqa: E402
 
 MODELS = {
@@ -379,10 +380,15 @@ _CLASS_COLUMNS = ("sharded params", "gradients", "optimizer states", "unsharded 
 
 
 def prefetch_pairs(args) -> None:
-    """Goal (d) alone: ``--repeats`` paired passes (fresh processes each), batch 1x64 tokens per rank (the optimizer
-    step, the only thing timed, does not depend on it; a short forward and backward leave more steps per minute)."""
+    """Goal (d) alone: ``--repeats`` paired passes (fresh processes each), batch 1x64 tokens per rank (a short
+    forward and backward: more steps per minute, and less compute for the offload's I/O to hide behind)."""
     passes = [paired(args.model, args.world_size, args.paired_steps, tokens_shape=(1, 65)) for _ in range(args.repeats)]
     write_prefetch_pairs(args, passes)
+
+
+_TURN = ("A copy's turn, timed, is its backward, optimizer step and next forward, followed by a wait for any "
+         "write-back still in flight: all the disk I/O of one step (reads during backward and the step, writes "
+         "during the step and the next forward) lies in the copy's own turn and can overlap only its own compute")
 
 
 def write_prefetch_pairs(args, passes: list[dict]) -> None:
@@ -392,35 +398,37 @@ def write_prefetch_pairs(args, passes: list[dict]) -> None:
         "",
         f"Model `{args.model}`, {args.world_size} gloo ranks, AdamW fp32, optimizer-step buckets of "
         f"{BUCKET_BYTES // 2**20} MiB, batch 1x64 tokens per rank. In each pass, three copies of the model live in "
-        f"the same rank processes: states in memory; states on disk with prefetch on (the next bucket read and the "
-        f"stepped ones written back on background threads, at most two writes in flight, all done when `step` "
-        f"returns); states on disk with prefetch off (every read and write synchronous). States move with "
-        f"`O_DIRECT`, so every read comes from the device, not the page cache. Each step the three copies step in "
-        f"turn, in rotated order; cost = a copy's optimizer-step time minus the in-memory copy's in the same step; "
-        f"median over {args.paired_steps - 1} steps after the first, max over ranks; {args.repeats} passes in fresh "
-        f"processes. The machine's 2 cores and its disk are shared with other work: load averages per pass below.",
+        f"the same rank processes: states in memory; states on disk with prefetch on (on background threads: the "
+        f"step's first {1 + StateOffload.reads_ahead} buckets read at the end of backward, the next "
+        f"{StateOffload.reads_ahead} read while a bucket steps, the stepped ones written back with at most "
+        f"{StateOffload.writes_in_flight} in flight, the last completing during the next forward); states on disk "
+        f"with prefetch off (every read and write synchronous, in the step). States move with `O_DIRECT`, so every "
+        f"read comes from the device, not the page cache. Each step the three copies take turns, in rotated order. "
+        f"{_TURN}. Cost = a copy's turn minus the in-memory copy's in the same step; median over "
+        f"{args.paired_steps - 1} steps after the first, max over ranks; {args.repeats} passes in fresh processes. "
+        f"The machine's 2 cores and its disk are shared with other work: load averages per pass below.",
         f"Command: `python benchmarks/offload_bench.py --prefetch-pairs --model {args.model} --world-size "
         f"{args.world_size} --paired-steps {args.paired_steps} --repeats {args.repeats}`",
         "",
-        "| pass | load before / after | in memory (s) | prefetch on (s) | prefetch off (s) | cost on | cost off "
-        "| on / off | hidden (off - on) | bitwise |",
+        "| pass | load before / after | in memory turn (s) | prefetch on turn (s) | prefetch off turn (s) | cost on "
+        "| cost off | on / off | of which in the optimizer step: on / off (s) | bitwise |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, (p, r) in enumerate(zip(passes, ratios)):
         lines.append(f"| {i + 1} | {p['load_before']:.1f} / {p['load_after']:.1f} | "
-                     f"{p['in memory optimizer_step_s']:.3f} | {p['prefetch on optimizer_step_s']:.3f} | "
-                     f"{p['prefetch off optimizer_step_s']:.3f} | {p['prefetch on cost_s']:+.3f} | "
-                     f"{p['prefetch off cost_s']:+.3f} | {r:.2f} | "
-                     f"{p['prefetch off cost_s'] - p['prefetch on cost_s']:.3f} | {p['bitwise']} |")
+                     f"{p['in memory turn_s']:.3f} | {p['prefetch on turn_s']:.3f} | "
+                     f"{p['prefetch off turn_s']:.3f} | {p['prefetch on cost_s']:+.3f} | "
+                     f"{p['prefetch off cost_s']:+.3f} | {r:.2f} | {p['prefetch on optimizer_step_cost_s']:+.3f} / "
+                     f"{p['prefetch off optimizer_step_cost_s']:+.3f} | {p['bitwise']} |")
     lines += [
         "",
         f"- Goal (d), the cost with prefetch at most half the cost without: median over passes "
         f"{statistics.median(ratios):.2f} of it (passes: {', '.join(f'{r:.2f}' for r in ratios)}).",
-        "- The reads and writes overlap the optimizer step only, so prefetch can hide at most the step's own time "
-        "(the in-memory column) of the cost without it; the first bucket's read and the last writes (waited for "
-        "when `step` returns) stay exposed. The cost without prefetch is the disk's time for each rank's states "
-        "(read and written every step, the ranks sharing one disk): the ratio reaches one half only where that "
-        "time is at most about twice the step's compute.",
+        "- The cost without prefetch is the disk's time for each rank's states (read and written every step, the "
+        "ranks sharing one disk). With prefetch, the reads of the first buckets overlap the end of backward and the "
+        "last writes the next forward, so the optimizer step itself (last column) waits only for the disk work "
+        "that does not fit beside its own compute; what remains of the cost outside the step is the background "
+        "threads' CPU time (page faults of the buffers read into, system calls) on the 2 shared cores.",
         "",
     ]
     Path(args.out + "_prefetch.md").write_text("\n".join(lines) + "\n")
@@ -464,7 +472,7 @@ def main() -> None:
     breakdown = ledger_breakdown(args.model, args.world_size)
     base = results["in memory"]
     params = sum(p.numel() for p in Llama(MODELS[args.model]).parameters()) if args.model else 0
-    cost = {name: results[name]["optimizer_step_s"] - base["optimizer_step_s"] for name in results}
+    cost = {name: results[name]["step_s"] - base["step_s"] for name in results}
     full = results["states + weights on disk"]
     lines = [
         "# Training state on the disk tier",
@@ -501,27 +509,28 @@ def main() -> None:
         f"Every peak includes about {base['first_use_mb']:.0f} MiB that torch's first use in the process adds "
         f"(measured after building the model on the meta device, before any state exists). What the peaks are "
         f"made of: below.",
-        f"- Separate processes per configuration (the table): the optimizer step's extra time with states on disk, "
-        f"prefetch on vs off: {pre:+.3f} s vs {nopre:+.3f} s (medians of runs at different moments of the shared "
-        f"machine: see the paired pass for goal d).",
+        f"- Separate processes per configuration (the table): the extra step time with states on disk, prefetch on vs "
+        f"off: {pre:+.3f} s vs {nopre:+.3f} s (medians of runs at different moments of the shared machine: see the "
+        f"paired pass for goal d).",
         "",
         "## Goal (d): prefetch on vs off, paired in the same processes",
         "",
-        f"Three copies of the model in the same {args.world_size} rank processes: states in memory, states on disk "
-        f"with prefetch (read-ahead of the next bucket and write-back of the last, on background threads, "
-        f"`O_DIRECT`: the reads are the device's, not the page cache's), states on disk with prefetch off (every "
-        f"read and write synchronous). Each step, the three step in turn, in rotated order; cost = a copy's "
-        f"optimizer-step time minus the in-memory copy's in the same step; median over {args.paired_steps - 1} "
-        f"steps after the first, max over ranks. Load average {pair['load_before']:.1f} before, "
-        f"{pair['load_after']:.1f} after. Bitwise (prefetch on vs in memory, all parameters after the run): "
-        f"{pair['bitwise']}.",
+        f"Three copies of the model in the same {args.world_size} rank processes (batch 2x128 tokens per rank): "
+        f"states in memory, states on disk with prefetch (reads and writes on background threads, overlapping the "
+        f"end of backward, the step and the next forward; `O_DIRECT`: the reads are the device's, not the page "
+        f"cache's), states on disk with prefetch off (every read and write synchronous). Each step, the three take "
+        f"turns, in rotated order. {_TURN}. Cost = a copy's turn minus the in-memory copy's in the same step; "
+        f"median over {args.paired_steps - 1} steps after the first, max over ranks. Load average "
+        f"{pair['load_before']:.1f} before, {pair['load_after']:.1f} after. Bitwise (every master-weights piece of "
+        f"the three copies after the run): {pair['bitwise']}.",
         "",
-        "| states | optimizer step (s) | cost vs in memory (s) |",
-        "|---|---|---|",
-        f"| in memory | {pair['in memory optimizer_step_s']:.3f} | |",
-        f"| on disk, prefetch on | {pair['prefetch on optimizer_step_s']:.3f} | {pair['prefetch on cost_s']:+.3f} |",
-        f"| on disk, prefetch off | {pair['prefetch off optimizer_step_s']:.3f} | "
-        f"{pair['prefetch off cost_s']:+.3f} |",
+        "| states | turn (s) | cost vs in memory (s) | optimizer step (s) | its cost vs in memory (s) |",
+        "|---|---|---|---|---|",
+        f"| in memory | {pair['in memory turn_s']:.3f} | | {pair['in memory optimizer_step_s']:.3f} | |",
+        f"| on disk, prefetch on | {pair['prefetch on turn_s']:.3f} | {pair['prefetch on cost_s']:+.3f} | "
+        f"{pair['prefetch on optimizer_step_s']:.3f} | {pair['prefetch on optimizer_step_cost_s']:+.3f} |",
+        f"| on disk, prefetch off | {pair['prefetch off turn_s']:.3f} | {pair['prefetch off cost_s']:+.3f} | "
+        f"{pair['prefetch off optimizer_step_s']:.3f} | {pair['prefetch off optimizer_step_cost_s']:+.3f} |",
         "",
         f"- Goal (d), the cost with prefetch at most half the cost without: "
         f"{pair['prefetch on cost_s'] / pair['prefetch off cost_s']:.2f} of it"

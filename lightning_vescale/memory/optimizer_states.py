@@ -12,10 +12,11 @@ every read and write is synchronous, inside ``step``. With it, the reads and wri
 threads and overlap compute -- the optimizer step's, and backward's and forward's:
 
 * Reads: while a bucket steps, the next ``StateOffload.reads_ahead`` buckets are read. The step's first
-  ``1 + reads_ahead`` buckets are read during backward already, once all but ``StateOffload.backward_lead`` of
-  the gradient reductions backward makes are done (counted in the backward before the previous step; the
-  groups report them through ``ParamGroup.grads_reduced_hooks``): late, when backward has freed most
-  activations, and early enough to hide the reads. A forward that starts before the step (gradient
+  ``1 + reads_ahead`` buckets are read during backward already: the first once all but
+  ``StateOffload.backward_lead`` of the gradient reductions backward makes are done (one per sharded group,
+  counted in the backward before the previous step; the groups report them through
+  ``ParamGroup.grads_reduced_hooks``), and one more after each reduction that follows. Late, when backward has
+  freed most activations, and early enough to hide the reads. A forward that starts before the step (gradient
   accumulation, an evaluation) releases what was read ahead and not stepped (its tier copy is current), so
   reads ahead never stay through a forward.
 * Writes: a stepped bucket's states are written while the next ones step, at most
@@ -302,22 +303,25 @@ class StateOffload:
 
     # -- reading ahead during backward ------------------------------------------------------------------------
     def _grads_reduced(self, group: Any) -> None:
-        """A group's gradients were reduced (``ParamGroup.grads_reduced_hooks``): read the step's first buckets
-        once all but ``backward_lead`` of backward's reductions are done."""
+        """A group's gradients were reduced (``ParamGroup.grads_reduced_hooks``): once all but ``backward_lead`` of
+        backward's reductions are done, read the step's first bucket, and one more after each reduction that follows
+        (``1 + reads_ahead`` in all)."""
         task = torch._C._current_graph_task_id()
         if task == -1:
             return  # finished outside backward (a forward after a backward without a step)
         if task != self._backward:
             self._backward, self._reduced = task, 0
         self._reduced += 1
-        if not self._reductions or self._reduced != max(self._reductions - self.backward_lead, 1):
+        first = max(self._reductions - self.backward_lead, 1)  # the reduction after which the first bucket is read
+        if not self._reductions or self._reduced < first:
             return
         while self._writes:  # the last step's write-back: finished during forward, normally
             wait([self._writes[0]])
             if self._writes[0].exception() is not None:
                 return  # the step raises it
             self._writes.popleft()
-        self._start_reads(self.buckets()[: 1 + self.reads_ahead], pieces=False)
+        # One more bucket per reduction, as backward frees its memory.
+        self._start_reads(self.buckets()[: min(1 + self.reads_ahead, self._reduced - first + 1)], pieces=False)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if (self._ahead or self._fresh) and torch._C._current_graph_task_id() == -1:  # not a recomputation

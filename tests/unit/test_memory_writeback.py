@@ -83,6 +83,7 @@ def test_a_failed_write_back_keeps_the_states_in_memory(tmp_path) -> None:
     model, ref, opt, ref_opt, offload = _setup(tmp_path)
     _train(model, opt, 0)
     _train(ref, ref_opt, 0)
+    offload.flush()  # step 0's writes done before the disk fills up
     offload.writes_in_flight = 100  # every bucket steps; the failure surfaces when the writes are waited for
     write, failed = offload.store.write, []
 
@@ -152,6 +153,7 @@ def test_reads_during_backward_wait_for_the_write_back_and_forward_releases_them
                         assert resident() == 0, "a forward before the step releases what was read ahead"
                     loss.backward()
                     if o is not None and step >= 1:
+                        o._finish_reads()  # started during backward, on the background thread
                         assert resident() == ahead, ("the step's first buckets are read during backward", step)
                 (ref_opt if o is None else opt).step()
                 (ref_opt if o is None else opt).zero_grad()
