@@ -36,7 +36,7 @@ class MemoryPolicy:
     ``device`` is the training device, ``host`` CPU memory (pinned, copied on a side stream, on CUDA; the same
     as ``device`` on a CPU-only machine), ``disk`` files under ``disk_dir`` read and written in large chunks
     (ZeRO-Infinity's NVMe tier). States on ``host`` / ``disk`` are brought to the device just before they are
-    used (prefetched one bucket ahead when ``prefetch``) and written back after.
+    used (prefetched ahead when ``prefetch``) and written back after.
     """
 
     optimizer_states: Tier = "device"
@@ -65,9 +65,10 @@ class MemoryPolicy:
     parent is more likely a typo or an unmounted disk: an error); must be writable, and have room for what goes
     there (checked by :func:`~lightning_vescale.memory.apply_memory_policy` before anything moves)."""
     prefetch: bool = True
-    """Read the next bucket's states on a background thread while this bucket steps, and write stepped buckets back
-    on another (at most ``StateOffload.writes_in_flight`` at a time, all written when ``step`` returns); off, every
-    read and write is synchronous."""
+    """Read optimizer states ahead on a background thread (the step's first buckets at the end of backward, the
+    next ones while a bucket steps) and write stepped buckets back on another (at most
+    ``StateOffload.writes_in_flight`` at a time, the last completing during the next forward); off, every read and
+    write is synchronous, inside ``step``. See [Note: swapping optimizer states]."""
     bucket_bytes: int = 64 * 2**20
     """Target size of one swapped bucket of optimizer states: the transient memory offload needs."""
 
