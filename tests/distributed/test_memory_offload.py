@@ -297,6 +297,8 @@ def _plan_tiers(rank: int, world: int, tmp: str) -> None:
             pieces = {n for n, p in held.items() if released(p)}
             assert pieces == {n for n in held if (module_of(n) if n.startswith("blocks.") else "") in moved_pieces}, \
                 (i, step, pieces)
+            for offload in handles.states:
+                offload.flush()  # the last buckets' write-back, finishing in the background
             states = {n for n, p in held.items() if released(opt.state[p]["exp_avg"])}
             assert states == {n for n in held if module_of(n) in moved_states}, (i, step, states)
             with resident_pieces(tiered), resident_states(opt):
