@@ -12,7 +12,8 @@ every read and write is synchronous, inside ``step``. With it, the reads and wri
 threads and overlap compute -- the optimizer step's, and backward's and forward's:
 
 * Reads: while a bucket steps, the next ``StateOffload.reads_ahead`` buckets are read. The step's first
-  ``1 + reads_ahead`` buckets are read during backward already: the first once all but
+  ``1 + reads_ahead`` buckets are read during backward already (given the model, as
+  :func:`~lightning_vescale.memory.apply_memory_policy` does): the first once all but
   ``StateOffload.backward_lead`` of the gradient reductions backward makes are done (one per sharded group,
   counted in the backward before the previous step; the groups report them through
   ``ParamGroup.grads_reduced_hooks``), and one more after each reduction that follows. Late, when backward has
@@ -42,8 +43,9 @@ in memory. The swap files are scratch: a checkpoint never reads them (it reads t
 half-written.
 
 With the weights and gradient pieces offloaded too (``pieces``, see [Note: offloading the pieces]), a bucket's
-pieces are read with its states during the step (the next bucket's ahead), and its weights written back after
-the step; the buckets are then cut only between DBuffers, so a buffer's piece is read and written once per step.
+pieces are read with its states during the step (the next ``reads_ahead`` buckets' ahead), and its weights
+written back after the step; the buckets are then cut only between DBuffers, so a buffer's piece is read and
+written once per step.
 """
 
 from __future__ import annotations
