@@ -425,10 +425,12 @@ def write_prefetch_pairs(args, passes: list[dict]) -> None:
         f"- Goal (d), the cost with prefetch at most half the cost without: median over passes "
         f"{statistics.median(ratios):.2f} of it (passes: {', '.join(f'{r:.2f}' for r in ratios)}).",
         "- The cost without prefetch is the disk's time for each rank's states (read and written every step, the "
-        "ranks sharing one disk). With prefetch, the reads of the first buckets overlap the end of backward and the "
-        "last writes the next forward, so the optimizer step itself (last column) waits only for the disk work "
-        "that does not fit beside its own compute; what remains of the cost outside the step is the background "
-        "threads' CPU time (page faults of the buffers read into, system calls) on the 2 shared cores.",
+        "ranks sharing one disk) and the CPU time of moving them. With prefetch, the reads of the first buckets "
+        "overlap the end of backward and the last writes the next forward; what remains is mostly inside the "
+        "optimizer step (last column): its compute runs slower while the background threads read and write, "
+        "because their CPU time (page faults of the fresh storage read into, system calls, freeing) cannot go to "
+        "an idle core when 2 ranks share 2 cores, and it waits for the disk where the I/O left for the step "
+        "exceeds its compute.",
         "",
     ]
     Path(args.out + "_prefetch.md").write_text("\n".join(lines) + "\n")
