@@ -442,6 +442,16 @@ def _median_of(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"repeats": runs}
 
 
+def interleaved(run_one, configs, args) -> dict[str, dict]:
+    """``run_one(model, name, world_size, steps)`` for every configuration, ``args.repeats`` times interleaved (a
+    slow spell of the shared machine hits every configuration); the medians of each configuration's runs."""
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    for _ in range(args.repeats):
+        for name in configs:
+            runs[name].append(run_one(args.model, name, args.world_size, args.steps))
+    return {name: _median_of(r) for name, r in runs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bench_small", choices=sorted(MODELS))
@@ -464,11 +474,7 @@ def main() -> None:
         prefetch_pairs(args)
         return
     load_before = os.getloadavg()[0]
-    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
-    for _ in range(args.repeats):  # interleaved: a slow spell of the shared machine hits every configuration
-        for name in CONFIGS:
-            runs[name].append(run(args.model, name, args.world_size, args.steps))
-    results = {name: _median_of(r) for name, r in runs.items()}
+    results = interleaved(run, CONFIGS, args)
     load_after = os.getloadavg()[0]
     pair = paired(args.model, args.world_size, args.paired_steps)
     breakdown = ledger_breakdown(args.model, args.world_size)

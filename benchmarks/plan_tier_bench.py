@@ -36,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from offload_bench import _TMP, BUCKET_BYTES, MODELS, _median_of, _peak_rss, _rss_now, _spawn  # noqa: E402
+from offload_bench import _TMP, BUCKET_BYTES, MODELS, _peak_rss, _rss_now, _spawn, interleaved  # noqa: E402
 
 import lightning_vescale as lv  # noqa: E402
 from lightning_vescale.memory import MemoryPolicy, apply_memory_policy, memory_stats  # noqa: E402
@@ -116,11 +116,7 @@ def main() -> None:
         "plan_tier" if args.suite == "tiers" else args.suite))
     configs = SUITES[args.suite]
     load_before = os.getloadavg()[0]
-    runs: dict[str, list[dict]] = {name: [] for name in configs}
-    for _ in range(args.repeats):  # interleaved: a slow spell of the shared machine hits every configuration
-        for name in configs:
-            runs[name].append(run(args.model, name, args.world_size, args.steps))
-    results = {name: _median_of(r) for name, r in runs.items()}
+    results = interleaved(run, configs, args)
     load_after = os.getloadavg()[0]
     base = results["in memory"]
     params = sum(p.numel() for p in Llama(dataclasses.replace(MODELS[args.model])).parameters())
