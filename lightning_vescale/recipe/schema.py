@@ -870,9 +870,17 @@ class TrainConfig:
                    "quant=fp8_gather or int8_gather for a quantized AllGather while pre-training)")
         if self.plan is not None:
             self.plan = _check_plan(self.plan, self.model, self.strategy)
-        if self.mpmd is not None and isinstance(self.trainer.devices, int):
-            world = self.trainer.devices * self.trainer.num_nodes
-            self.mpmd.mpmd_plan().check_world_size(world)
+        if self.mpmd is not None:
+            # An MPMD run reads mpmd.*, optimizer, scheduler, seed and trainer (lightning_vescale/recipe/mpmd.py);
+            # these would be silently ignored there.
+            ignored = [f"{name}=..." for name, value in (("plan", self.plan), ("quant", self.quant),
+                                                         ("memory", self.memory)) if value is not None]
+            ignored += [f"precision={self.trainer.precision}"] if self.trainer.precision != "32-true" else []
+            _check(not ignored, f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} not applied to MPMD runs "
+                   f"yet (stages are sharded by mpmd.plan's stage plans, in fp32, every state on the device): drop "
+                   f"{'it' if len(ignored) == 1 else 'them'}, or set mpmd=null to train one model over every rank")
+            if isinstance(self.trainer.devices, int):
+                self.mpmd.mpmd_plan().check_world_size(self.trainer.devices * self.trainer.num_nodes)
         if self.memory is not None:
             _check(isinstance(self.strategy, VeScaleStrategyConfig),
                    f"memory=... needs strategy=vescale (its engine owns the buffers that move between tiers), got "

@@ -131,6 +131,13 @@ def test_every_experiment_composes_and_validates(experiment):
     assert cfg.trainer.max_steps >= 1
 
 
+def test_groups_an_mpmd_run_does_not_apply_are_refused_rather_than_ignored():
+    with pytest.raises(ValueError, match=r"memory=\.\.\. is not applied to MPMD runs yet"):
+        load("experiment=vlm_mpmd", "memory=offload_disk")
+    with pytest.raises(ValueError, match=r"quant=\.\.\., precision=bf16-mixed are not applied to MPMD runs yet"):
+        load("experiment=vlm_mpmd", "quant=fp8_gather", "precision=bf16_mixed")
+
+
 def test_experiment_overrides_groups_and_values():
     cfg = load("experiment=llama_debug_bpe")
     assert cfg.model.preset == "debug" and cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size == 2048
