@@ -452,12 +452,17 @@ def interleaved(run_one, configs, args) -> dict[str, dict]:
     return {name: _median_of(r) for name, r in runs.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every configuration run takes (see :func:`interleaved`)."""
     parser.add_argument("--model", default="bench_small", choices=sorted(MODELS))
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(parser)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "offload"))
     parser.add_argument("--capacity", action="store_true", help="goals (b) and (c) instead: what fits in a budget")
     parser.add_argument("--budget-mib", type=float, default=512.0)

@@ -36,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from offload_bench import _TMP, BUCKET_BYTES, MODELS, _peak_rss, _rss_now, _spawn, interleaved  # noqa: E402
+from offload_bench import _TMP, BUCKET_BYTES, MODELS, _peak_rss, _rss_now, _spawn, add_run_arguments, interleaved  # noqa: E402
 
 import lightning_vescale as lv  # noqa: E402
 from lightning_vescale.memory import MemoryPolicy, apply_memory_policy, memory_stats  # noqa: E402
@@ -104,10 +104,7 @@ def run(model_name: str, name: str, world: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="bench_small", choices=sorted(MODELS))
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=2)
+    add_run_arguments(parser)
     parser.add_argument("--suite", default="tiers", choices=sorted(SUITES),
                         help="tiers: a plan's per-parameter tiers; gathered: gathered parameters on disk")
     parser.add_argument("--out", default=None, help="default: results/plan_tier (tiers), results/gathered")

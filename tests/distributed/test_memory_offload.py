@@ -247,6 +247,16 @@ def test_disk_offloaded_weights_and_gradients_train_bitwise(tmp_path) -> None:
     run_distributed(_pieces, 2, str(tmp_path), timeout=300)
 
 
+def _twins(plain_plan: dict, other_plan: dict, mesh) -> tuple:
+    """The same seeded MLP sharded twice (the reference run and the offloaded one), each with its AdamW."""
+    torch.manual_seed(0)
+    ref = MLP()
+    plain = lv.parallelize(copy.deepcopy(ref), plain_plan, mesh)
+    other = lv.parallelize(copy.deepcopy(ref), other_plan, mesh)
+    return (plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1),
+            other, torch.optim.AdamW(other.parameters(), lr=1e-2, weight_decay=0.1))
+
+
 def _plan_tiers(rank: int, world: int, tmp: str) -> None:
     """A plan's per-parameter tiers on 2 ranks, fp32 AdamW: bitwise the run without offload, and exactly the
     planned buffers and states move; the policy's class placement applies to the rest."""
@@ -268,12 +278,7 @@ def _plan_tiers(rank: int, world: int, tmp: str) -> None:
          {"blocks.0", "blocks.1", ""}, {"blocks.0", "blocks.1", "inp", "out"}),
     ]
     for i, (plan, classes, moved_pieces, moved_states) in enumerate(cases):
-        torch.manual_seed(0)
-        ref = MLP()
-        plain = lv.parallelize(copy.deepcopy(ref), blocks, mesh)
-        tiered = lv.parallelize(copy.deepcopy(ref), plan, mesh)
-        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
-        opt = torch.optim.AdamW(tiered.parameters(), lr=1e-2, weight_decay=0.1)
+        plain, plain_opt, tiered, opt = _twins(blocks, plan, mesh)
         if i == 0:  # the disk tier's directory is the policy's: none given, none guessed
             with pytest.raises(ValueError, match=r"puts params, grads, optimizer_states of \w*MLP on disk, but no "
                                                  r"MemoryPolicy names a directory"):
@@ -329,12 +334,7 @@ def _gathered(rank: int, world: int, tmp: str) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     plan = {"rules": [{"match": "blocks.*", "group": True, "reshard_after_forward": True}]}
-    torch.manual_seed(0)
-    ref = MLP()
-    plain = lv.parallelize(copy.deepcopy(ref), plan, mesh)
-    saved = lv.parallelize(copy.deepcopy(ref), plan, mesh)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
-    opt = torch.optim.AdamW(saved.parameters(), lr=1e-2, weight_decay=0.1)
+    plain, plain_opt, saved, opt = _twins(plan, plan, mesh)
     handles = apply_memory_policy(saved, [opt], MemoryPolicy(gathered_params="disk", disk_dir=os.path.join(tmp, "g")),
                                   rank=rank)
     offload = handles.gathered
