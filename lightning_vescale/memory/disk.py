@@ -48,12 +48,15 @@ def alloc_aligned(t: torch.Tensor, nbytes: int) -> None:
 
 def realign(t: torch.Tensor) -> None:
     """Move contiguous CPU tensor ``t``'s values into storage made by :func:`alloc_aligned` (a no-op if its memory
-    is aligned already): the optimizer creates states wherever the allocator puts them."""
-    if t.data_ptr() % ALIGN == 0:
+    is aligned already with room up to the next boundary): the optimizer creates states wherever the allocator
+    puts them, and a page-aligned block without that room could not move with ``O_DIRECT`` either."""
+    nbytes = t.numel() * t.element_size()
+    storage = t.untyped_storage()
+    if t.data_ptr() % ALIGN == 0 and storage.data_ptr() + storage.nbytes() - t.data_ptr() >= _round_up(nbytes):
         return
     values = t.clone()
-    t.untyped_storage().resize_(0)
-    alloc_aligned(t, values.numel() * values.element_size())
+    storage.resize_(0)
+    alloc_aligned(t, nbytes)
     t.copy_(values)
 
 

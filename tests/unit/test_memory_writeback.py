@@ -191,3 +191,28 @@ def test_large_states_move_with_o_direct_and_come_back_bitwise(tmp_path) -> None
     assert len(flags) == 2 and all(f & os.O_DIRECT for f in flags)
     assert torch.equal(t, want)
     store.close()
+
+
+def _aligned_at_the_end_of_its_storage(nbytes: int) -> torch.Tensor:
+    """A float tensor of ``nbytes`` starting on an ALIGN boundary and ending with its storage (no room to the next
+    boundary): what the allocator hands out now and then for a new optimizer state."""
+    for extra in range(0, 64 * ALIGN, 64):
+        storage = torch.UntypedStorage(nbytes + ALIGN + extra)
+        end = storage.data_ptr() + storage.nbytes()
+        start = (end - nbytes) // ALIGN * ALIGN
+        if end - start < -(-nbytes // ALIGN) * ALIGN:
+            t = torch.empty(0)
+            t.set_(storage, (start - storage.data_ptr()) // 4, (nbytes // 4,), (1,))
+            return t
+    raise AssertionError("no such placement found")
+
+
+def test_realign_gives_a_page_aligned_state_without_room_the_room_o_direct_needs(tmp_path) -> None:
+    t = _aligned_at_the_end_of_its_storage(DIRECT_MIN_BYTES + 12)
+    t.copy_(torch.randn(t.numel()))
+    want = t.clone()
+    assert t.data_ptr() % ALIGN == 0
+    realign(t)
+    storage = t.untyped_storage()
+    assert storage.data_ptr() + storage.nbytes() - t.data_ptr() >= DIRECT_MIN_BYTES + ALIGN
+    assert t.data_ptr() % ALIGN == 0 and torch.equal(t, want)
