@@ -171,6 +171,9 @@ def _paired_rank(rank: int, world: int, init: str, model_name: str, steps: int, 
     offload does for one step (reads during backward and the step, writes during the step and the next forward)
     falls in the copy's own turn and can only overlap the copy's own compute."""
     torch.set_num_threads(1)
+    for k in ("buckets_in_memory", "backward_lead"):  # EXPERIMENT
+        if os.environ.get("LV_" + k):
+            setattr(StateOffload, k, int(os.environ["LV_" + k]))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     built = {name: _build(model_name, spec, swap, rank, tag=f"p{i}") for i, (name, spec) in enumerate(PAIRED.items())}
     runs = {name: b[:2] for name, b in built.items()}
@@ -399,9 +402,9 @@ def write_prefetch_pairs(args, passes: list[dict]) -> None:
         f"Model `{args.model}`, {args.world_size} gloo ranks, AdamW fp32, optimizer-step buckets of "
         f"{BUCKET_BYTES // 2**20} MiB, batch 1x64 tokens per rank. In each pass, three copies of the model live in "
         f"the same rank processes: states in memory; states on disk with prefetch on (on background threads: the "
-        f"step's first {1 + StateOffload.reads_ahead} buckets read at the end of backward, the next "
-        f"{StateOffload.reads_ahead} read while a bucket steps, the stepped ones written back with at most "
-        f"{StateOffload.writes_in_flight} in flight, the last completing during the next forward); states on disk "
+        f"step's first buckets read at the end of backward, the next ones while earlier ones step, the stepped "
+        f"ones written back, the last completing during the next forward; at most "
+        f"{StateOffload.buckets_in_memory} buckets in memory at a time, read, stepping or being written); states on disk "
         f"with prefetch off (every read and write synchronous, in the step). States move with `O_DIRECT`, so every "
         f"read comes from the device, not the page cache. Each step the three copies take turns, in rotated order. "
         f"{_TURN}. Cost = a copy's turn minus the in-memory copy's in the same step; median over "

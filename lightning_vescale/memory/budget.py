@@ -5,7 +5,8 @@ The per-rank bytes of each class (sharded parameters, gradients, optimizer state
 activations of one micro-batch) come from the dry run (:mod:`lightning_vescale.plan`) or from a live model.
 Each way to free device memory has a saving and a cost per step:
 
-* optimizer states to disk: saves all but two swap buckets; costs writing and reading them once per step;
+* optimizer states to disk: saves all but the swap buckets in memory at once around a step
+  (``StateOffload.buckets_in_memory``); costs writing and reading them once per step;
 * master weights to disk: saves all but two buckets; costs reading them for the forward's and the backward's
   AllGathers and the optimizer step, and writing them once per step;
 * gradient pieces to disk: saves all but two buckets; costs writing and reading them once per step;
@@ -28,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from lightning_vescale.memory.optimizer_states import StateOffload
 from lightning_vescale.memory.policy import parse_bytes
 
 __all__ = ["MemoryEstimate", "Placement", "choose_placement", "measure_disk_bandwidth"]
@@ -104,8 +106,9 @@ def choose_placement(estimate: MemoryEstimate, budget: "int | str", *, disk_band
     cost: dict = {}
     per_block = estimate.activations / max(estimate.num_blocks, 1)
     two_buckets = 2 * estimate.bucket_bytes
+    state_buckets = StateOffload.buckets_in_memory * estimate.bucket_bytes
     options = {
-        "optimizer_states": (device["optimizer_states"] - min(device["optimizer_states"], two_buckets),
+        "optimizer_states": (device["optimizer_states"] - min(device["optimizer_states"], state_buckets),
                              2 * device["optimizer_states"] / disk_bandwidth),
         "params": (device["params"] - min(device["params"], two_buckets), 4 * device["params"] / disk_bandwidth),
         "grads": (device["grads"] - min(device["grads"], two_buckets), 2 * device["grads"] / disk_bandwidth),

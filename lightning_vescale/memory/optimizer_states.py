@@ -11,28 +11,33 @@ bitwise the same as without offload), and the states are written back and releas
 every read and write is synchronous, inside ``step``. With it, the reads and writes run on two background
 threads and overlap compute -- the optimizer step's, and backward's and forward's:
 
-* Reads: while a bucket steps, the next ``StateOffload.reads_ahead`` buckets are read. The step's first
-  ``1 + reads_ahead`` buckets are read during backward already (given the model, as
+One bound holds the memory: at most ``StateOffload.buckets_in_memory`` buckets (``B``, 5 by default) are in
+memory at a time -- read or being read, stepping, or being written back -- and none outside the span from the
+end of backward to the start of the next forward. Within it the disk is kept busy:
+
+* Reads: the step's first ``B`` buckets are read during backward already (given the model, as
   :func:`~lightning_vescale.memory.apply_memory_policy` does): the first once all but
   ``StateOffload.backward_lead`` of the gradient reductions backward makes are done (one per sharded group,
   counted in the backward before the previous step; the groups report them through
   ``ParamGroup.grads_reduced_hooks``), and one more after each reduction that follows. Late, when backward has
-  freed most activations, and early enough to hide the reads. A forward that starts before the step (gradient
-  accumulation, an evaluation) releases what was read ahead and not stepped (its tier copy is current), so
-  reads ahead never stay through a forward.
-* Writes: a stepped bucket's states are written while the next ones step, at most
-  ``StateOffload.writes_in_flight`` buckets at a time (the oldest is waited for before another is sent); the
-  writer releases a state's storage as soon as it is written. ``step`` returns with up to that many buckets
-  still being written: they complete during the next forward. They are waited for (:meth:`StateOffload.flush`)
-  before anything reads a state again: the next read ahead or step, ``resident()`` (every checkpoint save and
-  export), the optimizer's ``state_dict`` / ``load_state_dict``, ``close``, and a step that failed.
+  freed most activations, and early enough to hide the reads. During the step, bucket ``k`` is read as soon as
+  the write of bucket ``k - B`` is done (its memory freed), while the buckets before it step. A forward that
+  starts before the step (gradient accumulation, an evaluation) releases what was read ahead and not stepped
+  (its tier copy is current), so reads ahead never stay through a forward.
+* Writes: a stepped bucket's states are written while the next ones step; the writer releases a bucket's
+  storage as soon as it is written. ``step`` returns with the last (at most ``B``) buckets still being written:
+  they complete during the next forward, whose activations grow as the gradients (freed by ``zero_grad``) and
+  those buckets leave. They are waited for (:meth:`StateOffload.flush`) before anything reads a state again:
+  the next read ahead or step, ``resident()`` (every checkpoint save and export), the optimizer's
+  ``state_dict`` / ``load_state_dict``, ``close``, and a step that failed.
 
-So at most ``1 + reads_ahead + writes_in_flight`` buckets of states (5 with the defaults) are in memory at a
-time, during the step; ``1 + reads_ahead`` at the end of backward, ``writes_in_flight`` at the start of
-forward; none otherwise.
+One bound rather than a read depth and a write depth: what the step cannot hide is the I/O left inside it, and
+a shared bound lets backward read, and the next forward write, as much as the step's own memory allows
+(``offload_bench.py --prefetch-pairs``: a 2-read/2-write split left 0.66 of the synchronous cost).
 
-On the disk tier large states bypass the page cache (``DiskStore(direct=True)``): each is read into storage
-allocated on a page boundary (:func:`~lightning_vescale.memory.disk.alloc_aligned`) and written from it with
+On the disk tier large states bypass the page cache (``DiskStore(direct=True)``): a bucket's states are read
+into one storage on page boundaries, backed by huge pages (:func:`~lightning_vescale.memory.disk.alloc_together`:
+releasing one state releases the bucket's, which moves as one anyway) and written from it with
 ``O_DIRECT``, so the bytes leave memory for real and a read is the device's time, which the background threads
 overlap with compute, as an NVMe swapper does.
 
@@ -43,7 +48,7 @@ in memory. The swap files are scratch: a checkpoint never reads them (it reads t
 half-written.
 
 With the weights and gradient pieces offloaded too (``pieces``, see [Note: offloading the pieces]), a bucket's
-pieces are read with its states during the step (the next ``reads_ahead`` buckets' ahead), and its weights
+pieces are read with its states during the step (the next ``pieces_ahead`` buckets' ahead), and its weights
 written back after the step; the buckets are then cut only between DBuffers, so a buffer's piece is read and
 written once per step.
 """
@@ -60,7 +65,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from lightning_vescale.memory.disk import DiskStore, alloc_aligned, realign
+from lightning_vescale.memory.disk import DiskStore, alloc_together, realign
 from lightning_vescale.memory.ledger import memory_stats
 from lightning_vescale.memory.pieces import PieceOffload
 from lightning_vescale.memory.policy import MemoryPolicy
@@ -92,11 +97,12 @@ class StateOffload:
     ``select``: which parameters' states move (a plan's per-parameter tiers); the others stay in memory.
     """
 
-    writes_in_flight: int = 2
-    """Buckets whose write-back may be in progress at once (each holds its states' memory until written)."""
-    reads_ahead: int = 2
-    """Buckets read ahead of the one stepping (each holds its states' memory from its read until it stepped)."""
-    backward_lead: int = 3
+    buckets_in_memory: int = 5
+    """Buckets of states in memory at once, with prefetch: read ahead (from the end of backward), stepping, or
+    being written back (until the next forward)."""
+    pieces_ahead: int = 2
+    """With offloaded weights and gradient pieces: buckets whose pieces are read ahead of the one stepping."""
+    backward_lead: int = 4
     """The step's first buckets are read during backward once all but this many of its gradient reductions
     (one per sharded group) are done."""
 
@@ -186,9 +192,9 @@ class StateOffload:
                 if _is_swappable(value):
                     yield f"{id(p)}:{key}", _storage_tensor(value)
 
-    def _write_out(self, params: list[torch.Tensor]) -> None:
+    def _write_out(self, params: list[torch.Tensor]) -> Optional[Future]:
         """Put ``params``' resident states on the tier and release their storage: on the disk tier with a
-        background writer, asynchronously (released once written; see :meth:`flush`)."""
+        background writer, asynchronously (released once written; see :meth:`flush`): the write's future."""
         jobs = []
         for key, t in self._entries(params):
             self._fresh.pop(key, None)
@@ -209,16 +215,18 @@ class StateOffload:
                 host.copy_(t)
             jobs.append((key, t, nbytes))
         if not jobs:
-            return
+            return None
         if self.store is None:
             self._release(jobs)
         elif self._writer is None:
             self._write_files(jobs)
             self._release(jobs)
         else:
-            while len(self._writes) >= self.writes_in_flight:
-                self._writes.popleft().result()  # a write that failed raises here; its states stay in memory
+            while self._writes and self._writes[0].done() and self._writes[0].exception() is None:
+                self._writes.popleft()  # one that failed stays: the next flush raises it, its states in memory
             self._writes.append(self._writer.submit(self._write_and_release, jobs))
+            return self._writes[-1]
+        return None
 
     def _write_files(self, jobs: list[tuple[str, torch.Tensor, int]]) -> None:
         for key, t, nbytes in jobs:
@@ -246,35 +254,52 @@ class StateOffload:
             self._writes.popleft().result()
 
     def _read_in(self, params: list[torch.Tensor]) -> None:
+        jobs = []
         for key, t in self._entries(params):
             held = self._offloaded.pop(key, None)
             if held is None or t.untyped_storage().nbytes() != 0:
                 continue  # resident: newer than the tier's copy (created by a step, or replaced by a load)
-            nbytes = held[1]
-            if self.store is not None and self.store.moves_direct(nbytes):
-                alloc_aligned(t, nbytes)  # O_DIRECT straight into the state's own storage
-            else:
-                t.untyped_storage().resize_(nbytes)
-            try:
+            jobs.append((key, t, held))
+        # O_DIRECT straight into the states' own memory: one huge-page backed storage for the lot.
+        direct = [t for _, t, (_, nbytes) in jobs
+                  if self.store is not None and t.device.type == "cpu" and self.store.moves_direct(nbytes)]
+        alloc_together(direct)
+        try:
+            for key, t, (_, nbytes) in jobs:
+                if t.untyped_storage().nbytes() == 0:
+                    t.untyped_storage().resize_(nbytes)
                 if self.store is not None:
                     self.store.read_into(key, t)
                 else:
                     t.copy_(self._host[key], non_blocking=True)
-            except BaseException:
-                t.untyped_storage().resize_(0)  # still on the tier, whole: nothing is lost
+                self._fresh[key] = (t, nbytes)
+                memory_stats.add("optimizer_states", self.tier, -nbytes)
+                memory_stats.add("optimizer_states", "device", nbytes)
+        except BaseException:
+            for key, t, held in jobs:  # every one still on the tier, whole: nothing is lost
+                if self._fresh.pop(key, None) is not None:
+                    memory_stats.add("optimizer_states", self.tier, held[1])
+                    memory_stats.add("optimizer_states", "device", -held[1])
+                t.untyped_storage().resize_(0)
                 self._offloaded[key] = held
-                raise
-            self._fresh[key] = (t, nbytes)
-            memory_stats.add("optimizer_states", self.tier, -nbytes)
-            memory_stats.add("optimizer_states", "device", nbytes)
+            raise
 
-    def _start_reads(self, buckets: list[list[torch.Tensor]], *, pieces: bool) -> None:
-        """Read ``buckets`` (those not read yet) on the background thread, and their pieces when ``pieces``."""
-        for bucket in buckets:
-            key = _bucket_key(bucket)
-            if self._reader is not None and self.moves_states and key not in self._ahead:
-                self._ahead[key] = self._reader.submit(self._read_in, bucket)
-            if pieces and self.pieces is not None and self.pieces.reader is not None:
+    def _start_read(self, bucket: list[torch.Tensor], after: Optional[Future] = None) -> None:
+        """Read ``bucket`` (unless read already) on the background thread, once the write ``after`` is done: the
+        write that frees the memory it takes (one that failed kept its states in memory: the step still completes,
+        over the bound, and the next :meth:`flush` raises the failure before anything else changes)."""
+        key = _bucket_key(bucket)
+        if self._reader is not None and self.moves_states and key not in self._ahead:
+            self._ahead[key] = self._reader.submit(self._read_after, after, bucket)
+
+    def _read_after(self, write: Optional[Future], bucket: list[torch.Tensor]) -> None:
+        if write is not None:
+            wait([write])
+        self._read_in(bucket)
+
+    def _start_piece_reads(self, buckets: list[list[torch.Tensor]]) -> None:
+        if self.pieces is not None and self.pieces.reader is not None:
+            for bucket in buckets:
                 for offload in self.pieces.buffers_of(bucket):
                     offload.start_reads(self.pieces.reader)
 
@@ -307,7 +332,7 @@ class StateOffload:
     def _grads_reduced(self, group: Any) -> None:
         """A group's gradients were reduced (``ParamGroup.grads_reduced_hooks``): once all but ``backward_lead`` of
         backward's reductions are done, read the step's first bucket, and one more after each reduction that follows
-        (``1 + reads_ahead`` in all)."""
+        (``buckets_in_memory`` in all)."""
         task = torch._C._current_graph_task_id()
         if task == -1:
             return  # finished outside backward (a forward after a backward without a step)
@@ -323,7 +348,8 @@ class StateOffload:
                 return  # the step raises it
             self._writes.popleft()
         # One more bucket per reduction, as backward frees its memory.
-        self._start_reads(self.buckets()[: min(1 + self.reads_ahead, self._reduced - first + 1)], pieces=False)
+        for bucket in self.buckets()[: min(self.buckets_in_memory, self._reduced - first + 1)]:
+            self._start_read(bucket)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if (self._ahead or self._fresh) and torch._C._current_graph_task_id() == -1:  # not a recomputation
@@ -344,9 +370,13 @@ class StateOffload:
         originals = [g["params"] for g in groups]
         buckets = self.buckets()
         failed = True
+        slots = max(self.buckets_in_memory, 1)
+        writes: list[Optional[Future]] = []  # per bucket stepped: its write-back (None: done already)
         try:
             for i, bucket in enumerate(buckets):
-                self._start_reads(buckets[i : i + 1 + self.reads_ahead], pieces=True)
+                for k in range(i, min(i + slots, len(buckets))):  # bucket k takes the memory bucket k - slots frees
+                    self._start_read(buckets[k], after=writes[k - slots] if k >= slots else None)
+                self._start_piece_reads(buckets[i : i + 1 + self.pieces_ahead])
                 self._bring_in(bucket)
                 mine = {id(p) for p in bucket}
                 for g, params in zip(groups, originals):
@@ -355,7 +385,7 @@ class StateOffload:
                 for offload in pieces:
                     offload.bring_in()
                 self._original_step()
-                self._write_out(bucket)
+                writes.append(self._write_out(bucket))
                 for offload in pieces:
                     offload.put_back(params_changed=True)
             failed = False

@@ -66,9 +66,9 @@ class MemoryPolicy:
     there (checked by :func:`~lightning_vescale.memory.apply_memory_policy` before anything moves)."""
     prefetch: bool = True
     """Read optimizer states ahead on a background thread (the step's first buckets at the end of backward, the
-    next ones while a bucket steps) and write stepped buckets back on another (at most
-    ``StateOffload.writes_in_flight`` at a time, the last completing during the next forward); off, every read and
-    write is synchronous, inside ``step``. See [Note: swapping optimizer states]."""
+    next ones while earlier buckets step) and write stepped buckets back on another (the last completing during
+    the next forward), with at most ``StateOffload.buckets_in_memory`` buckets in memory at a time; off, every
+    read and write is synchronous, inside ``step``. See [Note: swapping optimizer states]."""
     bucket_bytes: int = 64 * 2**20
     """Target size of one swapped bucket of optimizer states: the transient memory offload needs."""
 

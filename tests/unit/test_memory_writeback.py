@@ -2,10 +2,11 @@
 
 With prefetch on, a stepped bucket's states are written on a background thread while the next bucket steps, and
 ``step`` returns with the last buckets still being written (they complete during the next forward). Writes are
-slowed down here so that they pile up: the number in flight must reach its bound and never pass it, every read
+slowed down here so that they pile up: the buckets in memory (read, stepping or being written) must reach their
+bound and never pass it, every read
 (the next step's, backward's read-ahead, a checkpoint's) must wait for the write of the same state, and training
 stays bitwise the same as without offload. With the sharded model given, the step's first buckets are read during
-backward, at most ``1 + reads_ahead`` of them, and a forward before the step releases them. A write that fails
+backward, ``buckets_in_memory`` of them, and a forward before the step releases them. A write that fails
 must leave its states in memory and say so before the next step changes anything. Large states move with
 ``O_DIRECT`` (out of the page cache) and come back bitwise.
 """
@@ -51,27 +52,33 @@ def _states(opt) -> list[torch.Tensor]:
 def test_write_back_is_bounded_and_finishes_in_the_background(tmp_path) -> None:
     model, ref, opt, ref_opt, offload = _setup(tmp_path)
     assert len(offload.buckets()) >= 4 and offload._writer is not None
-    write, submit = offload.store.write, offload._writer.submit
-    in_flight: list[int] = []
+    assert len(offload.buckets()) > offload.buckets_in_memory + 1
+    write, read = offload.store.write, offload.store.read_into
+    bucket_of = {id(s): i for i, b in enumerate(offload.buckets()) for p in b for s in opt.state.get(p, {}).values()}
+    in_memory: list[int] = []
+
+    def count() -> None:  # buckets with a state in memory (a read fills one, a write empties one)
+        in_memory.append(len({bucket_of.get(id(s)) for s in _states(opt) if s.untyped_storage().nbytes()}))
 
     def slow_write(key, t):
         time.sleep(0.005)  # slower than a bucket's step: without a bound, every bucket would be in flight
+        count()
         write(key, t)
 
-    def counting_submit(fn, jobs):
-        in_flight.append(len(offload._writes) + 1)
-        return submit(fn, jobs)
+    def counted_read(key, t, *args):
+        read(key, t, *args)
+        count()
 
-    offload.store.write = slow_write
-    offload._writer.submit = counting_submit
+    offload.store.write, offload.store.read_into = slow_write, counted_read
     for step in range(2):
         _train(model, opt, step)
         _train(ref, ref_opt, step)
         assert offload._writes, "the last buckets' write-back overlaps what follows the step"
         offload.flush()
+        bucket_of = {id(s): i for i, b in enumerate(offload.buckets()) for p in b for s in opt.state[p].values()}
         assert all(s.untyped_storage().nbytes() == 0 for s in _states(opt)), "every state released once written"
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())), step
-    assert max(in_flight) == offload.writes_in_flight, in_flight
+    assert max(in_memory) == offload.buckets_in_memory, in_memory
     _train(model, opt, 2)
     _train(ref, ref_opt, 2)
     with resident_states(opt):  # right after the step: a checkpoint sees the stepped states, whole
@@ -84,7 +91,7 @@ def test_a_failed_write_back_keeps_the_states_in_memory(tmp_path) -> None:
     _train(model, opt, 0)
     _train(ref, ref_opt, 0)
     offload.flush()  # step 0's writes done before the disk fills up
-    offload.writes_in_flight = 100  # every bucket steps; the failure surfaces when the writes are waited for
+    offload.buckets_in_memory = 100  # every bucket steps; the failure surfaces when the writes are waited for
     write, failed = offload.store.write, []
 
     def full_disk(key, t):
@@ -124,7 +131,7 @@ def test_reads_during_backward_wait_for_the_write_back_and_forward_releases_them
         handles = apply_memory_policy(model, [opt], MemoryPolicy(optimizer_states="disk", disk_dir=str(tmp_path),
                                                                  bucket_bytes=2048))
         offload = handles.states[0]
-        assert len(offload.buckets()) > 1 + offload.reads_ahead + 1
+        assert len(offload.buckets()) > offload.buckets_in_memory + 1
         writing: set[str] = set()
         write, read = offload.store.write, offload.store.read_into
         stale: list[str] = []
@@ -142,7 +149,7 @@ def test_reads_during_backward_wait_for_the_write_back_and_forward_releases_them
 
         offload.store.write, offload.store.read_into = slow_write, checked_read
         resident = lambda: sum(s.to_local().untyped_storage().nbytes() > 0 for s in _states(opt))  # noqa: E731
-        ahead = 2 * sum(map(len, offload.buckets()[: 1 + offload.reads_ahead]))  # AdamW: two states per parameter
+        ahead = 2 * sum(map(len, offload.buckets()[: offload.buckets_in_memory]))  # AdamW: two states per param
         for step in range(3):
             g = torch.Generator().manual_seed(step)
             x = torch.randn(2, 8, 7, generator=g)
@@ -216,3 +223,42 @@ def test_realign_gives_a_page_aligned_state_without_room_the_room_o_direct_needs
     storage = t.untyped_storage()
     assert storage.data_ptr() + storage.nbytes() - t.data_ptr() >= DIRECT_MIN_BYTES + ALIGN
     assert t.data_ptr() % ALIGN == 0 and torch.equal(t, want)
+
+
+def test_a_buckets_large_states_are_read_into_one_aligned_storage_with_o_direct(tmp_path) -> None:
+    """A bucket's states share one storage (one allocation, huge pages where the kernel gives them), each on a block
+    boundary, moved with O_DIRECT; training stays bitwise the same as in memory."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # 1 MiB weights: their states move direct
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    offload = offload_optimizer_states(opt, MemoryPolicy(optimizer_states="disk", disk_dir=str(tmp_path),
+                                                         bucket_bytes=64 * 2**20))
+    if not offload.store.direct:
+        pytest.skip("this file system has no O_DIRECT")
+    assert len(offload.buckets()) == 1
+    opened, real_open = [], os.open
+
+    def spy(path, f, *args):
+        opened.append((path, f))
+        return real_open(path, f, *args)
+
+    with mock.patch("os.open", spy):
+        for step in range(3):
+            x = torch.randn(4, 512, generator=torch.Generator().manual_seed(step))
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m(x).square().mean().backward()
+                o.step()
+                o.zero_grad()
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())), step
+        offload.flush()
+    flags = [f for path, f in opened if os.path.getsize(path) >= DIRECT_MIN_BYTES]
+    assert len(flags) == 4 * (1 + 2 + 2) and all(f & os.O_DIRECT for f in flags), flags  # 4 states: w, rw, rw
+    large = [s for p in (model[0].weight, model[1].weight) for s in opt.state[p].values() if s.dim()]
+    with resident_states(opt):
+        assert len({s.untyped_storage().data_ptr() for s in large}) == 1, "one storage for the bucket"
+        assert all(s.data_ptr() % ALIGN == 0 for s in large)
+        assert all(torch.equal(a, b) for a, b in zip(_states(opt), _states(ref_opt)))
+    assert all(s.untyped_storage().nbytes() == 0 for s in large), "released together once written"
+    offload.close()
