@@ -99,8 +99,7 @@ def _rank(rank: int, world: int, init: str, model_name: str, spec, shape: dict, 
     for _ in range(steps):
         tokens = torch.randint(0, config.vocab_size, (shape["batch"], shape["seq"] + 1), generator=g)
         start = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+        _loss(model, tokens).backward()  # as a training loop does: the logits die with the step's forward
         opt_start = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -171,9 +170,6 @@ def _paired_rank(rank: int, world: int, init: str, model_name: str, steps: int, 
     offload does for one step (reads during backward and the step, writes during the step and the next forward)
     falls in the copy's own turn and can only overlap the copy's own compute."""
     torch.set_num_threads(1)
-    for k in ("buckets_in_memory", "backward_lead"):  # EXPERIMENT
-        if os.environ.get("LV_" + k):
-            setattr(StateOffload, k, int(os.environ["LV_" + k]))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     built = {name: _build(model_name, spec, swap, rank, tag=f"p{i}") for i, (name, spec) in enumerate(PAIRED.items())}
     runs = {name: b[:2] for name, b in built.items()}

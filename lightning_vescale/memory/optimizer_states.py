@@ -100,7 +100,7 @@ class StateOffload:
     buckets_in_memory: int = 5
     """Buckets of states in memory at once, with prefetch: read ahead (from the end of backward), stepping, or
     being written back (until the next forward)."""
-    pieces_ahead: int = 2
+    pieces_ahead: int = 1
     """With offloaded weights and gradient pieces: buckets whose pieces are read ahead of the one stepping."""
     backward_lead: int = 4
     """The step's first buckets are read during backward once all but this many of its gradient reductions
