@@ -9,7 +9,7 @@ but its storage is released (resized to 0) after its bytes were written to the t
 optimizer's own ``step`` runs (any elementwise torch optimizer: the numerics are untouched, so training is
 bitwise the same as without offload), and the states are written back and released. Without ``prefetch``
 every read and write is synchronous, inside ``step``. With it, the reads and writes run on two background
-threads and overlap compute -- the optimizer step's, and backward's and forward's:
+threads and overlap compute -- the optimizer step's, and backward's and forward's.
 
 One bound holds the memory: at most ``StateOffload.buckets_in_memory`` buckets (``B``, 5 by default) are in
 memory at a time -- read or being read, stepping, or being written back -- and none outside the span from the
@@ -33,7 +33,7 @@ end of backward to the start of the next forward. Within it the disk is kept bus
 
 One bound rather than a read depth and a write depth: what the step cannot hide is the I/O left inside it, and
 a shared bound lets backward read, and the next forward write, as much as the step's own memory allows
-(``offload_bench.py --prefetch-pairs``: a 2-read/2-write split left 0.66 of the synchronous cost).
+(``offload_bench.py --prefetch-pairs``: a 2-read/2-write split left 0.66 of the synchronous cost, this 0.50).
 
 On the disk tier large states bypass the page cache (``DiskStore(direct=True)``): a bucket's states are read
 into one storage on page boundaries, backed by huge pages (:func:`~lightning_vescale.memory.disk.alloc_together`:
