@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning_vescale as lv  # noqa: E402
 from lightning_vescale.fully_shard import sharded_groups  # noqa: E402
-from lightning_vescale.memory import MemoryPolicy, StateOffload, apply_memory_policy, memory_stats  # noqa: E402
+from lightning_vescale.memory import MemoryPolicy, apply_memory_policy, memory_stats  # noqa: E402
 from lightning_vescale.models import Llama, LlamaConfig  # noqa: E402
 
 MODELS = {
@@ -400,7 +400,7 @@ def write_prefetch_pairs(args, passes: list[dict]) -> None:
         f"the same rank processes: states in memory; states on disk with prefetch on (on background threads: the "
         f"step's first buckets read at the end of backward, the next ones while earlier ones step, the stepped "
         f"ones written back, the last completing during the next forward; at most "
-        f"{StateOffload.buckets_in_memory} buckets in memory at a time, read, stepping or being written); states "
+        f"{MemoryPolicy.prefetch_buckets} buckets in memory at a time, read, stepping or being written); states "
         f"on disk with prefetch off (every read and write synchronous, in the step). States move with `O_DIRECT`, so every "
         f"read comes from the device, not the page cache. Each step the three copies take turns, in rotated order. "
         f"{_TURN}. Cost = a copy's turn minus the in-memory copy's in the same step; median over "
@@ -425,7 +425,7 @@ def write_prefetch_pairs(args, passes: list[dict]) -> None:
         f"{statistics.median(ratios):.2f} of it (passes: {', '.join(f'{r:.2f}' for r in ratios)}).",
         "- The cost without prefetch is the disk's time for each rank's states (read and written every step, the "
         "ranks sharing one disk) and the CPU time of moving them. With prefetch, the reads of the first "
-        f"{StateOffload.buckets_in_memory} buckets overlap the end of backward and the last writes the next "
+        f"{MemoryPolicy.prefetch_buckets} buckets overlap the end of backward and the last writes the next "
         "forward; what remains is about half inside the optimizer step (last column: the reads and writes that "
         "the bound on buckets in memory leaves to the step take longer than its compute) and half in backward, "
         "which runs slower while the first buckets are read (the I/O threads' CPU time -- huge-page faults, "

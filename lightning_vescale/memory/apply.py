@@ -222,7 +222,7 @@ def apply_memory_policy(
             buf.gathered_offload = handles.gathered
     local = MemoryPolicy(optimizer_states=policy.optimizer_states, params=policy.params, grads=policy.grads,
                          gathered_params=policy.gathered_params, disk_dir=disk_dir, prefetch=policy.prefetch,
-                         bucket_bytes=policy.bucket_bytes)
+                         bucket_bytes=policy.bucket_bytes, prefetch_buckets=policy.prefetch_buckets)
     handles.policy, handles.placement, handles.model = local, placement, model
     mark_tiers_applied(mp.sharded for group in _sharded_groups(model) for mp in group.managed)
     if any(t != ("device", "device") for t in placement.buffers.values()):

@@ -6,7 +6,7 @@ activations of one micro-batch) come from the dry run (:mod:`lightning_vescale.p
 Each way to free device memory has a saving and a cost per step:
 
 * optimizer states to disk: saves all but the swap buckets in memory at once around a step
-  (``StateOffload.buckets_in_memory``); costs writing and reading them once per step;
+  (``MemoryPolicy.prefetch_buckets``); costs writing and reading them once per step;
 * master weights to disk: saves all but two buckets; costs reading them for the forward's and the backward's
   AllGathers and the optimizer step, and writing them once per step;
 * gradient pieces to disk: saves all but two buckets; costs writing and reading them once per step;
@@ -29,7 +29,6 @@ from typing import Optional
 
 import torch
 
-from lightning_vescale.memory.optimizer_states import StateOffload
 from lightning_vescale.memory.policy import parse_bytes
 
 __all__ = ["MemoryEstimate", "Placement", "choose_placement", "measure_disk_bandwidth"]
@@ -53,6 +52,8 @@ class MemoryEstimate:
     forward_seconds: float = 0.0
     """Estimated forward time of one micro-batch (what checkpointing adds)."""
     bucket_bytes: float = 64 * 2**20
+    prefetch_buckets: int = 5
+    """Buckets of optimizer states that stay in memory around a step when they are offloaded."""
 
     def total(self) -> float:
         return sum(getattr(self, c) for c in CLASSES)
@@ -106,7 +107,7 @@ def choose_placement(estimate: MemoryEstimate, budget: "int | str", *, disk_band
     cost: dict = {}
     per_block = estimate.activations / max(estimate.num_blocks, 1)
     two_buckets = 2 * estimate.bucket_bytes
-    state_buckets = StateOffload.buckets_in_memory * estimate.bucket_bytes
+    state_buckets = estimate.prefetch_buckets * estimate.bucket_bytes
     options = {
         "optimizer_states": (device["optimizer_states"] - min(device["optimizer_states"], state_buckets),
                              2 * device["optimizer_states"] / disk_bandwidth),

@@ -11,7 +11,7 @@ bitwise the same as without offload), and the states are written back and releas
 every read and write is synchronous, inside ``step``. With it, the reads and writes run on two background
 threads and overlap compute -- the optimizer step's, and backward's and forward's.
 
-One bound holds the memory: at most ``StateOffload.buckets_in_memory`` buckets (``B``, 5 by default) are in
+One bound holds the memory: at most ``MemoryPolicy.prefetch_buckets`` buckets (``B``, 5 by default) are in
 memory at a time -- read or being read, stepping, or being written back -- and none outside the span from the
 end of backward to the start of the next forward. Within it the disk is kept busy:
 
@@ -97,9 +97,6 @@ class StateOffload:
     ``select``: which parameters' states move (a plan's per-parameter tiers); the others stay in memory.
     """
 
-    buckets_in_memory: int = 5
-    """Buckets of states in memory at once, with prefetch: read ahead (from the end of backward), stepping, or
-    being written back (until the next forward)."""
     pieces_ahead: int = 1
     """With offloaded weights and gradient pieces: buckets whose pieces are read ahead of the one stepping."""
     backward_lead: int = 4
@@ -117,6 +114,9 @@ class StateOffload:
         self.pieces = pieces
         self.tier = policy.optimizer_states
         self.moves_states = self.tier != "device"
+        # With prefetch: buckets of states in memory at once, read ahead (from the end of backward), stepping, or
+        # being written back (until the next forward).
+        self.buckets_in_memory = policy.prefetch_buckets
         self.select = select
         self.store: Optional[DiskStore] = DiskStore(policy.disk_dir, direct=True) if self.tier == "disk" else None
         self._known: set[str] = set()  # states counted in the ledger

@@ -67,10 +67,14 @@ class MemoryPolicy:
     prefetch: bool = True
     """Read optimizer states ahead on a background thread (the step's first buckets at the end of backward, the
     next ones while earlier buckets step) and write stepped buckets back on another (the last completing during
-    the next forward), with at most ``StateOffload.buckets_in_memory`` buckets in memory at a time; off, every
-    read and write is synchronous, inside ``step``. See [Note: swapping optimizer states]."""
+    the next forward), with at most ``prefetch_buckets`` buckets in memory at a time; off, every read and write
+    is synchronous, inside ``step``. See [Note: swapping optimizer states]."""
     bucket_bytes: int = 64 * 2**20
-    """Target size of one swapped bucket of optimizer states: the transient memory offload needs."""
+    """Target size of one swapped bucket of optimizer states."""
+    prefetch_buckets: int = 5
+    """With ``prefetch``: buckets of offloaded optimizer states in memory at once (read ahead, stepping or being
+    written back), the transient memory offload needs (``prefetch_buckets * bucket_bytes``). More hides more of
+    the disk's time behind backward and the next forward, at that much more peak memory."""
 
     def __post_init__(self) -> None:
         for name in ("optimizer_states", "params", "grads", "gathered_params"):  # a tier
@@ -85,6 +89,9 @@ class MemoryPolicy:
             parse_bytes(self.budget)
         if self.bucket_bytes <= 0:
             raise ValueError(f"MemoryPolicy.bucket_bytes must be > 0, got {self.bucket_bytes}")
+        if self.prefetch_buckets < 1:
+            raise ValueError(f"MemoryPolicy.prefetch_buckets must be >= 1 (the bucket stepping), got "
+                             f"{self.prefetch_buckets}")
         if "disk" in (self.optimizer_states, self.params, self.grads, self.gathered_params, self.activations):
             if not self.disk_dir:
                 raise ValueError("MemoryPolicy: a 'disk' tier needs disk_dir=<a directory on a local disk>")

@@ -65,7 +65,7 @@ def estimate_for(config, world_size: int) -> MemoryEstimate:
         activations=run.activations, num_blocks=max(blocks, 1),
         block_inputs=max(blocks, 1) * workload.tokens * config.model.build_config().dim * 4 if hidden else 0.0,
         forward_seconds=run.compute_seconds / 3,
-        bucket_bytes=config.memory.bucket_bytes,
+        bucket_bytes=config.memory.bucket_bytes, prefetch_buckets=config.memory.prefetch_buckets,
     )
 
 
@@ -90,4 +90,4 @@ def memory_policy_for(config, run_dir: Path, world_size: int) -> Optional[Memory
         logger.info("memory budget %s per rank: placement chosen by the cost model\n%s", m.budget, placement.table())
     return MemoryPolicy(optimizer_states=optimizer_states, params=params, grads=grads, activations=activations,
                         gathered_params=m.gathered_params, activation_blocks=tuple(m.activation_blocks), disk_dir=disk_dir, prefetch=m.prefetch,
-                        bucket_bytes=m.bucket_bytes)
+                        bucket_bytes=m.bucket_bytes, prefetch_buckets=m.prefetch_buckets)

@@ -554,6 +554,9 @@ class MemoryConfig:
     """Read the next bucket / block ahead on a background thread."""
     bucket_bytes: int = 64 * 2**20
     """Optimizer states swapped per bucket."""
+    prefetch_buckets: int = 5
+    """Buckets of offloaded optimizer states in memory at once with prefetch: more hides more disk time, at
+    ``bucket_bytes`` more peak memory each."""
 
     def __post_init__(self) -> None:
         for name in ("optimizer_states", "params", "grads", "gathered_params"):
@@ -561,6 +564,8 @@ class MemoryConfig:
             _check(value in ("device", "host", "disk"), f"memory.{name} must be device, host or disk, got {value!r}")
         _check(self.activations in ("device", "host", "disk", "checkpoint"),
                f"memory.activations must be device, host, disk or checkpoint, got {self.activations!r}")
+        _check(self.bucket_bytes > 0, f"memory.bucket_bytes must be > 0, got {self.bucket_bytes}")
+        _check(self.prefetch_buckets >= 1, f"memory.prefetch_buckets must be >= 1, got {self.prefetch_buckets}")
         if self.budget is not None:
             from lightning_vescale.memory.policy import parse_bytes
 

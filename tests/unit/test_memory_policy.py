@@ -24,6 +24,11 @@ def test_a_disk_tier_needs_a_directory() -> None:
         MemoryPolicy(optimizer_states="nvme")
 
 
+def test_prefetch_needs_room_for_the_bucket_stepping() -> None:
+    with pytest.raises(ValueError, match=r"prefetch_buckets must be >= 1 \(the bucket stepping\), got 0"):
+        MemoryPolicy(prefetch_buckets=0)
+
+
 def estimate(**kw) -> MemoryEstimate:
     base = dict(params=100 * MiB, grads=100 * MiB, optimizer_states=200 * MiB, gathered_params=50 * MiB,
                 activations=400 * MiB, num_blocks=8, block_inputs=20 * MiB, forward_seconds=1.0, bucket_bytes=10 * MiB)

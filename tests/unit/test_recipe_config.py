@@ -227,6 +227,7 @@ def test_unknown_options_list_the_valid_ones(group, option):
         (["scheduler.decay=exp"], r"scheduler.decay must be one of cosine, linear, constant, got 'exp'"),
         (["trainer.precision=bf16"], r"trainer.precision must be one of .*got 'bf16'"),
         (["trainer.devices=0"], r"trainer.devices must be >= 1, got 0"),
+        (["memory=offload_disk", "memory.prefetch_buckets=0"], r"memory.prefetch_buckets must be >= 1, got 0"),
         (["trainer.max_steps=0"], r"trainer.max_steps must be >= 1, got 0"),
         (["trainer.gradient_clip_val=-1"], r"trainer.gradient_clip_val must be > 0 or null"),
         (["trainer.checkpoint_keep=3"], r"trainer.checkpoint_keep must be -1 or 1, got 3"),
@@ -344,6 +345,7 @@ def test_initial_weights_from_a_sharded_checkpoint_directory(tmp_path):
 
 
 def test_a_plans_disk_tier_gets_the_runs_swap_directory(tmp_path):
+    from lightning_vescale.memory import MemoryPolicy
     from lightning_vescale.recipe.memory import memory_policy_for
 
     cfg = load("plan=llama_offload")
@@ -354,3 +356,5 @@ def test_a_plans_disk_tier_gets_the_runs_swap_directory(tmp_path):
     explicit = memory_policy_for(load("plan=llama_offload", "memory=offload_disk",
                                       f"memory.disk_dir={tmp_path / 'nvme'}"), tmp_path, 2)
     assert explicit.disk_dir == str(tmp_path / "nvme")
+    deeper = memory_policy_for(load("memory=offload_disk", "memory.prefetch_buckets=8"), tmp_path, 2)
+    assert deeper.prefetch_buckets == 8 and MemoryPolicy().prefetch_buckets == 5
