@@ -263,8 +263,8 @@ class StateOffload:
         # O_DIRECT straight into the states' own memory: one huge-page backed storage for the lot.
         direct = [t for _, t, (_, nbytes) in jobs
                   if self.store is not None and t.device.type == "cpu" and self.store.moves_direct(nbytes)]
-        alloc_together(direct)
         try:
+            alloc_together(direct)  # inside: out of memory here leaves every one on the tier too
             for key, t, (_, nbytes) in jobs:
                 if t.untyped_storage().nbytes() == 0:
                     t.untyped_storage().resize_(nbytes)

@@ -262,3 +262,29 @@ def test_a_buckets_large_states_are_read_into_one_aligned_storage_with_o_direct(
         assert all(torch.equal(a, b) for a, b in zip(_states(opt), _states(ref_opt)))
     assert all(s.untyped_storage().nbytes() == 0 for s in large), "released together once written"
     offload.close()
+
+
+def test_a_failed_read_leaves_the_bucket_on_the_tier_and_the_step_can_be_retried(tmp_path) -> None:
+    model, ref, opt, ref_opt, offload = _setup(tmp_path, prefetch=False)
+    _train(model, opt, 0)
+    _train(ref, ref_opt, 0)
+    read, calls = offload.store.read_into, []
+
+    def failing_read(key, t, *args):
+        calls.append(key)
+        if len(calls) == 2:  # the first bucket's second state: the first is in memory already
+            raise DiskTierError("the disk went away")
+        read(key, t, *args)
+
+    offload.store.read_into = failing_read
+    with pytest.raises(DiskTierError, match="the disk went away"):
+        _train(model, opt, 1)  # raises in the step, before the first bucket steps
+    assert all(s.untyped_storage().nbytes() == 0 for s in _states(opt)), "the bucket's states back on the tier"
+    offload.store.read_into = read
+    opt.step()  # the same gradients, again
+    opt.zero_grad()
+    _train(ref, ref_opt, 1)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    with resident_states(opt):
+        assert all(torch.equal(a, b) for a, b in zip(_states(opt), _states(ref_opt)))
+    offload.close()
