@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import shutil
 import sys
@@ -53,11 +54,20 @@ def alloc_aligned(t: torch.Tensor, nbytes: int) -> None:
 def _advise_huge_pages(address: int, nbytes: int) -> None:
     """Ask Linux for transparent huge pages over ``[address, address + nbytes)`` (no-op elsewhere, or when the
     kernel says no): a 2 MiB page is one fault and one pin for ``O_DIRECT`` instead of 512."""
-    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
+    if libc is not None and nbytes >= HUGE_PAGE:
         libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
+
+
+@functools.lru_cache(maxsize=None)
+def _libc() -> Optional[ctypes.CDLL]:
+    """The C library, once (Linux only: ``madvise`` with transparent huge pages)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def alloc_together(tensors: Sequence[torch.Tensor]) -> None:

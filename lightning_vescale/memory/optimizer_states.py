@@ -230,9 +230,14 @@ class StateOffload:
 
     def _write_files(self, jobs: list[tuple[str, torch.Tensor, int]]) -> None:
         for key, t, nbytes in jobs:
-            if t.device.type == "cpu" and self.store.moves_direct(nbytes):
+            if self._moves_direct(t, nbytes):
                 realign(t)  # once, for a state the optimizer just created: O_DIRECT from then on
             self.store.write(key, t)
+
+    def _moves_direct(self, t: torch.Tensor, nbytes: int) -> bool:
+        """Whether state ``t`` moves with ``O_DIRECT`` (in and out of the storage ``realign`` or ``alloc_together``
+        gives it)."""
+        return self.store is not None and t.device.type == "cpu" and self.store.moves_direct(nbytes)
 
     def _write_and_release(self, jobs: list[tuple[str, torch.Tensor, int]]) -> None:
         """On the writer thread: nothing touches these states until they are read again, and every read of them
@@ -261,8 +266,7 @@ class StateOffload:
                 continue  # resident: newer than the tier's copy (created by a step, or replaced by a load)
             jobs.append((key, t, held))
         # O_DIRECT straight into the states' own memory: one huge-page backed storage for the lot.
-        direct = [t for _, t, (_, nbytes) in jobs
-                  if self.store is not None and t.device.type == "cpu" and self.store.moves_direct(nbytes)]
+        direct = [t for _, t, (_, nbytes) in jobs if self._moves_direct(t, nbytes)]
         try:
             alloc_together(direct)  # inside: out of memory here leaves every one on the tier too
             for key, t, (_, nbytes) in jobs:

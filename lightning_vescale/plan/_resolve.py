@@ -228,8 +228,8 @@ def _is_block_list(module: nn.Module) -> bool:
 def default_plan(model: nn.Module) -> Plan:
     """The plan used when none is given: every element of an ``nn.ModuleList`` of identical blocks (e.g.
     transformer layers) is a group, as FSDP2 users apply ``fully_shard`` per block; and an untied
-    ``nn.Embedding`` beside such a list (the token embedding) is a group of its own, kept gathered from forward
-    to backward (see [Note: the embedding's own group])."""
+    ``nn.Embedding`` beside such a list (the token embedding) is a group of its own, freed after forward and not
+    gathered for backward (see [Note: the embedding's own group])."""
     rules: list[dict[str, Any]] = [{"match": _escape(name), "group": True} for name in embedding_groups(model)]
 
     def visit(module: nn.Module, prefix: str) -> None:
