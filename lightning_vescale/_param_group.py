@@ -325,6 +325,46 @@ class ParamGroup:
         for module, name in mp.uses:
             _set_param(module, name, mp.unsharded)
 
+    # [Note: parameters replaced on a sharded module]
+    # The module must hold this group's own parameter objects: the optimizer steps them and the hooks swap them with
+    # the gathered ones. ``load_state_dict(..., assign=True)`` (the FSDP2 tutorial's loading, torch's
+    # ``set_model_state_dict`` on meta parameters) replaces them with the loaded tensors instead: once the load is
+    # done, each group takes its pieces of the new values (a collective for a DTensor that is laid out otherwise;
+    # every rank loads) and puts its own parameters back. Any other replacement is refused at the next forward,
+    # naming the parameter, instead of training on one object while the optimizer holds another.
+    def adopt_assigned(self) -> None:
+        """Take the values (and ``requires_grad``) of parameters that ``load_state_dict(assign=True)`` put on the
+        modules in place of this group's sharded parameters, and put the sharded parameters back."""
+        for mp in self.managed:
+            if mp.layout is None:
+                continue  # block-quantized storage keeps its own loading
+            for module, name in mp.uses:
+                current = module._parameters.get(name)
+                if current is mp.sharded or current is mp.unsharded:
+                    continue
+                if self.training_state is not TrainingState.IDLE:
+                    raise RuntimeError(f"load_state_dict(assign=True) replaced {mp.fqn} during a training step: load "
+                                       f"between steps")
+                with torch.no_grad():
+                    mp.sharded.copy_(current)
+                mp.sharded.requires_grad_(current.requires_grad)
+                self._use_sharded(mp)
+                break
+
+    def check_not_replaced(self) -> None:
+        """Raise if a module holds, in place of one of this group's parameters, a tensor set after ``fully_shard``."""
+        for mp in self.managed:
+            for module, name in mp.uses:
+                current = module._parameters.get(name)
+                if current is not mp.sharded and current is not mp.unsharded:
+                    raise RuntimeError(
+                        f"parameter {mp.fqn} of {type(self.module).__name__} was replaced after fully_shard (by a "
+                        f"{type(current).__name__} of shape {tuple(current.shape) if current is not None else None}): "
+                        f"the sharded model trains its own parameter objects. Tie or replace parameters before "
+                        f"fully_shard (or the strategy's setup); load values with load_state_dict / copy_ under "
+                        f"torch.no_grad()."
+                    )
+
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad`` changes made on the sharded parameters since the last forward (freezing
         rules, Lightning's ``BackboneFinetuning``): the unsharded parameters used in forward get the same flag,
@@ -513,7 +553,7 @@ class ParamGroup:
                 if g is None:
                     view.zero_()
                 elif g is not mp.grad:  # the user set .grad: take its piece
-                    view.view(-1).copy_(g.to_local().reshape(-1) if isinstance(g, RaggedTensor) else g.reshape(-1)[
+                    view.view(-1).copy_(g._local_tensor.reshape(-1) if isinstance(g, RaggedTensor) else g.reshape(-1)[
                         slice(*mp.layout.local_range)])
         return True
 

@@ -43,7 +43,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_vescale import collectives
+from lightning_vescale import (
+    _optim_states,  # noqa: F401 - loaded optimizer states take their parameter's layout
+    collectives,
+)
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale._param_group import SHARDED_ORIGINALS, ParamGroup, TrainingState
 from lightning_vescale.planner import Granularity
@@ -273,6 +276,10 @@ class _VeScaleState:
         self.root: Optional[_VeScaleState] = None
         # Gather the next group in backward order during this group's backward (see default_backward_prefetch).
         self.backward_prefetch = default_backward_prefetch(_mesh_device(mesh))
+        # Set by set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: these groups instead of the
+        # next ones in the recorded order.
+        self.forward_prefetch_states: Optional[list[_VeScaleState]] = None
+        self.backward_prefetch_states: Optional[list[_VeScaleState]] = None
         # Root only:
         self.states: list[_VeScaleState] = []
         self.forward_order: list[_VeScaleState] = []
@@ -323,14 +330,16 @@ class _VeScaleState:
         if self.is_root:
             root._root_pre_forward()
         if self.group is not None:
+            self.group.check_not_replaced()
             self.group.sync_requires_grad()
             self.group.training_state = TrainingState.FORWARD
             self.group.unshard()
             self.group.wait_for_unshard()
         if not root.order_recorded:
             root.forward_order.append(self)
-        else:
-            for nxt in root._next_in(root.forward_order, self, self.prefetch):
+        if self.forward_prefetch_states is not None or root.order_recorded:
+            targets = self.forward_prefetch_states
+            for nxt in root._next_in(root.forward_order, self, self.prefetch) if targets is None else targets:
                 if nxt.group is not None:
                     nxt.group.unshard(async_op=True)  # prefetch, overlapped with this group's compute
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
@@ -393,8 +402,11 @@ class _VeScaleState:
         # Not from the root's: when backward reaches the head, every activation and the loss's gradient over the
         # vocabulary are alive (the step's peak); the next group gathers at its own pre-backward, once the head's
         # backward has freed them.
-        if root.order_recorded and self.backward_prefetch and not self.is_root:
-            for nxt in root._next_in(root.post_forward_order[::-1], self, self.prefetch):
+        targets = self.backward_prefetch_states
+        if targets is None and root.order_recorded and self.backward_prefetch and not self.is_root:
+            targets = root._next_in(root.post_forward_order[::-1], self, self.prefetch)
+        if targets:
+            for nxt in targets:
                 group = nxt.group
                 if group is not None and group.training_state is TrainingState.IDLE and group.backward_reads_params:
                     group.unshard(async_op=True)
@@ -515,6 +527,18 @@ class VeScaleModule:
         for state in self._vescale_states(recurse):
             state.backward_prefetch = enabled
 
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Gather exactly ``modules`` (each sharded with ``fully_shard``) when this module's forward starts, as
+        FSDP2's method of the same name: an explicit prefetch plan instead of the next ``prefetch`` groups in
+        forward order. ``[]`` prefetches nothing from here."""
+        get_state(self).forward_prefetch_states = _states_of(modules, "set_modules_to_forward_prefetch")  # type: ignore[union-attr]
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Gather exactly ``modules`` (each sharded with ``fully_shard``) when this module's backward starts, as
+        FSDP2's method of the same name (on CPU too, where the default backward prefetch is off). ``[]``
+        prefetches nothing from here."""
+        get_state(self).backward_prefetch_states = _states_of(modules, "set_modules_to_backward_prefetch")  # type: ignore[union-attr]
+
     def set_reduces_in_flight(self, count: int, *, recurse: bool = True) -> None:
         """How many groups' ReduceScatters may run while backward goes on (default 1 on an accelerator, 0 on CPU):
         each holds its unsharded gradient buffer (and the backend's staging copies) until it completes. 0 waits
@@ -548,6 +572,18 @@ class VeScaleModule:
             yield
         finally:
             self.set_requires_gradient_sync(True)
+
+
+def _states_of(modules: Any, method: str) -> list[_VeScaleState]:
+    if isinstance(modules, nn.Module) or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"{method} expects a list of modules, got {modules!r}")
+    states = []
+    for m in modules:
+        state = get_state(m)
+        if state is None:
+            raise ValueError(f"{method}: {type(m).__name__} is not sharded; pass modules that fully_shard was applied to")
+        states.append(state)
+    return states
 
 
 def _add_vescale_class(module: nn.Module) -> None:
@@ -720,6 +756,10 @@ def fully_shard(
                 sub._buffers[name] = buf.to(device)
     state = _VeScaleState(module, group, mesh, mp_policy, granularity_fn, prefetch)
     module.__dict__["_vescale_state"] = state
+    if group is not None:
+        # load_state_dict(assign=True) replaces parameters: take their values once the load is done (see
+        # [Note: parameters replaced on a sharded module]).
+        module.register_load_state_dict_post_hook(lambda _module, _keys: group.adopt_assigned())
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward, prepend=False, with_kwargs=True, always_call=False)
     _add_vescale_class(module)

@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 __all__ = [
     "RaggedShard",
@@ -108,7 +109,7 @@ def _boxes(shape: Shape, start: int, end: int) -> list[Box]:
 
 
 @dataclass(frozen=True)
-class RaggedShard:
+class RaggedShard(Shard):
     """A placement of a tensor over ranks as consecutive pieces of its flat row-major storage.
 
     ``dims = (0, 1, ..., k-1)`` are the leading dims that may be cut, so every piece is a whole number
@@ -124,6 +125,56 @@ class RaggedShard:
     """The leading dims that may be cut: ``(0, 1, ..., k-1)`` with ``k >= 1``."""
     local_units: tuple[int, ...]
     """Units per rank, in rank order; non-negative and summing to ``prod(shape[:k])``."""
+
+    # [Note: RaggedShard as a DTensor placement]
+    # It is a ``torch.distributed.tensor.Shard`` on dim 0 (the dim its cuts start from), so DTensor-aware code sees
+    # a sharded tensor: ``torch.distributed.checkpoint.state_dict`` gathers it, ``distribute_tensor(full, mesh,
+    # placements)`` accepts it (and makes torch's even ``Shard(0)``, which a sharded parameter copies from), and
+    # ``compute_local_shape_and_global_offset`` asks it for its rows (:meth:`_local_shard_size_and_offset`). Its
+    # pieces are not ``torch.chunk`` slices, so every transform DTensor would run with ``Shard``'s even-chunk
+    # arithmetic raises instead (``_split_tensor`` and the redistribute steps below); a RaggedTensor redistributes
+    # itself. Shard is a pybind11 class whose own __init__ must run first: the dataclass keeps this __init__.
+    def __init__(self, dims: Sequence[int], local_units: Sequence[int]) -> None:
+        Shard.__init__(self, 0)
+        object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "local_units", local_units)
+        self.__post_init__()
+
+    def __reduce__(self) -> tuple:
+        return (RaggedShard, (self.dims, self.local_units))
+
+    def __eq__(self, other: object) -> bool:
+        # Never equal to a plain Shard(0) (whose C++ equality would otherwise answer for a mixed comparison).
+        return isinstance(other, RaggedShard) and (self.dims, self.local_units) == (other.dims, other.local_units)
+
+    def __hash__(self) -> int:
+        return hash((RaggedShard, self.dims, self.local_units))
+
+    def __str__(self) -> str:
+        return f"RS{self.local_units}"
+
+    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        """Rows of dim 0 that hold ``rank``'s piece: ``(count, first)``; for a piece cut inside rows (element
+        granularity), the rows that cover it (``to_local()`` is then the flat piece, not those rows)."""
+        if num_chunks != self.world_size:
+            raise ValueError(f"{self} spreads a tensor over {self.world_size} ranks, not {num_chunks}")
+        units_per_row, rest = divmod(sum(self.local_units), max(curr_local_size, 1))
+        if rest or units_per_row == 0:
+            raise ValueError(f"{self} does not fit a tensor with {curr_local_size} rows")
+        start = sum(self.local_units[:rank])
+        end = start + self.local_units[rank]
+        first, last = start // units_per_row, -(-end // units_per_row)
+        return (last - first if end > start else 0), first
+
+    def _refuse(self, *args: object, **kwargs: object) -> object:
+        raise NotImplementedError(
+            f"{self} cuts a tensor's flat storage unevenly; DTensor's even Shard(0) arithmetic does not apply to it. "
+            f"Redistribute a lightning_vescale RaggedTensor itself (its .redistribute / .full_tensor()), or "
+            f"distribute a full tensor with RaggedTensor.from_full."
+        )
+
+    _split_tensor = _shard_tensor = _reduce_shard_tensor = _to_replicate_tensor = _refuse  # type: ignore[assignment]
+    _replicate_to_shard = _to_new_shard_dim = _select_split_tensor = _refuse  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         dims = tuple(operator.index(d) for d in self.dims)

@@ -37,6 +37,7 @@ counters are those of the dispatch path.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_map
 
 from lightning_vescale import collectives
@@ -51,6 +55,7 @@ from lightning_vescale.placement import RaggedShard, flat_range_to_boxes
 
 __all__ = [
     "GlobalExtent", "RaggedLayout", "RaggedTensor", "UnsupportedRaggedOp", "block_layout", "is_ragged", "is_sharded_param",
+    "RaggedPiece", "local_tensor", "piece_of",
     "local_piece_shape",
 ]
 
@@ -85,8 +90,14 @@ class RaggedLayout:
     """The ranks whose pieces partition the tensor; None for one process."""
     rank: int
     """This rank's index in ``group``."""
+    mesh: Optional[DeviceMesh] = None
+    """The mesh the tensor reports as a DTensor (``device_mesh``), whose dim ``mesh_dim`` holds the ranks of
+    ``group``: a 2-D (replicate, shard) mesh for HSDP. None: a 1-D mesh of ``group`` (none for one process)."""
+    mesh_dim: int = 0
+    """The dim of ``mesh`` the pieces are spread over; every other dim holds replicas (``Replicate()``)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_specs", {})
         numel = math.prod(self.shape)
         covered = sorted(r for r in self.ranges if r[1] > r[0])
         cursor = 0
@@ -127,6 +138,36 @@ class RaggedLayout:
         """N-D ``(offsets, sizes)`` boxes covering this rank's piece, in flat order."""
         return flat_range_to_boxes(self.shape, *self.local_range)
 
+    def device_mesh(self, device_type: str) -> Optional[DeviceMesh]:
+        """:attr:`mesh`, or a 1-D mesh of ``group`` on ``device_type`` (made once per group); None for one process."""
+        if self.mesh is not None:
+            return self.mesh
+        if self.group is None:
+            return None
+        key = (id(self.group), device_type)
+        mesh = _GROUP_MESHES.get(key)
+        if mesh is None:
+            mesh = _GROUP_MESHES[key] = DeviceMesh.from_group(self.group, device_type)
+        return mesh
+
+    def placements(self, mesh: Optional[DeviceMesh]) -> tuple[Placement, ...]:
+        """The DTensor placements on ``mesh``: :attr:`placement` on ``mesh_dim``, ``Replicate()`` elsewhere."""
+        ndim = 1 if mesh is None else mesh.ndim
+        return tuple(self.placement if d == self.mesh_dim else Replicate() for d in range(ndim))
+
+    def spec(self, dtype: torch.dtype, device: torch.device) -> DTensorSpec:
+        """The DTensor spec of a tensor of this layout (one per dtype and device type, made once)."""
+        key = (dtype, device.type)
+        spec = self._specs.get(key)  # type: ignore[attr-defined]
+        if spec is None:
+            mesh = self.device_mesh(device.type)
+            meta = TensorMeta(torch.Size(self.shape), _contiguous_strides(self.shape), dtype)
+            # A RaggedShard is a Shard of dim 0 but not equal to Shard(0): leave the spec's shard order to be derived when
+            # asked for, as for _StridedShard, instead of checking it against Shard(0) here.
+            spec = self._specs[key] = DTensorSpec(  # type: ignore[attr-defined]
+                mesh, self.placements(mesh), tensor_meta=meta, use_strided_shard_as_shard_order=True)
+        return spec
+
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
@@ -141,6 +182,19 @@ class RaggedLayout:
 
     def __repr__(self) -> str:
         return f"RaggedLayout(shape={self.shape}, local_range={self.local_range}, rank={self.rank}/{self.world_size})"
+
+
+_GROUP_MESHES: dict[tuple[int, str], DeviceMesh] = {}
+"""1-D meshes of the process groups layouts are spread over, by (id(group), device type); a mesh keeps its group
+alive, so an id is never reused while its entry exists."""
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True)
@@ -183,16 +237,17 @@ def is_sharded_param(t: Any) -> bool:
     return isinstance(t, RaggedTensor) or bool(getattr(t, "is_sharded_tensor", False))
 
 
-class RaggedTensor(torch.Tensor):
+class RaggedTensor(DTensor):
     """A tensor of global shape ``layout.shape`` of which this rank holds the piece ``to_local()``.
 
     Made by ``fully_shard`` for every sharded parameter (and its ``.grad``), and by elementwise ops on
-    those (optimizer states). See the module note for what runs on it.
+    those (optimizer states). See the module note for what runs on it. It is a
+    :class:`~torch.distributed.tensor.DTensor` whose placement is :class:`RaggedShard` (see the module note on
+    what DTensor-aware code gets from it).
     """
 
-    _local: torch.Tensor
     _layout: RaggedLayout
-    __slots__ = ("_local", "_layout")
+    __slots__ = ("_layout",)
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: RaggedLayout, *, requires_grad: bool = False) -> "RaggedTensor":
@@ -201,12 +256,12 @@ class RaggedTensor(torch.Tensor):
                 f"the local piece has {local.numel()} elements but the layout gives this rank "
                 f"{layout.local_range[1] - layout.local_range[0]} ({layout})"
             )
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, layout.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad
-        )
-        r._local = local
+        r = _dtensor_new(cls, local, layout.spec(local.dtype, local.device), requires_grad=requires_grad)
         r._layout = layout
         return r
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # everything happens in __new__ (DTensor.__init__ is for DTensor's own constructor)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -235,13 +290,66 @@ class RaggedTensor(torch.Tensor):
         """The flat element range ``[start, end)`` of the global tensor held here."""
         return self._layout.local_range
 
-    def to_local(self) -> torch.Tensor:
-        """This rank's piece: a zero-copy view of the sharded storage (for a parameter: its DBuffer)."""
-        return self._local
+    def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
+        """This rank's piece: a zero-copy view of the sharded storage (for a parameter: its DBuffer).
 
-    def full_tensor(self) -> torch.Tensor:
-        """The whole tensor on every rank of the layout's group (an all-gather; every rank must call it)."""
-        return gather_pieces(self._local, self._layout)
+        Unlike ``DTensor.to_local`` it is not differentiable: a sharded parameter is stepped by the optimizer, and
+        forward uses the gathered parameter, never this piece. ``grad_placements`` is accepted for DTensor's
+        signature and has no effect. A piece cut inside rows comes as a :class:`RaggedPiece`.
+        """
+        local = self._local_tensor
+        if len(self._layout.shape) > 1 and len(local.shape) == 1 and local.numel():
+            return RaggedPiece.of(local, self._layout)
+        return local
+
+    def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
+        """The whole tensor on every rank of the layout's group (an all-gather; every rank must call it).
+
+        Not differentiable (see :meth:`to_local`); ``grad_placements`` has no effect."""
+        return gather_pieces(self._local_tensor, self._layout)
+
+    def redistribute(
+        self,
+        device_mesh: Optional[DeviceMesh] = None,
+        placements: Optional[Sequence[Placement]] = None,
+        *,
+        async_op: bool = False,
+        forward_dtype: Optional[torch.dtype] = None,
+        backward_dtype: Optional[torch.dtype] = None,
+    ) -> DTensor:
+        """This tensor under other placements on its mesh, as DTensor's ``redistribute`` (a collective).
+
+        ``Replicate()`` on every mesh dim gives a plain DTensor holding the full tensor (what
+        ``torch.distributed.checkpoint.state_dict`` does for ``full_state_dict``); other torch placements
+        (``Shard(d)``) a plain DTensor sharded so; a :class:`RaggedShard` on the shard dim a RaggedTensor of that
+        placement. Not differentiable (see :meth:`to_local`); ``async_op`` is accepted and runs synchronously.
+        """
+        mesh = self.device_mesh
+        if device_mesh is not None and device_mesh != mesh:
+            raise ValueError(
+                f"redistribute: this tensor lives on {mesh}; moving it to another mesh ({device_mesh}) is not "
+                f"supported. Gather it with full_tensor() and distribute that."
+            )
+        current = self.placements
+        placements = current if placements is None else tuple(placements)
+        if len(placements) != len(current):
+            raise ValueError(f"redistribute: {len(placements)} placements for a {len(current)}-D mesh")
+        if placements == current:
+            return self
+        full = self.full_tensor()
+        if forward_dtype is not None:
+            full = full.to(forward_dtype)
+        ragged = [p for p in placements if isinstance(p, RaggedShard)]
+        if ragged:
+            if len(ragged) != 1 or not isinstance(placements[self._layout.mesh_dim], RaggedShard) or any(
+                not isinstance(p, Replicate) for d, p in enumerate(placements) if d != self._layout.mesh_dim):
+                raise ValueError(f"redistribute: a RaggedShard goes on mesh dim {self._layout.mesh_dim} with "
+                                 f"Replicate() elsewhere, got {placements}")
+            layout = dataclasses.replace(self._layout, ranges=tuple(ragged[0].flat_ranges(self._layout.shape)))
+            return RaggedTensor.from_full(full, layout)
+        if mesh is None:
+            raise ValueError("redistribute: a tensor of one process has no mesh; use full_tensor()")
+        return distribute_tensor(full, mesh, placements, src_data_rank=None)
 
     @classmethod
     def from_full(cls, full: torch.Tensor, layout: RaggedLayout) -> "RaggedTensor":
@@ -255,13 +363,13 @@ class RaggedTensor(torch.Tensor):
         return (
             f"RaggedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
             f"local_range={self.local_range}, rank={self._layout.rank}/{self._layout.world_size}, "
-            f"local={self._local!r})"
+            f"local={self._local_tensor!r})"
         )
 
     def __deepcopy__(self, memo: dict) -> "RaggedTensor":
         if id(self) in memo:
             return memo[id(self)]
-        out = RaggedTensor(self._local.detach().clone(), self._layout, requires_grad=self.requires_grad)
+        out = RaggedTensor(self._local_tensor.detach().clone(), self._layout, requires_grad=self.requires_grad)
         memo[id(self)] = out
         for key, value in self.__dict__.items():  # _is_param, user declarations
             setattr(out, key, copy.deepcopy(value, memo))
@@ -286,7 +394,7 @@ class RaggedTensor(torch.Tensor):
             WriteItemType,
         )
 
-        props = TensorProperties.create_from_tensor(self._local)
+        props = TensorProperties.create_from_tensor(self._local_tensor)
         return [
             WriteItem(
                 index=MetadataIndex(fqn, torch.Size(offsets)),
@@ -306,7 +414,7 @@ class RaggedTensor(torch.Tensor):
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in self._chunks()]
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        flat = self._local.detach().reshape(-1)
+        flat = self._local_tensor.detach().reshape(-1)
         pos = 0
         for offsets, sizes in self._chunks():
             n = math.prod(sizes)
@@ -330,13 +438,12 @@ class RaggedTensor(torch.Tensor):
         return handler(func, args, kwargs or _NO_KWARGS)
 
 
-_make_wrapper = torch.Tensor._make_wrapper_subclass
+_dtensor_new = torch.Tensor._dtensor__new__
 
 
 def _wrap(local: torch.Tensor, layout: RaggedLayout) -> RaggedTensor:
     """``RaggedTensor(local, layout)`` without the size check (the caller got ``local`` from a same-layout op)."""
-    r = _make_wrapper(RaggedTensor, layout.shape, dtype=local.dtype, device=local.device)
-    r._local = local
+    r = _dtensor_new(RaggedTensor, local, layout.spec(local.dtype, local.device), requires_grad=False)
     r._layout = layout
     return r
 
@@ -433,8 +540,8 @@ class _Unwrapper:
                     f"their pieces hold different parts of the tensor. Use tensors sharded the same way (states "
                     f"made from the parameter with zeros_like / clone), or full_tensor() both."
                 )
-            self.wrappers[id(x._local)] = x
-            return x._local
+            self.wrappers[id(x._local_tensor)] = x
+            return x._local_tensor
         if isinstance(x, torch.Tensor) and x.dim() != 0 and not (self.foreach and not in_list and x.dim() == 1):
             raise UnsupportedRaggedOp(
                 f"{_op_name(self.func)} mixes a sharded RaggedTensor with a plain tensor of shape {tuple(x.shape)}: "
@@ -493,7 +600,7 @@ def _pieces_of_one_layout(args: tuple) -> tuple[Optional["RaggedLayout"], list]:
                 layout = a._layout
             elif a._layout is not layout:
                 return None, []
-            local_args.append(a._local)
+            local_args.append(a._local_tensor)
         elif isinstance(a, _NOT_SCALARS):
             return None, []
         else:
@@ -502,10 +609,7 @@ def _pieces_of_one_layout(args: tuple) -> tuple[Optional["RaggedLayout"], list]:
 
 
 def _wrap_piece(out: torch.Tensor, layout: "RaggedLayout") -> "RaggedTensor":
-    r = _make_wrapper(RaggedTensor, layout.shape, dtype=out.dtype, device=out.device)
-    r._local = out
-    r._layout = layout
-    return r
+    return _wrap(out, layout)
 
 
 def _elementwise_direct(func: Any, args: tuple, kwargs: Optional[dict]) -> Any:
@@ -560,9 +664,94 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The plain storage of ``t``'s piece for a RaggedTensor (what the engine computes on), else ``t``."""
+    return t._local_tensor if isinstance(t, RaggedTensor) else t
+
+
+class RaggedPiece(torch.Tensor):
+    """This rank's piece of a RaggedTensor cut inside rows, as ``to_local()`` returns it: a plain tensor in every
+    respect (results of ops on it are plain tensors) but one. ``copy_`` from the whole tensor, or from the rows that
+    cover the piece, takes the piece's elements of it: DTensor code describes a shard by a box of rows
+    (``compute_local_shape_and_global_offset``, which asks :class:`RaggedShard` for those rows), and torch's
+    ``set_model_state_dict(..., broadcast_from_rank0=True)`` copies that box into ``to_local()``.
+    """
+
+    _ragged_layout: RaggedLayout
+
+    @staticmethod
+    def of(local: torch.Tensor, layout: RaggedLayout) -> "RaggedPiece":
+        piece = local.as_subclass(RaggedPiece)
+        piece._ragged_layout = layout
+        return piece
+
+    def _source_offset(self, src: torch.Tensor) -> Optional[int]:
+        """Where this piece starts in ``src`` when ``src`` is the whole tensor or its covering rows, else None."""
+        layout = self._ragged_layout
+        shape, (start, end) = layout.shape, layout.local_range
+        if tuple(src.shape) == shape:
+            return start
+        row = math.prod(shape[1:])
+        first = start // row
+        if row and tuple(src.shape) == (-(-end // row) - first, *shape[1:]):
+            return start - first * row
+        return None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and isinstance(args[0], RaggedPiece) and isinstance(args[1], torch.Tensor):
+            dst, src = args[0], args[1]
+            offset = dst._source_offset(src) if tuple(src.shape) != tuple(dst.shape) else None
+            if offset is not None:
+                with torch._C.DisableTorchFunctionSubclass():
+                    dst.copy_(src.reshape(-1)[offset : offset + dst.numel()], **kwargs)
+                return dst
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if isinstance(out, RaggedPiece) and not any(out is a for a in args):
+            return out.as_subclass(torch.Tensor)
+        return out
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)  # saved as the plain tensor it is
+
+
+def piece_of(src: torch.Tensor, layout: RaggedLayout) -> torch.Tensor:
+    """This rank's piece of ``layout`` taken from ``src``, a tensor of the layout's global shape: a RaggedTensor
+    (of any layout), another DTensor (``Shard``, ``Replicate`` ...: gathered first, a collective over its mesh), or
+    a plain full tensor. The result is flat (``layout``'s local range), on ``src``'s device."""
+    if tuple(src.shape) != layout.shape:
+        raise ValueError(f"a {tuple(src.shape)} tensor cannot give a piece of a {layout.shape} tensor")
+    if isinstance(src, RaggedTensor):
+        if src._layout == layout:
+            return src._local_tensor.reshape(-1)
+        full = src.full_tensor()
+    elif isinstance(src, DTensor):
+        full = src.full_tensor()
+    else:
+        full = src
+    start, end = layout.local_range
+    return full.detach().reshape(-1)[start:end]
+
+
+def _copy(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``dst.copy_(src)``: between pieces of one layout, or from a Python / 0-d scalar, it runs on the pieces; a
+    RaggedTensor ``dst`` also takes its piece of a ``src`` of its global shape laid out otherwise (another layout,
+    another DTensor, a full tensor): what ``load_state_dict`` and ``set_model_state_dict`` copy in."""
+    dst, src = args[0], args[1]
+    if (isinstance(dst, RaggedTensor) and isinstance(src, torch.Tensor) and src.dim() > 0
+            and not (isinstance(src, RaggedTensor) and src._layout == dst._layout)
+            and tuple(src.shape) == tuple(dst.shape)):
+        piece = piece_of(src, dst._layout)
+        dst._local_tensor.view(-1).copy_(piece.to(dst._local_tensor.device), **kwargs)
+        return dst
+    return _elementwise(func, args, kwargs)
+
+
 def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    return RaggedTensor(func(self._local, *args[1:], **kwargs), self._layout)
+    return RaggedTensor(func(self._local_tensor, *args[1:], **kwargs), self._layout)
 
 
 def _same_shape_view(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -570,7 +759,7 @@ def _same_shape_view(func: Any, args: tuple, kwargs: dict) -> Any:
     self, shape = args[0], args[1]
     if torch.empty(self.shape, device="meta").view(shape).shape != self.shape:
         return _unsupported(func, args, kwargs)
-    return RaggedTensor(self._local.view(self._local.shape), self._layout)
+    return RaggedTensor(self._local_tensor.view(self._local_tensor.shape), self._layout)
 
 
 def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -581,8 +770,8 @@ def _new_factory(func: Any, args: tuple, kwargs: dict) -> Any:
     """``new_empty`` / ``new_zeros`` ...: a RaggedTensor for the global shape, else a plain tensor (no data read)."""
     self, size = args[0], tuple(args[1])
     if size == tuple(self.shape):
-        return RaggedTensor(func(self._local, self._local.shape, *args[2:], **kwargs), self._layout)
-    return func(self._local, size, *args[2:], **kwargs)
+        return RaggedTensor(func(self._local_tensor, self._local_tensor.shape, *args[2:], **kwargs), self._layout)
+    return func(self._local_tensor, size, *args[2:], **kwargs)
 
 
 def _random_fill(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -594,7 +783,7 @@ def _random_fill(func: Any, args: tuple, kwargs: dict) -> Any:
     full = torch.empty(self._layout.shape, dtype=self.dtype, device=self.device)
     func(full, *args[1:], **kwargs)
     start, end = self._layout.local_range
-    self._local.view(-1).copy_(full.view(-1)[start:end])
+    self._local_tensor.view(-1).copy_(full.view(-1)[start:end])
     return self
 
 
@@ -632,14 +821,14 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def _sum(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     self = _reduction_input(func, args, kwargs)
     dtype = kwargs.get("dtype") or (self.dtype if self.dtype.is_floating_point else torch.int64)
-    total = _all_reduce(self._local.sum(dtype=_accumulation_dtype(dtype)), self._layout, dist.ReduceOp.SUM)
+    total = _all_reduce(self._local_tensor.sum(dtype=_accumulation_dtype(dtype)), self._layout, dist.ReduceOp.SUM)
     return total.to(dtype)
 
 
 def _mean(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     self = _reduction_input(func, args, kwargs)
     dtype = kwargs.get("dtype") or self.dtype
-    total = _all_reduce(self._local.sum(dtype=_accumulation_dtype(dtype)), self._layout, dist.ReduceOp.SUM)
+    total = _all_reduce(self._local_tensor.sum(dtype=_accumulation_dtype(dtype)), self._layout, dist.ReduceOp.SUM)
     return (total / self.numel()).to(dtype)
 
 
@@ -657,7 +846,7 @@ def _extreme(func: Any, args: tuple, kwargs: dict, largest: bool) -> torch.Tenso
     self = _reduction_input(func, args, kwargs)
     if self.numel() == 0:
         raise RuntimeError(f"{_op_name(func)}: the tensor has no elements")
-    local = self._local
+    local = self._local_tensor
     if local.numel():
         value = (local.max() if largest else local.min()).clone()
     else:
@@ -667,7 +856,7 @@ def _extreme(func: Any, args: tuple, kwargs: dict, largest: bool) -> torch.Tenso
 
 def _any_all(func: Any, args: tuple, kwargs: dict, want_all: bool) -> torch.Tensor:
     self = _reduction_input(func, args, kwargs)
-    local = self._local
+    local = self._local_tensor
     value = (local.all() if want_all else local.any()) if local.numel() else torch.tensor(want_all, device=local.device)
     as_int = value.to(torch.int32)
     _all_reduce(as_int, self._layout, dist.ReduceOp.MIN if want_all else dist.ReduceOp.MAX)
@@ -708,7 +897,7 @@ def _vector_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     if not isinstance(self, RaggedTensor) or not _is_full_reduction(self, dims, keepdim):
         return _unsupported(func, args, kwargs)
     dtype = kwargs.get("dtype") or self.dtype
-    power = _all_reduce(_local_norm_power(self._local, p), self._layout, _norm_op(p))
+    power = _all_reduce(_local_norm_power(self._local_tensor, p), self._layout, _norm_op(p))
     return _finish_norm(power, p, dtype)
 
 
@@ -734,7 +923,7 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list:
         else:  # a plain tensor is whole on this rank: its norm is local (each output is one tensor's norm)
             out[i] = torch.linalg.vector_norm(t, p, dtype=dtype)
     for group, idx in by_group.items():
-        powers = torch.stack([_local_norm_power(tensors[i]._local, p) for i in idx])
+        powers = torch.stack([_local_norm_power(tensors[i]._local_tensor, p) for i in idx])
         _all_reduce(powers, tensors[idx[0]]._layout, _norm_op(p))
         for k, i in enumerate(idx):
             out[i] = _finish_norm(powers[k], p, dtype or tensors[i].dtype)
@@ -749,7 +938,7 @@ def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
     if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
         return False
     if isinstance(a, RaggedTensor) and isinstance(b, RaggedTensor) and a._layout == b._layout:
-        same = torch.tensor(int(torch.equal(a._local, b._local)), dtype=torch.int32, device=a._local.device)
+        same = torch.tensor(int(torch.equal(a._local_tensor, b._local_tensor)), dtype=torch.int32, device=a._local_tensor.device)
         return bool(_all_reduce(same, a._layout, dist.ReduceOp.MIN).item())
     whole = [t.full_tensor() if isinstance(t, RaggedTensor) else t for t in (a, b)]
     return torch.equal(whole[0], whole[1].to(whole[0].device))
@@ -762,6 +951,7 @@ _EXPLICIT_ELEMENTWISE = {
 }
 
 _HANDLERS: dict[Any, Callable] = {
+    aten.copy_.default: _copy,
     aten.detach.default: _detach,
     aten.alias.default: _detach,
     aten.view.default: _same_shape_view,

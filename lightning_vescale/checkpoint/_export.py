@@ -28,7 +28,7 @@ from lightning_vescale.checkpoint._state import (
 from lightning_vescale.memory.optimizer_states import resident_states
 from lightning_vescale.memory.pieces import resident_pieces
 from lightning_vescale.placement import redistribute_flat
-from lightning_vescale.tensor import is_ragged
+from lightning_vescale.tensor import is_ragged, local_tensor
 
 __all__ = ["export_full_optimizer_state_dict", "export_full_state_dict", "load_full_state_dict", "save_full"]
 
@@ -47,7 +47,7 @@ def _full(value: torch.Tensor, rank0_only: bool) -> Optional[torch.Tensor]:
         return None
     numel = math.prod(layout.shape)
     dst = [(0, numel) if q == ranks.index(first) else (0, 0) for q in range(len(ranks))]
-    full = redistribute_flat(value.to_local().detach().reshape(-1), layout.ranges, dst, layout.group)
+    full = redistribute_flat(local_tensor(value).detach().reshape(-1), layout.ranges, dst, layout.group)
     return full.view(layout.shape) if _dist.rank() == 0 else None
 
 

@@ -21,7 +21,7 @@ from lightning_vescale._param_group import TrainingState
 from lightning_vescale.dbuffer import BufferState
 from lightning_vescale.fully_shard import sharded_groups
 from lightning_vescale.state_dict_report import listing, mismatch_report
-from lightning_vescale.tensor import RaggedTensor, block_layout, is_ragged
+from lightning_vescale.tensor import RaggedTensor, block_layout, is_ragged, local_tensor
 
 __all__ = [
     "check_idle", "get_model_state_dict", "get_optimizer_state_dict", "model_entries", "optimizer_params",
@@ -149,8 +149,7 @@ def apply_model_state(model: nn.Module, state: Mapping[str, Any], *, dedupe: boo
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    la = a.to_local() if is_ragged(a) else a
-    lb = b.to_local() if is_ragged(b) else b
+    la, lb = local_tensor(a), local_tensor(b)
     return la.data_ptr() == lb.data_ptr() and la.dtype == lb.dtype and la.numel() == lb.numel()
 
 
@@ -273,7 +272,7 @@ def load_into_optimizer(
             index[name] = len(index)
             params[name] = p
     # A plain parameter's states are plain (the RaggedTensor views of as_global share their storage).
-    state = {n: {k: (v.to_local() if is_ragged(v) and not is_ragged(params[n]) else v) for k, v in entries.items()}
+    state = {n: {k: (local_tensor(v) if is_ragged(v) and not is_ragged(params[n]) else v) for k, v in entries.items()}
              for n, entries in state.items()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n, _ in cur]}
               for g, cur in zip(param_groups, named)]

@@ -88,7 +88,7 @@ def tier_placement(model: nn.Module, policy: Optional[MemoryPolicy]) -> TierPlac
             for mp in members:
                 out.states[id(mp.sharded)] = tier(mp.sharded, "optimizer_states")
                 if mp.sharded.requires_grad:
-                    count("optimizer_states", out.states[id(mp.sharded)], 2 * mp.sharded.to_local().numel() *
+                    count("optimizer_states", out.states[id(mp.sharded)], 2 * mp.sharded._local_tensor.numel() *
                           mp.sharded.element_size())
             if type(buf) is not DBuffer or not buf.dtype.is_floating_point:
                 continue  # quantized or integer storage stays where it is (the plan refuses to move it)

@@ -69,7 +69,7 @@ from lightning_vescale.memory.disk import DiskStore, alloc_together, realign
 from lightning_vescale.memory.ledger import memory_stats
 from lightning_vescale.memory.pieces import PieceOffload
 from lightning_vescale.memory.policy import MemoryPolicy
-from lightning_vescale.tensor import is_ragged
+from lightning_vescale.tensor import is_ragged, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ _OFFLOADS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, StateOffload]" = we
 
 
 def _storage_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_ragged(t) else t
+    return local_tensor(t)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -66,7 +66,7 @@ from torch.optim.optimizer import Optimizer, ParamsT, _to_scalar
 
 from lightning_vescale import collectives
 from lightning_vescale.optim.owner import assign_owners, newton_schulz_cost
-from lightning_vescale.tensor import is_ragged
+from lightning_vescale.tensor import is_ragged, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def _is_sharded(p: Tensor) -> bool:
 
 def _local(t: Tensor) -> Tensor:
     """The piece this rank holds of a sharded tensor; a plain tensor itself."""
-    return t.to_local() if is_ragged(t) else t
+    return local_tensor(t)
 
 
 def global_shape(p: Tensor) -> torch.Size:

@@ -259,15 +259,22 @@ class CausalLMModule(LightningModule):
 def load_full_state_dict_into(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy a full (unsharded) state dict into ``model``, whichever way it is sharded.
 
-    FSDP2 (DTensor parameters) goes through ``torch.distributed.checkpoint.state_dict.set_model_state_dict``,
-    a ``lightning_vescale`` sharded model through ``lightning_vescale.checkpoint.load_full_state_dict``, and
-    a plain or DDP model through ``load_state_dict`` (strict).
+    A ``lightning_vescale`` sharded model goes through ``lightning_vescale.checkpoint.load_full_state_dict``, FSDP2
+    (DTensor parameters) through ``torch.distributed.checkpoint.state_dict.set_model_state_dict``, and a plain or DDP
+    model through ``load_state_dict`` (strict).
     """
     from torch.distributed.tensor import DTensor
 
     from lightning_vescale.fully_shard import get_state
 
     check_dtype_kinds(model, state_dict, what="initial state dict")
+    if any(get_state(m) is not None for m in model.modules()):
+        # Each rank copies its pieces straight from the full tensors (torch's helper would scatter even Shard(0)
+        # chunks and gather them again).
+        from lightning_vescale.checkpoint import load_full_state_dict
+
+        load_full_state_dict(model, state_dict)
+        return
     if any(isinstance(p, DTensor) for p in model.parameters()):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -275,11 +282,6 @@ def load_full_state_dict_into(model: nn.Module, state_dict: Mapping[str, torch.T
         )
 
         set_model_state_dict(model, dict(state_dict), options=StateDictOptions(full_state_dict=True, strict=True))
-        return
-    if any(get_state(m) is not None for m in model.modules()):
-        from lightning_vescale.checkpoint import load_full_state_dict
-
-        load_full_state_dict(model, state_dict)
         return
     model.load_state_dict(state_dict, strict=True)
 
