@@ -5,14 +5,24 @@ in which an unsharded model's constructors (or a meta model's ``reset_parameters
 numbers — on a transient full-size buffer of the group being initialized, and keeps only its piece.
 So the values are exactly those of an unsharded init with the same seed, while at most the groups
 still in use by later modules (usually the root and one block) are ever whole in memory.
+
+[Note: tied parameters at init]
+A parameter tied after construction (LitGPT: ``wte.weight = lm_head.weight`` once the model exists) keeps the
+values of the module that created it: an unsharded model initialized before the tie has ``lm_head``'s values in
+both places. On the meta device the initialization runs only later, here, over the tied model, so each meta
+parameter remembers the first module it was registered on (a parameter registration hook, meta parameters only);
+every module's ``init_fn`` still runs in order (the random numbers drawn stay those of the unsharded init), but only
+that first module's writes are kept, the others' go to a scratch tensor.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from lightning_vescale._param_group import ParamGroup, _set_param
 from lightning_vescale.fully_shard import get_state
@@ -32,6 +42,32 @@ def _owning_groups(root: nn.Module) -> dict[int, ParamGroup]:
             for user, _ in mp.uses:
                 owner.setdefault(id(user), state.group)
     return owner
+
+
+def _record_first_owner(module: nn.Module, name: str, param: "nn.Parameter | None") -> None:
+    # Read by init_sharded_weights (see [Note: tied parameters at init]); fully_shard copies it to the sharded one.
+    if param is not None and param.is_meta and not hasattr(param, "_vescale_first_owner"):
+        param._vescale_first_owner = weakref.ref(module)
+
+
+_OWNER_HOOK = register_module_parameter_registration_hook(_record_first_owner)
+
+
+def _discarded_writes(owner: dict[int, ParamGroup]) -> dict[int, list[tuple[str, nn.Parameter]]]:
+    """id(module) -> the (attribute, sharded parameter) of tied parameters whose values another module's init
+    writes: the module that created the parameter, when it is among the users (see the note above)."""
+    out: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    for group in {id(g): g for g in owner.values()}.values():
+        for mp in group.managed:
+            users = {id(u) for u, _ in mp.uses}
+            creator_ref = getattr(mp.sharded, "_vescale_first_owner", None)
+            creator = creator_ref() if creator_ref is not None else None
+            if len(users) < 2 or creator is None or id(creator) not in users:
+                continue
+            for user, name in mp.uses:
+                if user is not creator:
+                    out.setdefault(id(user), []).append((name, mp.sharded))
+    return out
 
 
 def _default_init(module: nn.Module) -> None:
@@ -68,6 +104,7 @@ def init_sharded_weights(model: nn.Module, init_fn: Optional[Callable[[nn.Module
         if id(m) in owner:
             last_use[id(owner[id(m)])] = i
     open_buffers: dict[int, dict] = {}  # id(group) -> {key: full master-dtype buffer}
+    discarded = _discarded_writes(owner)
     any_device = next((g.device for g in owner.values()), torch.device("cpu"))
 
     def open_group(group: ParamGroup) -> None:
@@ -110,7 +147,12 @@ def init_sharded_weights(model: nn.Module, init_fn: Optional[Callable[[nn.Module
                     m._buffers[name] = torch.empty_like(b, device=group.device if group else any_device)
         if group is not None:
             open_group(group)
+        kept = [(name, m._parameters[name]) for name, _ in discarded.get(id(m), [])]
+        for name, full in kept:  # this module's init draws its values, the creator's are kept
+            _set_param(m, name, nn.Parameter(torch.empty_like(full), requires_grad=full.requires_grad))
         init_fn(m)
+        for name, full in kept:
+            _set_param(m, name, full)
         if group is not None and last_use[id(group)] == i:
             close_group(group)
     for gid in list(open_buffers):

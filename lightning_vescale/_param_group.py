@@ -162,6 +162,8 @@ class ParamGroup:
         # False (embeddings only): freed after forward (reshard_after_forward) and never gathered for backward.
         self.backward_reads_params = backward_reads_params([m for mp in self.managed for m, _ in mp.uses])
         self._frozen_in_use = False  # frozen buffers stay gathered until backward has used them (see below)
+        # The outputs of the last forward that backward may still reach (weak: a discarded output cannot).
+        self.forward_outputs: list[weakref.ref] = []
         if any(not mp.requires_grad for mp in self.managed):
             module.register_forward_pre_hook(self._watch_inputs_for_backward, with_kwargs=True)
 
@@ -351,6 +353,11 @@ class ParamGroup:
                 self._use_sharded(mp)
                 break
 
+    def awaits_backward(self) -> bool:
+        """Whether a backward may still come through this group's last forward (one of its outputs is alive)."""
+        self.forward_outputs = [r for r in self.forward_outputs if r() is not None]
+        return bool(self.forward_outputs)
+
     def check_not_replaced(self) -> None:
         """Raise if a module holds, in place of one of this group's parameters, a tensor set after ``fully_shard``."""
         for mp in self.managed:
@@ -433,6 +440,7 @@ class ParamGroup:
         self._grad_count = 0
         self._grads_bound = False  # the gradient buffer comes with the first gradient (see the note below)
         self.training_state = TrainingState.PRE_BACKWARD
+        self.forward_outputs = []
 
     # [Note: the gradient buffer comes with the first gradient]
     # Backward reaches a group's outputs (pre-backward) some time before it produces the group's first parameter

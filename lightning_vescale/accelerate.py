@@ -221,8 +221,22 @@ class VeScaleAccelerator(Accelerator):
 
         return export_full_state_dict(model, rank0_only=True)
 
+    def save_pretrained(self, model: nn.Module, save_directory: str, **kwargs: Any) -> None:
+        """Write a Hugging Face directory of a prepared ``transformers`` model (collective): the gathered state
+        dict, written by the main process with the model's own ``save_pretrained``. Accelerate's idiom
+        ``unwrap_model(model).save_pretrained(dir, state_dict=accelerator.get_state_dict(model),
+        is_main_process=accelerator.is_main_process)`` does the same."""
+        if not is_sharded(model):
+            if self.is_main_process:
+                model.save_pretrained(save_directory, **kwargs)
+            self.wait_for_everyone()
+            return
+        from lightning_vescale import checkpoint
+
+        checkpoint.save_pretrained(model, save_directory, **kwargs)
+
     # -- checkpoints --------------------------------------------------------------------------------------
-    def _sharded_pairs(self) -> list[tuple[nn.Module, Optional[AcceleratedOptimizer]]]:
+    def _sharded_pairs(self) -> list[tuple[nn.Module, list[AcceleratedOptimizer]]]:
         pairs = []
         for model in self._models:
             if not is_sharded(model):
@@ -232,12 +246,7 @@ class VeScaleAccelerator(Accelerator):
                 o for o in self._optimizers
                 if any(id(p) in mine for g in _unwrap_optimizer(o).param_groups for p in g["params"])
             ]
-            if len(opts) > 1:
-                raise NotImplementedError(
-                    f"a sharded checkpoint holds one optimizer per model; {type(model).__name__} has {len(opts)}. "
-                    f"Use one optimizer with several parameter groups."
-                )
-            pairs.append((model, opts[0] if opts else None))
+            pairs.append((model, opts))
         return pairs
 
     @contextlib.contextmanager
@@ -245,7 +254,7 @@ class VeScaleAccelerator(Accelerator):
         """Keep Accelerate's own saving/loading away from the sharded models and their optimizers."""
         models, optimizers = self._models, self._optimizers
         hidden_models = {id(m) for m, _ in pairs}
-        hidden_opts = {id(o) for _, o in pairs if o is not None}
+        hidden_opts = {id(o) for _, opts in pairs for o in opts}
         self._models = [m for m in models if id(m) not in hidden_models]
         self._optimizers = [o for o in optimizers if id(o) not in hidden_opts]
         try:
@@ -262,9 +271,9 @@ class VeScaleAccelerator(Accelerator):
         from lightning_vescale import checkpoint
 
         def save_sharded(models: list, weights: list, out_dir: str) -> None:
-            for i, (model, opt) in enumerate(pairs):
+            for i, (model, opts) in enumerate(pairs):
                 path = os.path.join(out_dir, _CHECKPOINT_DIR.format(i))
-                checkpoint.save(path, model, _unwrap_optimizer(opt) if opt is not None else None)
+                checkpoint.save(path, model, [_unwrap_optimizer(o) for o in opts])
 
         handle = self.register_save_state_pre_hook(save_sharded)
         try:
@@ -282,9 +291,9 @@ class VeScaleAccelerator(Accelerator):
         from lightning_vescale import checkpoint
 
         def load_sharded(models: list, in_dir: str) -> None:
-            for i, (model, opt) in enumerate(pairs):
+            for i, (model, opts) in enumerate(pairs):
                 path = os.path.join(in_dir, _CHECKPOINT_DIR.format(i))
-                checkpoint.load(path, model, _unwrap_optimizer(opt) if opt is not None else None)
+                checkpoint.load(path, model, [_unwrap_optimizer(o) for o in opts])
 
         handle = self.register_load_state_pre_hook(load_sharded)
         try:

@@ -35,6 +35,7 @@ import fnmatch
 import hashlib
 import logging
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
@@ -359,6 +360,8 @@ class _VeScaleState:
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
         if self.group is not None:
+            self.group.forward_outputs = [weakref.ref(t) for t in tensors]
+        if self.group is not None:
             self.group.training_state = TrainingState.IDLE
             # No output needs a gradient (evaluation, or a frozen module): no backward will come to free the
             # parameters, so free them now; the root otherwise keeps them for backward.
@@ -590,7 +593,9 @@ def _add_vescale_class(module: nn.Module) -> None:
     cls = type(module)
     if issubclass(cls, VeScaleModule):
         return
-    new_cls = type(f"VeScale{cls.__name__}", (VeScaleModule, cls), {})
+    # The user's class name stays (repr, Lightning's summary, the "architectures" Hugging Face writes into a
+    # config); isinstance(module, VeScaleModule) tells a sharded module.
+    new_cls = type(cls.__name__, (VeScaleModule, cls), {"__qualname__": cls.__qualname__})
     new_cls.__module__ = cls.__module__
     module.__class__ = new_cls
 

@@ -20,10 +20,13 @@ Modules:
 from lightning_vescale.checkpoint._export import (
     export_full_optimizer_state_dict,
     export_full_state_dict,
+    load_full_optimizer_state_dict,
     load_full_state_dict,
+    read_state_file,
     save_full,
+    save_pretrained,
 )
-from lightning_vescale.checkpoint._save_load import FORMAT_VERSION, load, read_full_tensors, save
+from lightning_vescale.checkpoint._save_load import FORMAT_VERSION, load, read_full_checkpoint, read_full_tensors, save
 from lightning_vescale.checkpoint._state import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -40,10 +43,14 @@ __all__ = [
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "load",
+    "load_full_optimizer_state_dict",
     "load_full_state_dict",
+    "read_full_checkpoint",
     "read_full_tensors",
+    "read_state_file",
     "save",
     "save_full",
+    "save_pretrained",
     "set_model_state_dict",
     "set_optimizer_state_dict",
 ]

@@ -30,7 +30,10 @@ from lightning_vescale.memory.pieces import resident_pieces
 from lightning_vescale.placement import redistribute_flat
 from lightning_vescale.tensor import is_ragged, local_tensor
 
-__all__ = ["export_full_optimizer_state_dict", "export_full_state_dict", "load_full_state_dict", "save_full"]
+__all__ = [
+    "export_full_optimizer_state_dict", "export_full_state_dict", "load_full_optimizer_state_dict", "load_full_state_dict",
+    "read_state_file", "save_full", "save_pretrained",
+]
 
 
 def _full(value: torch.Tensor, rank0_only: bool) -> Optional[torch.Tensor]:
@@ -188,3 +191,68 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
     check_idle(model)
     with resident_pieces(model):
         apply_model_state(model, state_dict, dedupe=False, strict=strict, what="full state dict")
+
+
+def read_state_file(path: "os.PathLike | str") -> dict[str, Any]:
+    """A single-file checkpoint as written without this library: ``torch.save`` of a state dict or of a Lightning
+    checkpoint (read with ``torch.load(weights_only=True)``: tensors and plain values, never unpickled code), or a
+    ``.safetensors`` file. Tensors stay on the CPU (memory-mapped where the format allows).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: the file needs unpickling of something other than tensors and plain values.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint file at {path!r}")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path, device="cpu")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises UnpicklingError (or RuntimeError for a non-zip file) naming the global
+        if type(e).__name__ not in ("UnpicklingError", "RuntimeError"):
+            raise
+        raise ValueError(
+            f"{path!r} holds objects other than tensors and plain values, and lightning_vescale never unpickles a "
+            f"checkpoint (loading it could run code stored in the file): save state dicts (tensors, numbers, "
+            f"strings, lists, dicts) instead ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from None
+
+
+def load_full_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """``optimizer.load_state_dict`` of a full optimizer state (torch's own format, as DDP or one process saves it):
+    every per-element state then keeps only this rank's piece of its parameter's layout. Every rank loads."""
+    from lightning_vescale._optim_states import lay_out_like_params
+
+    optimizer.load_state_dict(dict(state_dict))
+    lay_out_like_params(optimizer)
+
+
+@_dist.over_model
+def save_pretrained(model: nn.Module, save_directory: "os.PathLike | str", **kwargs: Any) -> None:
+    """Write a Hugging Face directory (config, safetensors weights) of a sharded ``transformers`` model.
+
+    Collective: every rank calls it. The full state dict is gathered to the model group's first rank, which calls
+    the model's own ``save_pretrained(save_directory, state_dict=..., **kwargs)`` (so the config, generation config,
+    tied-weight handling and sharding of the files are Hugging Face's); the others wait for it. ``model.save_pretrained``
+    on a sharded model cannot gather by itself (as under FSDP2): call this instead (the strategies' and the
+    Accelerate adapter's ``save_pretrained`` do).
+
+    Args:
+        model: a sharded ``transformers.PreTrainedModel`` (or any module with ``save_pretrained(dir, state_dict=)``).
+        save_directory: the directory to write.
+        **kwargs: passed to ``save_pretrained`` (``safe_serialization``, ``max_shard_size`` ...).
+    """
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise TypeError(f"{type(model).__name__} has no save_pretrained(): export it with save_full(path, model)")
+    if "state_dict" in kwargs or "is_main_process" in kwargs:
+        raise TypeError("save_pretrained gathers the state dict and picks the writing rank itself: drop state_dict= "
+                        "and is_main_process=")
+    state_dict = export_full_state_dict(model, rank0_only=True)
+    try:
+        if _dist.rank() == 0:
+            model.save_pretrained(os.fspath(save_directory), state_dict=state_dict, **kwargs)
+    finally:
+        _dist.barrier()

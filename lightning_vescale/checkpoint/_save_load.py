@@ -5,9 +5,10 @@
 
     model/<fqn>                         RaggedTensor (sharded parameter: its boxes) or tensor (buffer)
     optim/state/<fqn>/<key>             RaggedTensor (per-element state) or scalar tensor (``step``)
+    optim<i>/state/<fqn>/<key>          the same for the i-th optimizer (i >= 1) when several are saved
     values/{meta,optim,schedulers,extra}  typed JSON as uint8 tensors (see ``_values``): format, world size,
-                                        optimizer kind; param groups and non-tensor states; LR schedulers;
-                                        the caller's loop state
+                                        optimizer kinds; param groups and non-tensor states (``optim<i>``
+                                        for the i-th optimizer); LR schedulers; the caller's loop state
     rng/rank<r>/{torch,cuda,values}     every rank's RNG states, each written by its own rank
     checksums.json                      CRC-32 of every stored item (see ``_storage``)
 
@@ -26,12 +27,13 @@ extra copy of this rank's sharded state while the load runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import shutil
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -50,6 +52,7 @@ from lightning_vescale.checkpoint._state import (
     get_model_state_dict,
     get_optimizer_state_dict,
     load_into_optimizer,
+    model_entries,
     optimizer_kind,
     optimizer_params,
 )
@@ -62,7 +65,7 @@ from lightning_vescale.tensor import RaggedTensor, is_ragged
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FORMAT_VERSION", "load", "read_full_tensors", "save"]
+__all__ = ["FORMAT_VERSION", "load", "read_full_checkpoint", "read_full_tensors", "save"]
 
 FORMAT_VERSION = 2
 Layout = dict[tuple, Optional[tuple[int, ...]]]
@@ -208,6 +211,22 @@ def _template(metadata: Metadata, saved: Layout, want: Callable[[tuple], bool]) 
 # save
 
 
+Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
+
+
+def _optimizer_list(optimizer: Any) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    return list(optimizer)
+
+
+def _optim_key(i: int) -> str:
+    """The checkpoint section of the i-th optimizer ("optim" for the first, as with a single optimizer)."""
+    return "optim" if i == 0 else f"optim{i}"
+
+
 def _as_list(schedulers: Any) -> list[Any]:
     if schedulers is None:
         return []
@@ -234,7 +253,7 @@ def _split_optimizer_state(optim: dict) -> tuple[dict, dict]:
 def save(
     path: "os.PathLike | str",
     model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer] = None,
+    optimizer: Optimizers = None,
     *,
     extra: Optional[Mapping[str, Any]] = None,
     schedulers: Any = None,
@@ -249,7 +268,8 @@ def save(
     Args:
         path: the checkpoint directory, on a file system every rank can reach.
         model: the sharded model, between training steps.
-        optimizer: its optimizer; states are keyed by parameter FQN.
+        optimizer: its optimizer, or a sequence of optimizers on its parameters (a GAN's generator and
+            discriminator); states are keyed by parameter FQN.
         extra: loop state (step, epoch, data position ...), the same on every rank, made of plain values,
             tensors and numpy arrays (stored as JSON, never pickled); returned by :func:`load`. Each rank's
             RNG states (torch, numpy, python ``random``, CUDA if used) are saved besides it.
@@ -261,11 +281,15 @@ def save(
         replaced (ValueError). When the save fails (on any rank, or a rank dies), the temporary directory is
         removed; leftovers of a killed rank 0 are removed by the next save of the same ``path``.
     """
-    with resident_states(optimizer), resident_pieces(model, changes=False):
-        _save(os.fspath(path), model, optimizer, extra, schedulers)
+    optimizers = _optimizer_list(optimizer)
+    with contextlib.ExitStack() as stack:
+        for opt in optimizers:
+            stack.enter_context(resident_states(opt))
+        stack.enter_context(resident_pieces(model, changes=False))
+        _save(os.fspath(path), model, optimizers, extra, schedulers)
 
 
-def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Optional[Mapping[str, Any]],
+def _save(path: str, model: nn.Module, optimizers: list[torch.optim.Optimizer], extra: Optional[Mapping[str, Any]],
           schedulers: Any) -> None:
     _directory.check_save_target(path)
     model_sd = get_model_state_dict(model)
@@ -275,11 +299,16 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     extra_states = {n: v for n, v in model_sd.items() if not isinstance(v, torch.Tensor)}
     if extra_states:
         values["model_extra"] = extra_states  # modules' get_extra_state()
-    if optimizer is not None:
+    tied = _tied_names(model)
+    if tied:
+        values["tied"] = tied  # stored once, under the first name: readers of full state dicts restore the others
+    for i, optimizer in enumerate(optimizers):
         tensors, optim_values = _split_optimizer_state(get_optimizer_state_dict(model, optimizer))
-        state["optim"] = {"state": tensors}
-        values["optim"] = optim_values
-        values["meta"]["optimizer"] = optimizer_kind(optimizer)
+        state[_optim_key(i)] = {"state": tensors}
+        values[_optim_key(i)] = optim_values
+    if optimizers:
+        values["meta"]["optimizer"] = optimizer_kind(optimizers[0])
+        values["meta"]["optimizers"] = [optimizer_kind(o) for o in optimizers]
     scheds = _as_list(schedulers)
     if scheds:
         values["schedulers"] = [s.state_dict() for s in scheds]
@@ -309,6 +338,19 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
         if not committed and _dist.rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
     logger.debug("lightning_vescale: saved checkpoint %s", path)
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """``{name: first name}`` for every state-dict name of a tensor that appears under an earlier name."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, value in model_entries(model, dedupe=False):
+        if isinstance(value, torch.Tensor):
+            if id(value) in first:
+                tied[name] = first[id(value)]
+            else:
+                first[id(value)] = name
+    return tied
 
 
 def _write_checksums(tmp: str) -> None:
@@ -377,10 +419,11 @@ def _staged_model(model_sd: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _staged_optimizer(params: Mapping[str, nn.Parameter], saved: Layout, metadata: Metadata,
-                      where: str) -> dict[str, dict[str, Any]]:
-    """Empty tensors for every saved optimizer state tensor: per-element ones laid out like their parameter."""
+                      where: str, key: str = "optim") -> dict[str, dict[str, Any]]:
+    """Empty tensors for every state tensor of the saved optimizer ``key``: per-element ones laid out like their
+    parameter."""
     staged: dict[str, dict[str, Any]] = {}
-    for path, shape in _section(saved, "optim", "state").items():
+    for path, shape in _section(saved, key, "state").items():
         if shape is None:
             continue
         name, key = path[2], ".".join(map(str, path[3:]))
@@ -424,10 +467,11 @@ def _warn_replaced_hyperparameters(optimizer: torch.optim.Optimizer, saved_group
 def load(
     path: "os.PathLike | str",
     model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer] = None,
+    optimizer: Optimizers = None,
     *,
     schedulers: Any = None,
     weights_only: bool = True,
+    restore_rng: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save` (on any world size) into the sharded model and optimizer.
 
@@ -442,12 +486,16 @@ def load(
         path: the checkpoint directory. If it is missing but ``<path>.old`` is complete (a save crashed
             between its renames), that one is loaded.
         model: the sharded model (any world size or mesh), between training steps.
-        optimizer: its optimizer, built on ``model.parameters()``; its states may be absent.
+        optimizer: its optimizer, built on ``model.parameters()`` (its states may be absent), or the sequence
+            of optimizers that was saved, in the same order.
         schedulers: the LR schedulers saved with the checkpoint, in the same order.
         weights_only: never unpickle (default). Checkpoints of format 1 (release 0.1) pickled their optimizer
             hyperparameters, schedulers, loop state and RNG: with True, only their model weights load (an
             optimizer, schedulers or loop state raise :class:`CheckpointError` saying so); pass False only for
             a checkpoint you trust.
+        restore_rng: set every rank's RNG states (torch, CUDA, numpy, ``random``) to the saved ones, so a resumed
+            run draws what the uninterrupted one would have; False leaves them as they are (what Lightning's
+            own strategies do on resume).
 
     Returns:
         The ``extra`` dict given to :func:`save` (empty if none).
@@ -459,11 +507,11 @@ def load(
     """
     check_idle(model)
     with resident_pieces(model):  # offloaded weights are loaded in memory, then written back to their tier
-        return _load(path, model, optimizer, schedulers, weights_only)
+        return _load(path, model, _optimizer_list(optimizer), schedulers, weights_only, restore_rng)
 
 
-def _load(path: "os.PathLike | str", model: nn.Module, optimizer: Optional[torch.optim.Optimizer], schedulers: Any,
-          weights_only: bool) -> dict[str, Any]:
+def _load(path: "os.PathLike | str", model: nn.Module, optimizers: list[torch.optim.Optimizer], schedulers: Any,
+          weights_only: bool, restore_rng: bool = True) -> dict[str, Any]:
     directory = _directory.resolve_checkpoint_dir(path)
     metadata = _storage.read_metadata(directory)
     saved = _saved_layout(metadata)
@@ -488,10 +536,10 @@ def _load(path: "os.PathLike | str", model: nn.Module, optimizer: Optional[torch
     # 2. The small values: format, param groups, schedulers, loop state, this rank's RNG.
     rng_key = f"rank{_dist.rank()}"
     if fmt == 1 and weights_only:
-        if optimizer is not None and not _section(saved, "optim"):
+        if optimizers and not _section(saved, "optim"):
             raise ValueError(f"{where} has no optimizer state (it was saved without an optimizer); call load "
                              f"without one.")
-        if optimizer is not None or scheds:
+        if optimizers or scheds:
             raise CheckpointError(
                 f"{where} has format 1 (lightning-vescale 0.1), which pickled its optimizer hyperparameters, LR "
                 f"schedulers and loop state; unpickling can run code stored in the file, so only its model weights "
@@ -503,8 +551,14 @@ def _load(path: "os.PathLike | str", model: nn.Module, optimizer: Optional[torch
         values = _read_values_v1(directory, metadata, saved, rng_key)
     else:
         values = _read_values(directory, metadata, saved, checksums, rng_key)
-    if optimizer is not None and "optim" not in values:
+    if optimizers and "optim" not in values:
         raise ValueError(f"{where} has no optimizer state (it was saved without an optimizer); call load without one.")
+    num_saved = 0
+    while _optim_key(num_saved) in values:
+        num_saved += 1
+    if optimizers and num_saved != len(optimizers):
+        raise ValueError(f"{where} holds the states of {num_saved} optimizer(s), but {len(optimizers)} were given; "
+                         f"pass the optimizers that were saved, in the same order.")
     saved_scheds = values.get("schedulers", [])
     if scheds and len(saved_scheds) != len(scheds):
         raise ValueError(f"{where} holds {len(saved_scheds)} LR scheduler(s), but {len(scheds)} were given; "
@@ -523,13 +577,17 @@ def _load(path: "os.PathLike | str", model: nn.Module, optimizer: Optional[torch
                                  ours="model", theirs="checkpoint")
         raise ValueError(f"{where}: the modules' extra states (get_extra_state) do not match:\n{report}")
     staged: dict[str, Any] = {"model": _staged_model(tensors_sd)}
-    if optimizer is not None:
+    named_of: list[list] = []
+    for i, optimizer in enumerate(optimizers):
+        key = _optim_key(i)
         named = optimizer_params(model, optimizer)
-        saved_kind = values.get("meta", {}).get("optimizer")
+        named_of.append(named)
+        kinds = values.get("meta", {}).get("optimizers") or [values.get("meta", {}).get("optimizer")]
+        saved_kind = kinds[i] if i < len(kinds) else None
         if saved_kind is not None and saved_kind != optimizer_kind(optimizer):
             raise ValueError(f"{where} holds the state of a {saved_kind} optimizer, not of a "
                              f"{optimizer_kind(optimizer)}; build the optimizer that was saved.")
-        saved_groups = values["optim"]["param_groups"]
+        saved_groups = values[key]["param_groups"]
         try:
             # The optimizer class identifies the kind of state; hyperparameter names may change between torch
             # versions (the saved ones are set, others keep their values).
@@ -538,12 +596,12 @@ def _load(path: "os.PathLike | str", model: nn.Module, optimizer: Optional[torch
             raise ValueError(f"{where}: {e}") from None
         _warn_replaced_hyperparameters(optimizer, saved_groups, where)
         params = {n: as_global(p, p) for g in named for n, p in g}
-        with_state = list(dict.fromkeys(p[2] for p in _section(saved, "optim", "state")))
+        with_state = list(dict.fromkeys(p[2] for p in _section(saved, key, "state")))
         unknown = [n for n in with_state if n not in params]
         if unknown:
             raise ValueError(f"{where} has optimizer state for parameters the optimizer does not hold: "
                              f"{listing(unknown)}")
-        staged["optim"] = {"state": _staged_optimizer(params, saved, metadata, where)}
+        staged[key] = {"state": _staged_optimizer(params, saved, metadata, where, key)}
 
     # 4. Every tensor into the staging tensors, checksums verified, all ranks agreeing.
     _verified_load(staged, directory, metadata, checksums)
@@ -551,23 +609,46 @@ def _load(path: "os.PathLike | str", model: nn.Module, optimizer: Optional[torch
     # 5. Commit: nothing above changed the model, the optimizer or the schedulers.
     apply_model_state(model, {**staged["model"], **saved_extra_states}, dedupe=True, strict=fmt >= 2,
                       what="checkpoint")
-    if optimizer is not None:
-        state = staged["optim"]["state"]
-        for name, entries in values["optim"].get("scalars", {}).items():
+    for i, (optimizer, named) in enumerate(zip(optimizers, named_of)):
+        key = _optim_key(i)
+        state = staged[key]["state"]
+        for name, entries in values[key].get("scalars", {}).items():
             state.setdefault(name, {}).update(entries)
-        order = values["optim"].get("order", {})
+        order = values[key].get("order", {})
         state = {n: {k: e[k] for k in sorted(e, key=lambda k: order.get(n, []).index(k) if k in order.get(n, []) else 1e9)}
                  for n, e in state.items()}
-        load_into_optimizer(optimizer, named, state, saved_groups)
+        load_into_optimizer(optimizer, named, state, values[key]["param_groups"])
     for i, sched in enumerate(scheds):
         sched.load_state_dict(saved_scheds[i])
     saved_world = values.get("meta", {}).get("world_size")
-    if saved_world == _dist.world_size() and "rng" in values:
+    if not restore_rng:
+        pass
+    elif saved_world == _dist.world_size() and "rng" in values:
         _set_rng_state(values["rng"])
     elif values:
         logger.warning("checkpoint %s was saved on %s rank(s) and is loaded on %d: RNG states are not restored",
                        directory, saved_world, _dist.world_size())
     return dict(values.get("extra", {}))
+
+
+def read_full_checkpoint(path: "os.PathLike | str") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(state_dict, extra)`` of a checkpoint directory written by :func:`save`, whole, in this process.
+
+    ``state_dict`` is the model's full state dict, named as ``model.state_dict()`` names it (tied weights under
+    each of their names); ``extra`` the loop state given to :func:`save`. Nothing is unpickled and checksums
+    are verified, as in :func:`read_full_tensors`.
+    """
+    directory = _directory.resolve_checkpoint_dir(path)
+    metadata = _storage.read_metadata(directory)
+    saved = _saved_layout(metadata)
+    if _format_of(saved, directory) < 2:
+        raise CheckpointError(f"{directory} has format 1, whose values were pickled; load it with a model "
+                              f"(lightning_vescale.checkpoint.load) instead")
+    values = _read_values(directory, metadata, saved, _storage.read_checksums(directory), rng_key="")
+    state_dict = {k[len("model."):]: v for k, v in read_full_tensors(directory).items()}
+    for name, first in values.get("tied", {}).items():
+        state_dict[name] = state_dict[first]
+    return state_dict, dict(values.get("extra", {}))
 
 
 def read_full_tensors(path: "os.PathLike | str", prefix: str = "model.") -> dict[str, torch.Tensor]:

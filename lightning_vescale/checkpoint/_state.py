@@ -33,15 +33,20 @@ Shape = tuple[int, ...]
 
 
 def check_idle(model: nn.Module) -> None:
+    """The model must be between steps. A group left gathered outside a step (a forward whose output no backward
+    used, as a GAN's discriminator on detached samples, or an explicit ``unshard()``) is resharded: backward gathers
+    again if it comes."""
     for group in sharded_groups(model):
-        busy = group.training_state is not TrainingState.IDLE
-        if busy or any(b.state is not BufferState.SHARDED for b in group.buffers.values()):
+        gathered = any(b.state is not BufferState.SHARDED for b in group.buffers.values())
+        if group.training_state is not TrainingState.IDLE or (gathered and group.awaits_backward()):
             raise RuntimeError(
                 f"checkpointing needs the sharded model between steps, but the group of "
-                f"{type(group.module).__name__} is gathered or in a training step (state "
-                f"{group.training_state.name}). Save or load after backward and the optimizer step, not between "
-                f"forward and backward; call model.reshard() after an explicit model.unshard()."
+                f"{type(group.module).__name__} is in a training step (state {group.training_state.name}"
+                f"{', its forward output awaits backward' if gathered else ''}). Save or load after backward and "
+                f"the optimizer step, not between forward and backward."
             )
+        if gathered:
+            group.reshard()
 
 
 def as_global(t: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:

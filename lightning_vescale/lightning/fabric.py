@@ -5,7 +5,9 @@ materializes meta-device weights and points the optimizer at the local pieces; o
 first and create the optimizer from ``model.parameters()`` afterwards, as with FSDP.
 ``fabric.no_backward_sync(model)`` skips the ReduceScatter on accumulation steps,
 ``fabric.clip_gradients(model, optimizer, max_norm=...)`` clips by the true global norm and
-``fabric.save`` / ``fabric.load`` write and read sharded checkpoint directories.
+``fabric.save`` / ``fabric.load`` write and read sharded checkpoint directories (a state holding only state dicts,
+as written for DDP, is saved as one full file), and ``fabric.load`` / ``fabric.load_raw`` also read single-file
+checkpoints (``torch.save`` state dicts, ``.safetensors``), each rank keeping its pieces.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.clip_grad import clip_grad_norm_
 from lightning_vescale.collectives import named_collective
 from lightning_vescale.fully_shard import GranularityArg
+from lightning_vescale.lightning._checkpoints import load_file_into, save_as_file
 from lightning_vescale.lightning._common import (
     ProcessGroupEnvironment,
     _VeScalePrecisionMixin,
@@ -108,7 +111,9 @@ class VeScaleFabricStrategy(ParallelStrategy):
     Args: as :class:`~lightning_vescale.lightning.VeScaleStrategy` (``plan``, ``auto_wrap_policy``,
     ``reshard_after_forward``, ``mp_policy``, ``granularity``, ``replicate_size``, ``sync_module_states``,
     ``process_group_backend``, ``timeout``, ``memory``: where weights, gradients, optimizer states and
-    activations live, applied when the model is set up and to each optimizer set up with or after it). ``fabric.init_module(empty_init=True)`` builds the model on the
+    activations live, applied when the model is set up and to each optimizer set up with or after it;
+    ``restore_rng_states``: ``fabric.load`` of a sharded checkpoint sets every rank's RNG states to the saved ones,
+    default False as Lightning's strategies). ``fabric.init_module(empty_init=True)`` builds the model on the
     meta device; ``setup_module`` initializes it piece by piece with each module's ``reset_parameters``.
     """
 
@@ -127,6 +132,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[None, float, timedelta] = None,
         memory: Optional[MemoryPolicy] = None,
+        restore_rng_states: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -150,6 +156,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         process_group_timeout(timeout, torch.device("cpu"))  # a bad value fails here, not after launching
         self._timeout = timeout
+        self._restore_rng_states = restore_rng_states
         self._num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._sharded_modules: list[Module] = []
@@ -371,7 +378,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
 
     # -- checkpoints --------------------------------------------------------------------------------------
     @staticmethod
-    def _split_state(state: dict[str, Any]) -> tuple[tuple[str, Module], Optional[tuple[str, Optimizer]], dict[str, Any]]:
+    def _split_state(state: dict[str, Any]) -> tuple[tuple[str, Module], list[tuple[str, Optimizer]], dict[str, Any]]:
         modules = [(k, v) for k, v in state.items() if isinstance(v, Module)]
         optimizers = [(k, v) for k, v in state.items() if isinstance(v, Optimizer)]
         sharded = [(k, m) for k, m in modules if is_sharded(m)]
@@ -381,13 +388,8 @@ class VeScaleFabricStrategy(ParallelStrategy):
                 f"{[k for k, _ in modules]} of which {[k for k, _ in sharded]} are set up by the strategy. Pass the "
                 f"model set up with fabric.setup (and save other models to other paths)."
             )
-        if len(optimizers) > 1:
-            raise NotImplementedError(
-                f"strategy='vescale' checkpoints hold one optimizer; the state has {[k for k, _ in optimizers]}. "
-                f"Combine them into one optimizer with several parameter groups, or save them to separate paths."
-            )
         rest = {k: v for k, v in state.items() if not isinstance(v, (Module, Optimizer))}
-        return sharded[0], (optimizers[0] if optimizers else None), rest
+        return sharded[0], optimizers, rest
 
     @override
     def save_checkpoint(
@@ -397,8 +399,9 @@ class VeScaleFabricStrategy(ParallelStrategy):
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        """Write a sharded checkpoint directory: the model and optimizer as DCP shards, every other entry of
-        ``state`` (``state_dict()`` of stateful objects) as metadata."""
+        """Write a sharded checkpoint directory: the model and its optimizers as DCP shards, every other entry of
+        ``state`` (``state_dict()`` of stateful objects) as metadata. A state without a set-up model (state dicts,
+        as saved under DDP) is written as one full file instead, as DDP writes it."""
         from lightning_vescale import checkpoint as vckpt
 
         if storage_options is not None:
@@ -406,9 +409,12 @@ class VeScaleFabricStrategy(ParallelStrategy):
         if filter is not None:
             raise NotImplementedError(f"{type(self).__name__} does not filter sharded checkpoints")
         path = Path(self.broadcast(path))
-        (_, module), opt_entry, rest = self._split_state(state)
+        if not any(isinstance(v, Module) for v in state.values()):
+            save_as_file(path, state, self.global_rank)
+            return
+        (_, module), optimizers, rest = self._split_state(state)
         extra = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in rest.items()}
-        vckpt.save(path, module, opt_entry[1] if opt_entry else None, extra=extra)
+        vckpt.save(path, module, [o for _, o in optimizers], extra=extra)
 
     @override
     def load_checkpoint(
@@ -418,22 +424,31 @@ class VeScaleFabricStrategy(ParallelStrategy):
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        """Restore the model, optimizer and entries of ``state`` in place; return what ``state`` didn't ask for."""
+        """Restore the model, its optimizers and entries of ``state`` in place; return what ``state`` didn't ask
+        for. ``path`` is a sharded checkpoint directory, or one file (``torch.save`` of state dicts, a
+        ``.safetensors`` file: LitGPT's ``lit_model.pth``), read without unpickling code."""
         from lightning_vescale import checkpoint as vckpt
 
+        path = Path(self.broadcast(path))
+        if path.is_file():
+            if weights_only is False:
+                raise ValueError(f"{type(self).__name__} reads checkpoint files with weights_only=True only (a pickled "
+                                 f"object could run code): save state dicts of tensors and plain values")
+            return load_file_into(path, state, strict)
         if not state:
             raise ValueError(
-                f"{type(self).__name__}.load_checkpoint needs state={{'model': model, ...}} (or the model) to load into"
+                f"{type(self).__name__}.load_checkpoint needs state={{'model': model, ...}} (or the model) to load "
+                f"the sharded checkpoint {str(path)!r} into"
             )
-        path = Path(self.broadcast(path))
         safe = weights_only is not False  # nothing is unpickled unless the caller trusts the checkpoint
+        rng = self._restore_rng_states
         if isinstance(state, Module):
-            vckpt.load(path, state, weights_only=safe)
+            vckpt.load(path, state, weights_only=safe, restore_rng=rng)
             return {}
         if isinstance(state, Optimizer):
             raise NotImplementedError(f"{type(self).__name__} loads an optimizer together with its model")
-        (_, module), opt_entry, rest = self._split_state(state)
-        extra = dict(vckpt.load(path, module, opt_entry[1] if opt_entry else None, weights_only=safe) or {})
+        (_, module), optimizers, rest = self._split_state(state)
+        extra = dict(vckpt.load(path, module, [o for _, o in optimizers], weights_only=safe, restore_rng=rng) or {})
         missing = [k for k in rest if k not in extra]
         if strict and missing:
             raise KeyError(f"the checkpoint at {str(path)!r} has no entries {missing}")
@@ -460,7 +475,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         """Load a full (unsharded) state dict into a sharded module: each rank keeps its pieces."""
         from lightning_vescale import checkpoint as vckpt
 
-        vckpt.load_full_state_dict(module, state_dict)
+        vckpt.load_full_state_dict(module, state_dict, strict=strict)
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
@@ -472,6 +487,14 @@ class VeScaleFabricStrategy(ParallelStrategy):
                 f"{len(self._sharded_modules)}"
             )
         return vckpt.get_optimizer_state_dict(self._sharded_modules[0], optimizer)
+
+    def save_pretrained(self, module: Module, save_directory: _PATH, **kwargs: Any) -> None:
+        """Write a Hugging Face directory of the set-up ``module`` (a sharded ``transformers`` model); every rank
+        calls it (``fabric.strategy.save_pretrained(model, "hf/")``). See
+        :func:`lightning_vescale.checkpoint.save_pretrained`."""
+        from lightning_vescale import checkpoint as vckpt
+
+        vckpt.save_pretrained(getattr(module, "module", module), save_directory, **kwargs)  # unwraps _FabricModule
 
     @override
     def teardown(self) -> None:

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -162,11 +163,17 @@ class VeScaleStrategy(ParallelStrategy):
             in seconds or as a ``timedelta``; the error names the rank and the collective. ``None``: 5 minutes
             on CPU, 30 minutes on accelerators. It applies to the process group the strategy creates and to
             the mesh's groups (a process group created before the strategy keeps its own).
+        restore_rng_states: on resume, set every rank's RNG states to the saved ones, so data drawn from the
+            global RNG and dropout masks continue exactly as in the uninterrupted run. ``False`` (default) leaves
+            them as they are, as Lightning's own strategies do (they save none).
 
     .. note::
         The strategy saves and loads checkpoints itself, as a directory of shards
-        (``lightning_vescale.checkpoint``) holding model, optimizer, schedulers, loops and each rank's RNG
-        state; it loads on another world size. Lightning's default saving would keep only rank 0's shard.
+        (``lightning_vescale.checkpoint``) holding the model, every optimizer, schedulers, loops and each rank's
+        RNG state; it loads on another world size. Lightning's default saving would keep only rank 0's shard.
+        ``fit(ckpt_path=...)`` also resumes from a single-file ``.ckpt`` written by another strategy (DDP, one
+        device): each rank takes its pieces of the model and optimizer states.
+        ``LightningModule.load_from_checkpoint`` reads these directories as Lightning reads a ``.ckpt`` file.
     """
 
     strategy_name = "vescale"
@@ -186,6 +193,7 @@ class VeScaleStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[None, float, timedelta] = None,
         memory: Optional[MemoryPolicy] = None,
+        restore_rng_states: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -220,6 +228,7 @@ class VeScaleStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         process_group_timeout(timeout, torch.device("cpu"))  # a bad value fails here, not after launching
         self._timeout = timeout
+        self._restore_rng_states = restore_rng_states
         self._memory_policy: Optional[MemoryPolicy] = None
         self.memory_policy = memory
         self._memory = MemoryHandles()
@@ -541,16 +550,9 @@ class VeScaleStrategy(ParallelStrategy):
         return tensor
 
     # -- checkpoints --------------------------------------------------------------------------------------
-    def _optimizer_for_checkpoint(self) -> Optional[Optimizer]:
-        if not self.optimizers:
-            return None
-        if len(self.optimizers) > 1:
-            raise NotImplementedError(
-                f"VeScaleStrategy checkpoints hold one optimizer; this LightningModule has {len(self.optimizers)}. "
-                f"Combine the parameter groups into one optimizer, or save the others yourself in on_save_checkpoint."
-            )
-        opt = self.optimizers[0]
-        return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+    def _optimizers_for_checkpoint(self) -> list[Optimizer]:
+        """Every optimizer of the LightningModule (a GAN's two, for example), in ``configure_optimizers`` order."""
+        return [opt._optimizer if isinstance(opt, LightningOptimizer) else opt for opt in self.optimizers]
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -599,27 +601,50 @@ class VeScaleStrategy(ParallelStrategy):
         extra.pop("state_dict", None)
         with_optimizer = extra.pop("optimizer_states", None) is not None
         assert self.model is not None
-        vckpt.save(path, self.model, self._optimizer_for_checkpoint() if with_optimizer else None, extra=extra)
+        vckpt.save(path, self.model, self._optimizers_for_checkpoint() if with_optimizer else None, extra=extra)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         from lightning_vescale import checkpoint as vckpt
 
         path = Path(self.broadcast(checkpoint_path))
-        if path.is_file():  # a missing directory goes to vckpt.load, which also resolves the ".old" fallback
-            raise ValueError(
-                f"strategy='vescale' resumes from the sharded checkpoint directories it saves; {str(path)!r} is not "
-                f"a directory. To start from a full state dict, load it with "
-                f"lightning_vescale.checkpoint.load_full_state_dict(model, state_dict) in setup/on_fit_start."
-            )
         assert self.model is not None
-        # Also restores this rank's RNG states (when the world size is the one that saved). Nothing is unpickled
-        # unless the caller passed weights_only=False (only format-1 checkpoints need it).
-        extra = dict(vckpt.load(path, self.model, self._optimizer_for_checkpoint(),
-                                weights_only=weights_only is not False))
+        if path.is_file():  # a missing directory goes to vckpt.load, which also resolves the ".old" fallback
+            return self._load_full_checkpoint_file(path)
+        # Nothing is unpickled unless the caller passed weights_only=False (only format-1 checkpoints need it).
+        extra = dict(vckpt.load(path, self.model, self._optimizers_for_checkpoint(),
+                                weights_only=weights_only is not False, restore_rng=self._restore_rng_states))
         # Hooks such as on_load_checkpoint expect the key; the weights are already in the model.
         extra.setdefault("state_dict", vckpt.get_model_state_dict(self.model))
         return extra
+
+    def _load_full_checkpoint_file(self, path: Path) -> dict[str, Any]:
+        """Resume from a single-file Lightning checkpoint (DDP's, one device's): every rank reads the file and keeps
+        its pieces of the model and of each optimizer's states; Lightning restores the rest from the dict."""
+        from lightning_vescale import checkpoint as vckpt
+
+        checkpoint = vckpt.read_state_file(path)
+        if "state_dict" not in checkpoint:
+            raise ValueError(f"{str(path)!r} is not a Lightning checkpoint (it has no 'state_dict'); load a bare state "
+                             f"dict with lightning_vescale.checkpoint.load_full_state_dict in on_fit_start")
+        assert self.model is not None
+        vckpt.load_full_state_dict(self.model, checkpoint["state_dict"])
+        optimizers = self._optimizers_for_checkpoint()
+        saved = checkpoint.get("optimizer_states", [])
+        if optimizers and len(saved) != len(optimizers):
+            raise ValueError(f"{str(path)!r} holds {len(saved)} optimizer state(s), the LightningModule configures "
+                             f"{len(optimizers)}")
+        for optimizer, state in zip(optimizers, saved):
+            vckpt.load_full_optimizer_state_dict(optimizer, state)
+        return checkpoint
+
+    def save_pretrained(self, module: Module, save_directory: _PATH, **kwargs: Any) -> None:
+        """Write a Hugging Face directory of ``module`` (a sharded ``transformers`` model inside the
+        LightningModule); every rank calls it (``trainer.strategy.save_pretrained(self.model, "hf/")``). See
+        :func:`lightning_vescale.checkpoint.save_pretrained`."""
+        from lightning_vescale import checkpoint as vckpt
+
+        vckpt.save_pretrained(module, save_directory, **kwargs)
 
     # -- teardown -----------------------------------------------------------------------------------------
     @override

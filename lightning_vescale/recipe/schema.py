@@ -458,6 +458,9 @@ class VeScaleStrategyConfig(StrategyConfig):
     """Build the model on the meta device in ``configure_model`` (each rank allocates only its pieces)."""
     process_group_backend: Optional[str] = None
     """``null``: gloo on CPU, nccl on CUDA."""
+    restore_rng_states: bool = True
+    """Resume with every rank's saved RNG states, so the resumed run equals the uninterrupted one (the
+    strategy's own default, as Lightning's strategies, is False)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
