@@ -215,10 +215,20 @@ def _granularity_fn(granularity: GranularityArg) -> Callable[[str, nn.Parameter]
     return lambda name, p: granularity
 
 
-def _warn_unapplied_tiers(states: list[_VeScaleState]) -> None:
-    from lightning_vescale.plan._registry import unapplied_tiers
+def _unapplied_tiers(states: list[_VeScaleState]) -> list[str]:
+    """Names of the parameters whose policy (``param._vescale_policy``, set by a plan) puts some state off the
+    device (its ``tier`` mapping) but which no memory manager placed (``param._vescale_tiers_applied``)."""
+    out = []
+    for st in states:
+        for mp in st.group.managed if st.group is not None else ():
+            tiers = getattr(getattr(mp.sharded, "_vescale_policy", None), "tier", None) or {}
+            if any(t != "device" for t in tiers.values()) and not getattr(mp.sharded, "_vescale_tiers_applied", False):
+                out.append(mp.fqn)
+    return out
 
-    names = unapplied_tiers((mp.fqn, mp.sharded) for st in states if st.group is not None for mp in st.group.managed)
+
+def _warn_unapplied_tiers(states: list[_VeScaleState]) -> None:
+    names = _unapplied_tiers(states)
     if names:
         warnings.warn(f"the plan places state of {len(names)} parameters ({', '.join(names[:3])}"
                       f"{', ...' if len(names) > 3 else ''}) on host or disk, but nothing applied it, so it all "

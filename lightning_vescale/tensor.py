@@ -24,7 +24,24 @@ Operations run on the pieces, chosen so that the result equals the same operatio
 Anything else (matmuls, indexing, reshapes, reductions over a dim, ``item()``) raises
 :class:`UnsupportedRaggedOp`, naming the op, instead of computing a silently local result: call
 ``full_tensor()`` for the whole value, or ``to_local()`` for this rank's piece. Mixing a RaggedTensor with
-a plain tensor that is not a scalar, or two RaggedTensors of different layouts, raises too.
+a plain tensor that is not a scalar, or two RaggedTensors of different layouts, raises too; the one exception
+is ``copy_`` into a RaggedTensor from a tensor of its global shape laid out otherwise (a full tensor, another
+DTensor, another layout), which takes this rank's piece of it (``load_state_dict`` copies so).
+
+[Note: RaggedTensor as a DTensor]
+A RaggedTensor *is* a :class:`torch.distributed.tensor.DTensor` (veScale's design): ``isinstance(p, DTensor)``,
+``p.device_mesh`` (the ``fully_shard`` mesh; a 2-D (replicate, shard) mesh for HSDP), ``p.placements``
+(:class:`~lightning_vescale.placement.RaggedShard` on the shard dim, ``Replicate()`` on the others),
+``full_tensor()``, ``to_local()`` and ``redistribute(...)``, so DTensor-aware code works unchanged:
+``torch.distributed.checkpoint.state_dict``'s helpers (full and sharded, ``broadcast_from_rank0``), ``dcp.save`` /
+``dcp.load``, ``clip_grad_norm_``, the FSDP2 tutorial's ``full_tensor()`` export and ``distribute_tensor`` +
+``load_state_dict(assign=True)`` reload. It keeps its own ``__torch_dispatch__`` (the rules above), never
+DTensor's sharding propagation: a RaggedShard piece is a flat range, not a ``torch.chunk`` slice, so DTensor's
+even-``Shard`` arithmetic would be wrong for it, and :class:`RaggedShard` refuses it. Where DTensor code only
+asks which rows a shard holds (``compute_local_shape_and_global_offset``), RaggedShard answers with the rows
+covering the piece, and a piece cut inside rows comes from ``to_local()`` as a :class:`RaggedPiece`, whose
+``copy_`` takes its elements from those rows. Measured (``benchmarks/results/optim_dtensor.md``): the AdamW step
+on RaggedTensors costs what it cost before they were DTensors, within the run-to-run spread.
 
 Reductions and ``full_tensor()`` are collectives over ``layout.group``: every rank of it must call them.
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import uuid
+import zipfile
 from typing import Any, Mapping, Optional
 
 import torch
@@ -209,16 +211,17 @@ def read_state_file(path: "os.PathLike | str") -> dict[str, Any]:
         from safetensors.torch import load_file
 
         return load_file(path, device="cpu")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch raises UnpicklingError (or RuntimeError for a non-zip file) naming the global
-        if type(e).__name__ not in ("UnpicklingError", "RuntimeError"):
-            raise
+    try:  # a zip archive (torch.save's format since 1.6) is memory-mapped; an older one is read whole
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as e:  # weights_only refused a global: the file holds more than tensors and values
         raise ValueError(
             f"{path!r} holds objects other than tensors and plain values, and lightning_vescale never unpickles a "
             f"checkpoint (loading it could run code stored in the file): save state dicts (tensors, numbers, "
-            f"strings, lists, dicts) instead ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            f"strings, lists, dicts) instead ({str(e).splitlines()[0][:200]})"
         ) from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"{path!r} is not a checkpoint file torch.load can read (empty, truncated or another format): "
+                         f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else 'no data'}") from None
 
 
 def load_full_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:

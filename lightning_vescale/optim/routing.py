@@ -67,9 +67,7 @@ def _route(
     name: str, p: Tensor, *, embeddings: set[int], muon_patterns: Sequence[str], adamw_patterns: Sequence[str],
     expert_patterns: Sequence[str],
 ) -> Route:
-    from lightning_vescale.plan import policy_of
-
-    policy = policy_of(p)
+    policy = getattr(p, "_vescale_policy", None)  # a plan's ParamPolicy, stored on the parameter by parallelize
     if policy is not None and policy.route_is_explicit and policy.optimizer in ("muon", "adamw"):
         return policy.optimizer  # the plan the model was parallelized with decided
     to_adamw, to_muon = _matches(name, adamw_patterns), _matches(name, muon_patterns)

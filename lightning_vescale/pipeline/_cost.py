@@ -132,7 +132,7 @@ def _collectives(modules: Mapping[str, nn.Module], plan: Any, ranks: int, hardwa
     """Of ``modules`` sharded by ``plan`` over ``ranks`` ranks, from the dry run: (AllGather seconds per forward
     and backward, ReduceScatter seconds, optimizer seconds, AllGather seconds gathering each group once, the
     gathered bytes beyond the shard)."""
-    from lightning_vescale.parallelize import resolve_for
+    from lightning_vescale.plan._compile import resolve_for
 
     container = nn.Module()
     for name, module in modules.items():

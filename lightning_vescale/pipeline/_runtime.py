@@ -131,7 +131,7 @@ def check_stage_shapes(model: nn.Module, plan: MPMDPlan, inputs: Sequence[Any]) 
 def check_stage_plans(model: nn.Module, plan: MPMDPlan) -> None:
     """Resolve every stage's sharding plan against the stage's modules (on the meta device, on every rank, so a
     bad plan of any stage stops every rank before a process group is created)."""
-    from lightning_vescale.parallelize import resolve_for
+    from lightning_vescale.plan._compile import resolve_for
 
     shadow = _meta_clone(model)
     for stage in plan.stages:
@@ -464,7 +464,7 @@ def parallelize_mpmd(
         sync_module_states: broadcast each stage's weights from the stage's first rank.
         timeout: timeout of the process groups created (default: torch's).
     """
-    from lightning_vescale.parallelize import parallelize
+    from lightning_vescale.parallel.spmd import parallelize_spmd as parallelize
 
     plan = MPMDPlan.from_dict(plan)
     if not (dist.is_available() and dist.is_initialized()):

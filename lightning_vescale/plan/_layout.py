@@ -22,11 +22,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from lightning_vescale.plan._resolve import GroupPolicy, ParamPolicy, ResolvedPlan
+if TYPE_CHECKING:  # the resolved plan prints its table through this module
+    from lightning_vescale.plan._resolve import GroupPolicy, ParamPolicy, ResolvedPlan
 from lightning_vescale.plan._spec import parse_dtype
 from lightning_vescale.planner import (
     BufferPlan,

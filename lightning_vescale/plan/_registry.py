@@ -1,52 +1,33 @@
-"""Which policy each sharded parameter was given: :func:`~lightning_vescale.parallelize` records it, the
-optimizer routing reads it (the plan decides, nothing re-derives it)."""
+"""Which policy each sharded parameter was given: :func:`~lightning_vescale.parallelize` stores it on the parameter,
+the optimizer routing and the memory manager read it (the plan decides, nothing re-derives it).
+
+The policy lives on the parameter (``param._vescale_policy``), so it goes with it, and the engine reads the one
+thing it needs of it (``policy.tier``: which states the plan puts off the device) as an attribute, without knowing
+plans: see ``fully_shard``'s check that a plan's tiers were applied.
+"""
 
 from __future__ import annotations
 
-import weakref
 from typing import Iterable, Optional
 
 import torch
 
 from lightning_vescale.plan._resolve import ParamPolicy
 
-__all__ = ["mark_tiers_applied", "policy_of", "register_policy", "unapplied_tiers"]
-
-# Keyed by identity (a tensor's == is elementwise, so a WeakKeyDictionary cannot hold tensors); an entry goes
-# with its parameter.
-_POLICIES: dict[int, tuple[weakref.ref, ParamPolicy]] = {}
-# Parameters whose plan tiers the memory manager placed (apply_memory_policy), by identity as above.
-_TIERS_APPLIED: dict[int, weakref.ref] = {}
+__all__ = ["mark_tiers_applied", "policy_of", "register_policy"]
 
 
 def register_policy(param: torch.Tensor, policy: ParamPolicy) -> None:
-    key = id(param)
-    _POLICIES[key] = (weakref.ref(param, lambda _: _POLICIES.pop(key, None)), policy)
+    param._vescale_policy = policy  # type: ignore[attr-defined]
 
 
 def policy_of(param: torch.Tensor) -> Optional[ParamPolicy]:
     """The :class:`~lightning_vescale.plan.ParamPolicy` :func:`~lightning_vescale.parallelize` gave ``param``
     (a sharded parameter), or None for a parameter no plan placed."""
-    entry = _POLICIES.get(id(param))
-    return entry[1] if entry is not None and entry[0]() is param else None
+    return getattr(param, "_vescale_policy", None)
 
 
 def mark_tiers_applied(params: Iterable[torch.Tensor]) -> None:
     """Record that :func:`~lightning_vescale.memory.apply_memory_policy` placed ``params`` (their plan tiers)."""
     for param in params:
-        key = id(param)
-        _TIERS_APPLIED[key] = weakref.ref(param, lambda _, key=key: _TIERS_APPLIED.pop(key, None))
-
-
-def unapplied_tiers(params: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """Names of the ``(name, param)`` whose plan puts some state off the device but which no memory manager
-    placed: with plain torch, the plan's tiers take effect only through ``apply_memory_policy``."""
-    out = []
-    for name, param in params:
-        policy = policy_of(param)
-        if policy is None or all(t == "device" for t in policy.tier.values()):
-            continue
-        entry = _TIERS_APPLIED.get(id(param))
-        if entry is None or entry() is not param:
-            out.append(name)
-    return out
+        param._vescale_tiers_applied = True  # type: ignore[attr-defined]

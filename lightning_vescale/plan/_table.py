@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from lightning_vescale.plan._resolve import ResolvedPlan
+if TYPE_CHECKING:  # the resolved plan formats itself with this module (ResolvedPlan.table)
+    from lightning_vescale.plan._resolve import ResolvedPlan
 
 __all__ = ["format_bytes", "format_table"]
 
@@ -30,7 +31,7 @@ def _rows_to_text(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, params: bool = False) -> str:
+def format_table(resolved: "ResolvedPlan", world_size: Optional[int] = None, *, params: bool = False) -> str:
     from lightning_vescale.plan._layout import group_layouts
 
     name = resolved.plan.name or "unnamed"

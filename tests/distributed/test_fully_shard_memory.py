@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -264,6 +265,39 @@ def _backward_prefetch_switch(rank: int, world: int) -> None:
     assert sent[True]["all_gather"] == sent[False]["all_gather"], sent
 
 
+def _explicit_prefetch_plans(rank: int, world: int) -> None:
+    """set_modules_to_forward_prefetch / set_modules_to_backward_prefetch (FSDP2's methods): block 0's forward gathers
+    exactly the listed blocks (none: block 1 is still sharded inside it; [block 2]: block 2 is gathered before its
+    turn), and the last block's backward gathers the listed block even on CPU, where backward prefetch is off."""
+    model = _sharded_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optimizer)
+    b0, b1, b2 = model.blocks[0], model.blocks[1], model.blocks[2]
+    groups = [sharded_groups(b)[0] for b in (b1, b2)]
+    seen: list = []
+    hook = b0.up.register_forward_hook(lambda *_: seen.append([g.is_unsharded for g in groups]))
+    _step(model, optimizer)  # default: the next block in forward order
+    b0.set_modules_to_forward_prefetch([])
+    _step(model, optimizer)
+    b0.set_modules_to_forward_prefetch([b2])
+    _step(model, optimizer)
+    hook.remove()
+    assert seen == [[True, False], [False, False], [False, True]], seen
+    with pytest.raises(ValueError, match="not sharded"):
+        b0.set_modules_to_forward_prefetch([b0.up])
+    target = sharded_groups(model.blocks[-3])[0]
+    backward_seen: list = []
+    model.blocks[-1].set_modules_to_backward_prefetch([model.blocks[-3]])
+
+    def inside_last_block_backward(module, args, output) -> None:
+        output.register_hook(lambda grad: backward_seen.append(target.is_unsharded))
+
+    hook = model.blocks[-1].up.register_forward_hook(inside_last_block_backward)
+    _step(model, optimizer)
+    hook.remove()
+    assert backward_seen == [True], backward_seen
+
+
 def _run(rank: int, world: int) -> None:
     _grads_freed_before_forward(rank, world)
     _grads_freed_when_backward_starts(rank, world)
@@ -275,6 +309,7 @@ def _run(rank: int, world: int) -> None:
     _embedding_not_gathered_for_backward(rank, world)
     _backward_prefetch_follows_post_forward_order(rank, world)
     _backward_prefetch_switch(rank, world)
+    _explicit_prefetch_plans(rank, world)
 
 
 def test_buffer_lifetimes() -> None:

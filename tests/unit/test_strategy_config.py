@@ -212,8 +212,8 @@ def test_single_rank_fit(single_process_pg, tmp_path) -> None:
     assert t2.global_step == 3
     with pytest.raises(FileNotFoundError, match="no checkpoint at .*missing.ckpt"):
         trainer(max_steps=3, enable_model_summary=False).fit(BoringModel(), ckpt_path=tmp_path / "missing.ckpt")
-    (tmp_path / "single.ckpt").write_bytes(b"")
-    with pytest.raises(ValueError, match="not a directory"):
+    (tmp_path / "single.ckpt").write_bytes(b"")  # a file resumes as a full checkpoint: an empty one is named
+    with pytest.raises(ValueError, match="single.ckpt' is not a checkpoint file"):
         trainer(max_steps=3, enable_model_summary=False).fit(BoringModel(), ckpt_path=tmp_path / "single.ckpt")
 
 
