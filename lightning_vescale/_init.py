@@ -26,7 +26,6 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from lightning_vescale._param_group import ParamGroup, _set_param
 from lightning_vescale.fully_shard import get_state
-from lightning_vescale.quant._storage import QuantizedStorage
 
 __all__ = ["init_sharded_weights"]
 
@@ -112,13 +111,8 @@ def init_sharded_weights(model: nn.Module, init_fn: Optional[Callable[[nn.Module
             return
         fulls = {key: buf.materialize_unsharded_for_init() for key, buf in group.buffers.items()}
         for mp in group.managed:
-            buf = group.buffers[mp.key]
-            spec = buf.plan.specs[mp.index]
-            off = buf.plan.offsets[mp.index]
-            if isinstance(buf, QuantizedStorage):  # full weights row-major; quantized on close
-                full_view = buf.init_view(fulls[mp.key], mp.index)
-            else:
-                full_view = fulls[mp.key][off : off + spec.numel].view(spec.shape)
+            # The buffer's own layout of its full values (row-major weights a quantized storage quantizes on close).
+            full_view = group.buffers[mp.key].init_view(fulls[mp.key], mp.index)
             tmp = nn.Parameter(full_view, requires_grad=mp.sharded.requires_grad)
             for user, name in mp.uses:
                 _set_param(user, name, tmp)
@@ -127,10 +121,7 @@ def init_sharded_weights(model: nn.Module, init_fn: Optional[Callable[[nn.Module
     def close_group(group: ParamGroup) -> None:
         fulls = open_buffers.pop(id(group))
         for key, buf in group.buffers.items():
-            if isinstance(buf, QuantizedStorage):
-                buf.finish_init(fulls[key], {mp.index: mp.sharded for mp in group.managed if mp.key == key})
-                continue
-            buf.local.copy_(buf.rank_slice(fulls[key]))
+            buf.finish_init(fulls[key], {mp.index: mp.sharded for mp in group.managed if mp.key == key})
         for mp in group.managed:
             group._use_sharded(mp)
         group.needs_init = False

@@ -13,7 +13,6 @@ AllGather and one ReduceScatter per group. Each original parameter becomes
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -27,16 +26,8 @@ import torch.nn as nn
 from lightning_vescale import collectives
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.dbuffer import BufferState, DBuffer
-from lightning_vescale.planner import (
-    BufferPlan,
-    TensorSpec,
-    granule,
-    plan_buffer,
-)
-from lightning_vescale.quant import _sharding as quant_sharding
-from lightning_vescale.quant._gather import QuantizedGatherBuffer
-from lightning_vescale.quant._storage import QuantizedStorage
-from lightning_vescale.quant.tensor import install_state_dict_hooks
+from lightning_vescale.group_plan import ParamEntry, buffer_kind_of, plan_group_buffers
+from lightning_vescale.planner import BufferPlan
 from lightning_vescale.tensor import RaggedLayout, RaggedTensor
 
 logger = logging.getLogger(__name__)
@@ -69,18 +60,6 @@ class _ManagedParam:
     requires_grad: bool = False  # the flag both parameter objects had when last synchronized
     unsharded: Optional[nn.Parameter] = None
     original: Optional[weakref.ref] = None  # the parameter before sharding, to detect ties across groups
-
-
-def _owner_cost(shape: tuple[int, ...], granularity_numel: int) -> float:
-    """Newton-Schulz cost of the matrices (2-D, or each expert of a 3-D stack) a granule keeps whole on one rank
-    (the planner balances it across ranks); 0 when the granule does not hold whole matrices."""
-    if len(shape) not in (2, 3):
-        return 0.0
-    rows, cols = shape[-2:]
-    if granularity_numel % max(rows * cols, 1):
-        return 0.0
-    short, long = sorted((rows, cols))
-    return float(5 * short * short * (2 * long + short)) * (shape[0] if len(shape) == 3 else 1)
 
 
 SHARDED_ORIGINALS: "weakref.WeakKeyDictionary[torch.Tensor, str]" = weakref.WeakKeyDictionary()
@@ -169,52 +148,29 @@ class ParamGroup:
 
     # -- construction -----------------------------------------------------------------------------------
     def _build(self, params, granularity_fn: GranularityFn) -> None:
-        specs: dict[tuple, list[TensorSpec]] = {}
         originals: dict[str, nn.Parameter] = {}
+        entries = []
         for fqn, param, uses in params:
-            if param.dim() == 0:
-                raise ValueError(
-                    f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1."
-                )
-            quant = quant_sharding.group_key_suffix(fqn, param)  # () unless block-quantized (its own buffer)
-            key = (param.dtype, param.requires_grad, *quant)
-            shape = tuple(param.shape)
-            try:
-                g_numel, period = granule(shape, granularity_fn(fqn, param))
-            except ValueError as e:
-                raise ValueError(f"parameter {fqn}: {e}") from None
-            if quant and quant[0] == quant_sharding.GATHER:
-                # Whole row bands of the quantization blocks: uniform over the tensor.
-                g_numel, period = quant_sharding.gather_granularity(fqn, param, quant[1], g_numel), 0
-            specs.setdefault(key, []).append(TensorSpec(fqn, shape, g_numel, _owner_cost(shape, g_numel), period))
-            self.managed.append(_ManagedParam(fqn, uses, key))
             originals[fqn] = param
-        for key, key_specs in specs.items():
-            dtype, requires_grad = key[:2]
-            param_dtype = self.mp_policy.param_dtype if dtype.is_floating_point else None
-            if key[2:] and key[2] == quant_sharding.STORAGE:
-                self.buffers[key] = QuantizedStorage(
-                    [sp.name for sp in key_specs], [sp.shape for sp in key_specs], fmt=key[3], group=self.shard_group,
-                    world_size=self.world_size, device=self.device, param_dtype=param_dtype or dtype,
-                )
-                continue
-            if param_dtype is not None and param_dtype == dtype:
-                param_dtype = None
-            reduce_dtype = self.mp_policy.reduce_dtype if dtype.is_floating_point else None
-            item = min(dtype.itemsize, (param_dtype or dtype).itemsize)
-            # 16-byte aligned offsets and shard sizes keep NCCL on its fast paths; negligible padding.
-            alignment = max(1, 16 // item)
-            try:
-                plan = plan_buffer(key_specs, self.world_size, alignment=alignment)
-            except ValueError as e:
-                raise ValueError(f"cannot plan the parameters of {type(self.module).__name__}: {e}") from None
-            buffer_cls = functools.partial(QuantizedGatherBuffer, fmt=key[3]) if key[2:] else DBuffer
-            self.buffers[key] = buffer_cls(
-                plan, group=self.shard_group, device=self.device, dtype=dtype,
-                param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                requires_grad=requires_grad and dtype.is_floating_point,
-                replicate_group=self.replicate_group, gradient_divide_factor=self.gradient_divide_factor,
+            entries.append(ParamEntry(fqn, tuple(param.shape), param.dtype, param.requires_grad,
+                                      granularity_fn(fqn, param), buffer_kind_of(fqn, param)))
+        try:
+            planned = plan_group_buffers(entries, self.world_size, self.mp_policy)
+        except ValueError as e:
+            raise ValueError(f"cannot shard the parameters of {type(self.module).__name__}: {e}") from None
+        key_of = {name: gb.key for gb in planned for name in gb.names}
+        for fqn, _, uses in params:
+            self.managed.append(_ManagedParam(fqn, uses, key_of[fqn]))
+        kinds = {}
+        for gb in planned:
+            kwargs = dict(
+                group=self.shard_group, device=self.device, dtype=gb.dtype, param_dtype=gb.param_dtype,
+                reduce_dtype=gb.reduce_dtype, requires_grad=gb.requires_grad, replicate_group=self.replicate_group,
+                gradient_divide_factor=self.gradient_divide_factor,
             )
+            kinds[gb.key] = gb.kind
+            self.buffers[gb.key] = DBuffer(gb.plan, **kwargs) if gb.kind is None else gb.kind.make_buffer(
+                gb.plan, gb, world_size=self.world_size, **kwargs)
         for mp in self.managed:
             mp.index = self.buffers[mp.key].plan.index_of(mp.fqn)
         layouts = self._layouts(originals)
@@ -223,8 +179,9 @@ class ParamGroup:
             orig = originals[mp.fqn]
             mp.original = weakref.ref(orig)
             SHARDED_ORIGINALS[orig] = f"{mp.fqn} of the {type(self.module).__name__} sharded by an earlier fully_shard"
-            if isinstance(buf, QuantizedStorage):
-                self._build_quantized(mp, buf, orig)
+            if not buf.holds_master_pieces:
+                kinds[mp.key].make_parameters(self, mp, buf, orig)  # a kind with its own storage
+                self._use_sharded(mp)
                 continue
             local = buf.local_view(mp.index)
             if orig.is_meta:
@@ -245,21 +202,6 @@ class ParamGroup:
             self._use_sharded(mp)
         self._grad_expected = sum(mp.unsharded.requires_grad for mp in self.managed)
 
-    def _build_quantized(self, mp: _ManagedParam, buf: QuantizedStorage, orig: nn.Parameter) -> None:
-        """A frozen block-quantized weight: its sharded parameter is a QuantizedTensor on ``buf``'s codes and scales
-        (filled from ``orig``'s codes, or by quantizing its values; a meta ``orig`` is filled by init)."""
-        sharded = buf.sharded_tensor(mp.index, buf.param_dtype if orig.is_meta else orig.dtype)
-        if orig.is_meta:
-            self.needs_init = True
-        else:
-            sharded.copy_(orig.detach())
-        mp.sharded = nn.Parameter(sharded, requires_grad=False)
-        mp.unsharded = nn.Parameter(buf.unsharded_view(mp.index), requires_grad=False)
-        mp.requires_grad = False
-        for module, _ in mp.uses:
-            install_state_dict_hooks(module)
-        self._use_sharded(mp)
-
     def _layouts(self, originals: dict[str, nn.Parameter]) -> dict[str, RaggedLayout]:
         """Each parameter's :class:`RaggedLayout`: its pieces over the shard group.
 
@@ -272,8 +214,8 @@ class ParamGroup:
         blocks = []
         for mp in self.managed:
             buf = self.buffers[mp.key]
-            if isinstance(buf, QuantizedStorage):
-                continue  # its codes and scales carry their own layouts
+            if not buf.holds_master_pieces:
+                continue  # a storage of its own (quantized codes and scales) carries its own layouts
             extent = getattr(originals[mp.fqn], "_vescale_global_extent", None)
             if extent is None:
                 shape = tuple(originals[mp.fqn].shape)
@@ -539,8 +481,8 @@ class ParamGroup:
         (``zero_grad(set_to_none=True)``), so it does not stay allocated through the next forward and backward;
         the next ReduceScatter allocates it again (FSDP2 likewise allocates sharded gradients at reduction)."""
         for key, buf in self.buffers.items():
-            if isinstance(buf, QuantizedStorage) or buf.local_grad is None or buf.reducing:
-                continue  # frozen quantized weights have no gradients
+            if not buf.holds_master_pieces or buf.local_grad is None or buf.reducing:
+                continue  # a storage of its own (frozen quantized weights) has no gradients
             mine = [mp for mp in self.managed if mp.key == key]
             if all(mp.sharded.grad is None for mp in mine):
                 for mp in mine:

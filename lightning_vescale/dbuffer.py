@@ -98,6 +98,10 @@ class DBuffer:
             :func:`lightning_vescale.parallel.fully_shard_expert_parallel`).
     """
 
+    holds_master_pieces = True
+    """Each rank's master pieces live here and the sharded parameters are views of them (see group_plan's
+    [Note: buffer kinds] for buffers that keep their own storage)."""
+
     def __init__(
         self,
         plan: BufferPlan,
@@ -251,6 +255,16 @@ class DBuffer:
     def materialize_unsharded_for_init(self) -> torch.Tensor:
         """An unsharded buffer in the master dtype, for initializing values before sharding."""
         return torch.empty(self.world_size * self.shard_size, dtype=self.dtype, device=self.device)
+
+    def init_view(self, full: torch.Tensor, index: int) -> torch.Tensor:
+        """Tensor ``index`` in ``full`` (from :meth:`materialize_unsharded_for_init`), to initialize it whole."""
+        off, spec = self.plan.offsets[index], self.plan.specs[index]
+        return full[off : off + spec.numel].view(spec.shape)
+
+    def finish_init(self, full: torch.Tensor, sharded: dict) -> None:
+        """Keep this rank's piece of the initialized ``full`` buffer (``sharded``: index -> parameter, unused here:
+        the parameters are views of ``local``)."""
+        self.local.copy_(self.rank_slice(full))
 
     # -- gradients: ReduceScatter -------------------------------------------------------------------------
     def alloc_grad(self) -> None:

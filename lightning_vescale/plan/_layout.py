@@ -1,15 +1,14 @@
-"""The buffers a resolved group gets on ``N`` ranks, computed as ``fully_shard`` computes them, without a process
-group: one :class:`~lightning_vescale.planner.BufferPlan` per (dtype, requires_grad[, quantization]), the same
-tensor specs, granularities, optimizer costs and alignment as :class:`~lightning_vescale._param_group.ParamGroup`
-uses.
+"""The buffers a resolved group gets on ``N`` ranks, without a process group: the engine's own
+:func:`~lightning_vescale.group_plan.plan_group_buffers` (the function :class:`~lightning_vescale._param_group.ParamGroup`
+builds its buffers from) on the group's parameters as the plan describes them, and the bytes of each buffer.
 
 Block-quantized parameters (a plan's ``quantization: fp8_block | int8_block``, declared by ``parallelize`` on the
-2-D weights and 3-D expert stacks it covers) get the engine's buffers, decided and cut by the engine's own
-functions (:mod:`lightning_vescale.quant._sharding`, :mod:`lightning_vescale.quant.blocks`):
+2-D weights and 3-D expert stacks it covers) carry the declaration ``parallelize`` would set, so they get the
+engine's buffer kinds (:mod:`lightning_vescale.quant._kinds`):
 
 * a trained one a :class:`~lightning_vescale.quant._gather.QuantizedGatherBuffer`: fp32 master pieces as usual,
-  cut between row bands (:func:`~lightning_vescale.quant._sharding.gather_granularity`), gathered as one byte of
-  code per element plus one fp32 scale per band tile (two AllGathers);
+  cut between row bands, gathered as one byte of code per element plus one fp32 scale per band tile (two
+  AllGathers);
 * a frozen one a :class:`~lightning_vescale.quant._storage.QuantizedStorage`: ``b x b`` tiles of codes and one
   fp32 scale per tile on each rank, gathered as they are, dequantized into the compute dtype.
 
@@ -20,7 +19,6 @@ plans of a model sharded for real, so the dry run's bytes are the engine's bytes
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -28,15 +26,12 @@ import torch
 
 if TYPE_CHECKING:  # the resolved plan prints its table through this module
     from lightning_vescale.plan._resolve import GroupPolicy, ParamPolicy, ResolvedPlan
+from lightning_vescale._api import MixedPrecisionPolicy
+from lightning_vescale.group_plan import BufferKind, ParamEntry, plan_group_buffers
 from lightning_vescale.plan._spec import parse_dtype
-from lightning_vescale.planner import (
-    BufferPlan,
-    TensorSpec,
-    granule,
-    plan_buffer,
-)
-from lightning_vescale.quant._sharding import GATHER, QUANT_ATTR, STORAGE, gather_granularity, group_key_suffix
-from lightning_vescale.quant.blocks import band_scale_count, tile_grid
+from lightning_vescale.planner import BufferPlan
+from lightning_vescale.quant._kinds import GATHER, STORAGE, BlockQuantization
+from lightning_vescale.quant.blocks import band_scale_count
 from lightning_vescale.quant.formats import BlockFormat, parse_format
 
 __all__ = ["BufferLayout", "group_layouts", "quantized_gather_scales_per_rank"]
@@ -118,27 +113,6 @@ class BufferLayout:
         return 0
 
 
-def _owner_cost(shape: tuple[int, ...], g_numel: int) -> float:
-    # As _param_group._owner_cost: Newton-Schulz cost of a matrix kept whole on one rank.
-    numel = 1
-    for s in shape:
-        numel *= s
-    if len(shape) != 2 or g_numel != numel:
-        return 0.0
-    short, long = sorted(shape)
-    return float(5 * short * short * (2 * long + short))
-
-
-@functools.lru_cache(maxsize=1024)
-def _plan(specs: tuple[TensorSpec, ...], world_size: int, alignment: int) -> BufferPlan:
-    return plan_buffer(list(specs), world_size, alignment=alignment)
-
-
-@functools.lru_cache(maxsize=1024)
-def _scales(specs: tuple[TensorSpec, ...], world_size: int, alignment: int, fmt: BlockFormat) -> int:
-    return quantized_gather_scales_per_rank(_plan(specs, world_size, alignment), fmt)
-
-
 def quantized_gather_scales_per_rank(plan: BufferPlan, fmt: BlockFormat) -> int:
     """``QuantizedGatherBuffer.scales_per_rank`` without building one: the most scales a rank's pieces have
     (:func:`~lightning_vescale.quant.blocks.band_scale_count` per piece), in O(tensors) rather than
@@ -159,68 +133,56 @@ def quantized_gather_scales_per_rank(plan: BufferPlan, fmt: BlockFormat) -> int:
     return int((torch.cumsum(diff, 0)[:N] + ends).max()) if N else 0
 
 
-def _quantization(name: str, p: ParamPolicy, dtype: torch.dtype) -> tuple[tuple, Optional[torch.Tensor]]:
-    """The engine's buffer key suffix for ``p`` (``()``, ``(STORAGE, fmt)`` or ``(GATHER, fmt)``), decided by the
-    engine's own function on a meta stand-in carrying the declaration ``parallelize`` would set."""
-    # parallelize._declare_quantization: 2-D weights and 3-D stacks only; quantize_*: floating ones only.
+def _kind(name: str, p: ParamPolicy, dtype: torch.dtype) -> Optional[BufferKind]:
+    """The engine's buffer kind for ``p``: the one its declaration gives a meta stand-in carrying what
+    ``parallelize`` would declare (2-D weights and 3-D stacks only; floating ones only)."""
     if p.quantization == "none" or len(p.shape) not in (2, 3) or not dtype.is_floating_point:
-        return (), None
+        return None
     stand_in = torch.empty(p.shape, dtype=dtype, device="meta", requires_grad=p.requires_grad)
-    setattr(stand_in, QUANT_ATTR, parse_format(p.quantization))
-    return group_key_suffix(name, stand_in), stand_in
+    return BlockQuantization(parse_format(p.quantization)).kind_for(name, stand_in)
+
+
+@functools.lru_cache(maxsize=4096)
+def _scales(plan: BufferPlan, fmt: BlockFormat) -> int:
+    return quantized_gather_scales_per_rank(plan, fmt)
 
 
 def group_layouts(
     resolved: ResolvedPlan, group: GroupPolicy, world_size: int, *, base_param_dtype: Optional[torch.dtype] = None,
     base_reduce_dtype: Optional[torch.dtype] = None,
 ) -> list[BufferLayout]:
-    """The buffers of ``group`` on ``world_size`` ranks (of its shard group), in the engine's order (identical
-    groups share one planner call).
+    """The buffers of ``group`` on ``world_size`` ranks (of its shard group), in the engine's order.
 
     ``base_*``: the mixed-precision dtypes where the plan sets none (the Trainer's precision).
     """
     gp = parse_dtype(group.param_dtype, "param_dtype") or base_param_dtype
     gr = parse_dtype(group.reduce_dtype, "reduce_dtype") or base_reduce_dtype
-    specs: dict[tuple, list[TensorSpec]] = {}
     prefix = group.name + "." if group.name else ""
+    entries = []
     for name in group.params:
         p = resolved.params[name]
         dtype = _DTYPES[p.dtype]
-        quant, stand_in = _quantization(name, p, dtype)
-        g, period = granule(p.shape, p.granularity)
-        if quant and quant[0] == GATHER:
-            g, period = gather_granularity(name, stand_in, quant[1], g), 0  # whole row bands, as ParamGroup._build
-        inner = name[len(prefix):]
-        specs.setdefault((dtype, p.requires_grad, *quant), []).append(
-            TensorSpec(inner, p.shape, g, _owner_cost(p.shape, g), period))
+        entries.append(ParamEntry(name[len(prefix):], tuple(p.shape), dtype, p.requires_grad, p.granularity,
+                                  _kind(name, p, dtype)))
     out = []
-    for key, key_specs in specs.items():
-        dtype, requires_grad, quant = key[0], key[1], key[2:]
-        floating = dtype.is_floating_point
-        real = sum(s.numel for s in key_specs)
-        if quant and quant[0] == STORAGE:
-            fmt: BlockFormat = quant[1]
-            param_dtype = gp if floating and gp is not None else dtype
-            # As QuantizedStorage: one spec of whole tiles per weight, no alignment; the unsharded weights one
-            # after another in param_dtype, 16-byte aligned.
-            tiles = tuple(TensorSpec(s.name, (math.prod(tile_grid(s.shape, fmt.block_size)),), 1) for s in key_specs)
+    for gb in plan_group_buffers(entries, world_size, MixedPrecisionPolicy(param_dtype=gp, reduce_dtype=gr)):
+        real = sum(s.numel for s in gb.specs)
+        param_dtype = gb.param_dtype or gb.dtype
+        quant = gb.kind.key[0] if gb.kind is not None else None
+        fmt = gb.kind.fmt if gb.kind is not None else None  # type: ignore[attr-defined]
+        if quant == STORAGE:
+            # As QuantizedStorage: the unsharded weights one after another in param_dtype, 16-byte aligned.
             align = max(1, 16 // param_dtype.itemsize)
             out.append(BufferLayout(
-                plan=_plan(tiles, world_size, 1), dtype=fmt.code_dtype, param_dtype=param_dtype,
-                reduce_dtype=param_dtype, requires_grad=False, quant=STORAGE, fmt=fmt, real_numel=real,
-                unsharded_numel=sum(-(-s.numel // align) * align for s in key_specs),
+                plan=gb.plan, dtype=fmt.code_dtype, param_dtype=param_dtype, reduce_dtype=param_dtype,
+                requires_grad=False, quant=STORAGE, fmt=fmt, real_numel=real,
+                unsharded_numel=sum(-(-s.numel // align) * align for s in gb.specs),
             ))
             continue
-        param_dtype = gp if floating and gp is not None and gp != dtype else None
-        reduce_dtype = (gr if gr is not None else param_dtype) if floating else None
-        item = min(dtype.itemsize, (param_dtype or dtype).itemsize)
-        alignment = max(1, 16 // item)
-        plan = _plan(tuple(key_specs), world_size, alignment)
-        fmt = quant[1] if quant else None
         out.append(BufferLayout(
-            plan=plan, dtype=dtype, param_dtype=param_dtype or dtype,
-            reduce_dtype=reduce_dtype or param_dtype or dtype, requires_grad=requires_grad and floating,
-            quant=GATHER if quant else None, fmt=fmt, scales_per_rank=_scales(tuple(key_specs), world_size, alignment, fmt) if quant else 0,
-            real_numel=real, unsharded_numel=plan.world_size * plan.shard_size,
+            plan=gb.plan, dtype=gb.dtype, param_dtype=param_dtype, reduce_dtype=gb.reduce_dtype or param_dtype,
+            requires_grad=gb.requires_grad, quant=quant, fmt=fmt,
+            scales_per_rank=_scales(gb.plan, fmt) if quant == GATHER else 0,
+            real_numel=real, unsharded_numel=gb.plan.world_size * gb.plan.shard_size,
         ))
     return out

@@ -15,6 +15,7 @@ Block-scaled ``torch._scaled_mm`` (FP8 matmuls on Hopper) does not run on CPU, s
 into the compute dtype first (weight-only quantization); codes never enter a matmul.
 """
 
+from lightning_vescale.quant._kinds import BlockQuantization
 from lightning_vescale.quant._sharding import quantize_all_gather, quantize_frozen_weights
 from lightning_vescale.quant.blocks import (
     BlockCutError,
@@ -26,6 +27,9 @@ from lightning_vescale.quant.blocks import (
 )
 from lightning_vescale.quant.formats import BlockFormat, parse_format
 from lightning_vescale.quant.tensor import QuantizedTensor, is_quantized
+
+# fully_shard stores a QuantizedTensor parameter as codes + scales (see quant._kinds).
+QuantizedTensor._vescale_buffer_kind = BlockQuantization()
 
 __all__ = [
     "BlockCutError",

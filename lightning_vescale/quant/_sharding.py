@@ -1,62 +1,27 @@
-"""How ``fully_shard`` treats block-quantized parameters (the engine's only entry points into ``quant``).
+"""Declaring parameters block-quantized: frozen bases stored as codes + scales, trained weights gathered as them.
 
-A parameter is block-quantized when it is a :class:`~lightning_vescale.quant.tensor.QuantizedTensor` (frozen
-codes + scales, e.g. from ``from_pretrained(..., quantized_weights="keep")`` or :func:`quantize_frozen_weights`)
-or carries the declaration ``_vescale_quant = BlockFormat(...)`` (set by :func:`quantize_frozen_weights` on a
-meta-device model, or :func:`quantize_all_gather` on trained weights). ``fully_shard`` then puts it in
-
-* a :class:`~lightning_vescale.quant._storage.QuantizedStorage` when it is frozen: stored sharded as codes +
-  scales, gathered as codes + scales, dequantized into the compute dtype for forward;
-* a :class:`~lightning_vescale.quant._gather.QuantizedGatherBuffer` when it trains: fp32 master pieces as
-  usual, cut between row bands, quantized per rank before the AllGather.
+The declaration is :class:`~lightning_vescale.quant._kinds.BlockQuantization` on the parameter
+(``_vescale_buffer_kind``); ``fully_shard`` asks it how to store the parameter (:mod:`lightning_vescale.quant._kinds`).
 """
 
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Sequence
-from typing import Optional
 
-import torch
 from torch import nn
 
-from lightning_vescale.quant.blocks import band_granularity
+from lightning_vescale.quant._kinds import BlockQuantization
 from lightning_vescale.quant.formats import BlockFormat
 from lightning_vescale.quant.tensor import QuantizedTensor, is_quantized, set_quantized_parameter
 
-__all__ = ["QUANT_ATTR", "group_key_suffix", "gather_granularity", "quantize_all_gather", "quantize_frozen_weights"]
-
-QUANT_ATTR = "_vescale_quant"
-STORAGE, GATHER = "quantized_storage", "quantized_gather"
+__all__ = ["declare_quantized", "quantize_all_gather", "quantize_frozen_weights"]
 
 
-def quantization_of(param: torch.Tensor) -> Optional[BlockFormat]:
-    if is_quantized(param):
-        return param.fmt
-    return getattr(param, QUANT_ATTR, None)
-
-
-def group_key_suffix(fqn: str, param: torch.Tensor) -> tuple:
-    """``()`` for an ordinary parameter; ``(STORAGE, fmt)`` for a frozen quantized one, ``(GATHER, fmt)`` for a
-    trained one with a quantized AllGather. Raises for declarations the engine cannot honour."""
-    fmt = quantization_of(param)
-    if fmt is None:
-        return ()
-    if param.dim() not in (2, 3):
-        raise ValueError(f"parameter {fqn} of shape {tuple(param.shape)} is declared block-quantized; only 2-D weights "
-                         f"and 3-D expert stacks can be")
-    if getattr(param, "_vescale_global_extent", None) is not None:
-        raise ValueError(f"parameter {fqn} is a block of an expert-parallel stack and declared block-quantized: "
-                         f"quantization under expert parallelism is not supported yet")
-    if is_quantized(param) or not param.requires_grad:
-        return (STORAGE, fmt)
-    return (GATHER, fmt)
-
-
-def gather_granularity(fqn: str, param: torch.Tensor, fmt: BlockFormat, granularity: int) -> int:
-    """The cut granularity of a trained weight with a quantized AllGather: whole row bands, and ``granularity``."""
-    return math.lcm(granularity, band_granularity(tuple(param.shape), fmt.block_size))
+def declare_quantized(param: nn.Parameter, fmt: BlockFormat) -> None:
+    """Mark ``param`` block-quantized in ``fmt`` for ``fully_shard`` (stored quantized when frozen, gathered
+    quantized when trained)."""
+    param._vescale_buffer_kind = BlockQuantization(fmt)  # type: ignore[attr-defined]
 
 
 def _matching(model: nn.Module, targets: Sequence[str], exclude: Sequence[str], trainable: bool) -> list[str]:
@@ -91,7 +56,7 @@ def quantize_frozen_weights(
         if is_quantized(p):
             continue
         if p.is_meta:
-            setattr(p, QUANT_ATTR, fmt)
+            declare_quantized(p, fmt)
         else:
             set_quantized_parameter(model, name, QuantizedTensor.quantize(p.detach(), fmt))
         done.append(name)
@@ -110,7 +75,7 @@ def quantize_all_gather(
     names = _matching(model, targets, exclude, trainable=True)
     _check_every_pattern_matches(model, targets, names, "trained 2-D/3-D weight", "quantize_all_gather")
     for name in names:
-        setattr(model.get_parameter(name), QUANT_ATTR, fmt)
+        declare_quantized(model.get_parameter(name), fmt)
     return names
 
 

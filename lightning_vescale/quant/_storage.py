@@ -55,10 +55,12 @@ class QuantizedStorage:
     requires_grad = False
     grad_allocated = False
     reducing = False
+    holds_master_pieces = False  # codes and scales; the sharded parameters are QuantizedTensors on them
 
     def __init__(
         self, names: list[str], shapes: list[tuple[int, ...]], *, fmt: BlockFormat,
         group: Optional[dist.ProcessGroup], world_size: int, device: torch.device, param_dtype: torch.dtype,
+        plan: Optional[BufferPlan] = None,
     ) -> None:
         self.fmt = fmt
         self.group = group
@@ -68,8 +70,10 @@ class QuantizedStorage:
         self.dtype = torch.float32  # what init writes full weights in before they are quantized
         self.param_dtype = param_dtype
         self.shapes = {n: tuple(s) for n, s in zip(names, shapes)}
-        specs = [TensorSpec(n, (_numel(tile_grid(s, fmt.block_size)),), 1) for n, s in zip(names, shapes)]
-        self.plan: BufferPlan = plan_buffer(specs, world_size)
+        if plan is None:  # whole tiles, the planning group_plan.plan_group_buffers does (QuantizedStorageKind)
+            specs = [TensorSpec(n, (_numel(tile_grid(s, fmt.block_size)),), 1) for n, s in zip(names, shapes)]
+            plan = plan_buffer(specs, world_size)
+        self.plan: BufferPlan = plan
         bb = fmt.tile_numel
         S = self.plan.shard_size
         self.local_codes = torch.zeros(S * bb, dtype=torch.uint8, device=device)  # 1D, persistent

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_vescale.group_plan import buffer_kind_of
 from lightning_vescale.models import Llama, LlamaConfig
 from lightning_vescale.quant import BlockFormat, QuantizedTensor, quantize_all_gather, quantize_frozen_weights
-from lightning_vescale.quant._sharding import QUANT_ATTR, group_key_suffix
+from lightning_vescale.quant._kinds import quantization_of
+from lightning_vescale.quant._sharding import declare_quantized
 from lightning_vescale.quant.lora import LoRAConfig, LoRALinear, apply_lora, load_base_state_dict
 
 CONFIG = LlamaConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=16)
@@ -51,7 +53,7 @@ def test_quantize_frozen_weights_real_and_meta():
     apply_lora(meta, LoRAConfig(rank=4, alpha=8.0))
     quantize_frozen_weights(meta, FMT, targets=("*feed_forward*",))
     w1 = meta.layers[0].feed_forward.w1.base_layer.weight
-    assert getattr(w1, QUANT_ATTR) == FMT and group_key_suffix("w1", w1) == ("quantized_storage", FMT)
+    assert quantization_of(w1) == FMT and buffer_kind_of("w1", w1).key == ("quantized_storage", FMT)
     with pytest.raises(ValueError, match=r"target pattern\(s\) \['\*nothing\*'\] match no frozen 2-D/3-D weight"):
         quantize_frozen_weights(meta, FMT, targets=("*nothing*",))
 
@@ -61,11 +63,11 @@ def test_quantize_all_gather_declares_trained_weights_only():
     model.norm.weight.requires_grad_(False)
     names = quantize_all_gather(model, FMT, exclude=("output.*",))
     assert "layers.0.attention.wq.weight" in names and "output.weight" not in names and "norm.weight" not in names
-    assert group_key_suffix("wq", model.layers[0].attention.wq.weight) == ("quantized_gather", FMT)
+    assert buffer_kind_of("wq", model.layers[0].attention.wq.weight).key == ("quantized_gather", FMT)
     bad = torch.nn.Parameter(torch.ones(8))
-    setattr(bad, QUANT_ATTR, FMT)
+    declare_quantized(bad, FMT)
     with pytest.raises(ValueError, match="only 2-D weights and 3-D expert stacks"):
-        group_key_suffix("bias", bad)
+        buffer_kind_of("bias", bad)
 
 
 def test_load_base_state_dict_quantizes_and_reports_mismatches():

@@ -1,0 +1,125 @@
+"""How ``fully_shard`` stores block-quantized parameters: the engine's buffer kinds for them.
+
+A parameter is block-quantized when it carries the declaration ``param._vescale_buffer_kind =
+BlockQuantization(fmt)`` (set by :func:`~lightning_vescale.quant.quantize_frozen_weights` on a meta-device model or
+:func:`~lightning_vescale.quant.quantize_all_gather` on trained weights) or is a
+:class:`~lightning_vescale.quant.tensor.QuantizedTensor` (whose class carries ``BlockQuantization()``). The engine
+asks the declaration for a kind (see [Note: buffer kinds] in :mod:`lightning_vescale.group_plan`):
+
+* :class:`QuantizedStorageKind` for a frozen one: a :class:`~lightning_vescale.quant._storage.QuantizedStorage`,
+  stored sharded as codes + scales, gathered as codes + scales, dequantized into the compute dtype for forward;
+* :class:`QuantizedGatherKind` for a trained one: a :class:`~lightning_vescale.quant._gather.QuantizedGatherBuffer`,
+  fp32 master pieces as usual, cut between row bands, quantized per rank before the AllGather.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_vescale.group_plan import GroupBuffer
+from lightning_vescale.planner import BufferPlan, TensorSpec
+from lightning_vescale.quant._gather import QuantizedGatherBuffer
+from lightning_vescale.quant._storage import QuantizedStorage
+from lightning_vescale.quant.blocks import band_granularity, tile_grid
+from lightning_vescale.quant.formats import BlockFormat
+from lightning_vescale.quant.tensor import install_state_dict_hooks, is_quantized
+
+__all__ = ["GATHER", "STORAGE", "BlockQuantization", "QuantizedGatherKind", "QuantizedStorageKind", "quantization_of"]
+
+STORAGE, GATHER = "quantized_storage", "quantized_gather"
+
+
+class QuantizedStorageKind:
+    """Frozen block-quantized weights: one :class:`QuantizedStorage` of whole tiles per group and format."""
+
+    holds_master_pieces = False
+
+    def __init__(self, fmt: BlockFormat) -> None:
+        self.fmt = fmt
+        self.key = (STORAGE, fmt)
+
+    def granule(self, name: str, shape: tuple[int, ...], granule_numel: int) -> int:
+        return granule_numel  # the storage is laid out in whole tiles (planner_specs)
+
+    def planner_specs(self, specs: list[TensorSpec], alignment: int) -> tuple[list[TensorSpec], int]:
+        # Every weight has the same granule, one b x b tile of block-major codes: a cut never splits a block.
+        return [TensorSpec(s.name, (math.prod(tile_grid(s.shape, self.fmt.block_size)),), 1) for s in specs], 1
+
+    def make_buffer(self, plan: BufferPlan, buffer: GroupBuffer, **kwargs: Any) -> QuantizedStorage:
+        return QuantizedStorage(
+            [s.name for s in buffer.specs], [s.shape for s in buffer.specs], fmt=self.fmt, group=kwargs["group"],
+            world_size=plan.world_size, device=kwargs["device"], param_dtype=buffer.param_dtype or buffer.dtype,
+            plan=plan,
+        )
+
+    def make_parameters(self, group: Any, managed: Any, buffer: QuantizedStorage, original: torch.Tensor) -> None:
+        """The sharded parameter is a QuantizedTensor on ``buffer``'s codes and scales (filled from ``original``'s
+        codes, or by quantizing its values; a meta ``original`` is filled by init)."""
+        sharded = buffer.sharded_tensor(managed.index, buffer.param_dtype if original.is_meta else original.dtype)
+        if original.is_meta:
+            group.needs_init = True
+        else:
+            with torch.no_grad():
+                sharded.copy_(original.detach())
+        managed.sharded = nn.Parameter(sharded, requires_grad=False)
+        managed.unsharded = nn.Parameter(buffer.unsharded_view(managed.index), requires_grad=False)
+        managed.requires_grad = False
+        for module, _ in managed.uses:
+            install_state_dict_hooks(module)
+
+
+class QuantizedGatherKind:
+    """Trained weights whose AllGather moves codes and scales: a :class:`QuantizedGatherBuffer` cut between row bands."""
+
+    holds_master_pieces = True
+
+    def __init__(self, fmt: BlockFormat) -> None:
+        self.fmt = fmt
+        self.key = (GATHER, fmt)
+
+    def granule(self, name: str, shape: tuple[int, ...], granule_numel: int) -> int:
+        return math.lcm(granule_numel, band_granularity(tuple(shape), self.fmt.block_size))
+
+    def planner_specs(self, specs: list[TensorSpec], alignment: int) -> tuple[list[TensorSpec], int]:
+        return specs, alignment
+
+    def make_buffer(self, plan: BufferPlan, buffer: GroupBuffer, **kwargs: Any) -> QuantizedGatherBuffer:
+        kwargs.pop("world_size", None)
+        return QuantizedGatherBuffer(plan, fmt=self.fmt, **kwargs)
+
+    def make_parameters(self, group: Any, managed: Any, buffer: Any, original: torch.Tensor) -> None:
+        raise AssertionError("a quantized AllGather keeps master pieces: the engine makes its parameters")
+
+
+class BlockQuantization:
+    """The declaration that a parameter is block-quantized in ``fmt`` (a QuantizedTensor's own format when None)."""
+
+    def __init__(self, fmt: Optional[BlockFormat] = None) -> None:
+        self.fmt = fmt
+
+    def format_of(self, param: torch.Tensor) -> BlockFormat:
+        return self.fmt if self.fmt is not None else param.fmt  # type: ignore[attr-defined]
+
+    def kind_for(self, name: str, param: torch.Tensor) -> "QuantizedStorageKind | QuantizedGatherKind":
+        """Frozen (or a QuantizedTensor): codes + scales storage; trained: a quantized AllGather. Raises for what
+        the engine cannot honour."""
+        if param.dim() not in (2, 3):
+            raise ValueError(f"parameter {name} of shape {tuple(param.shape)} is declared block-quantized; only 2-D "
+                             f"weights and 3-D expert stacks can be")
+        if getattr(param, "_vescale_global_extent", None) is not None:
+            raise ValueError(f"parameter {name} is a block of an expert-parallel stack and declared block-quantized: "
+                             f"quantization under expert parallelism is not supported yet")
+        fmt = self.format_of(param)
+        if is_quantized(param) or not param.requires_grad:
+            return QuantizedStorageKind(fmt)
+        return QuantizedGatherKind(fmt)
+
+
+def quantization_of(param: torch.Tensor) -> Optional[BlockFormat]:
+    """The block format ``param`` is declared quantized in, or None."""
+    declaration = getattr(param, "_vescale_buffer_kind", None)
+    return declaration.format_of(param) if isinstance(declaration, BlockQuantization) else None
