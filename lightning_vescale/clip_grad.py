@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Union
 
 import torch
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["GRADIENT_TIERS", "clip_grad_norm_"]
+
+GRADIENT_TIERS: "weakref.WeakSet" = weakref.WeakSet()
+"""What keeps some parameters' gradient pieces off the device (the memory manager's offloads register here): each has
+``owns(param) -> bool`` and ``clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)``, which brings the
+pieces in one buffer at a time."""
 
 
 def clip_grad_norm_(
@@ -25,10 +31,8 @@ def clip_grad_norm_(
     Returns the total norm (the same on every rank). Gradient pieces offloaded by the memory manager
     (``MemoryPolicy(grads=...)``) are brought in one buffer at a time, with bitwise the same result.
     """
-    from lightning_vescale.memory.pieces import offload_of_grads
-
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    offload = offload_of_grads(params)
+    offload = next((tier for tier in list(GRADIENT_TIERS) if any(tier.owns(p) for p in params)), None)
     if offload is not None:
         return offload.clip_grad_norm_(params, max_norm, float(norm_type), error_if_nonfinite)
     return torch.nn.utils.clip_grad_norm_(

@@ -32,7 +32,7 @@ is dropped; it releases and re-allocates their storage in place, as ``unsharded`
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from lightning_vescale import collectives
 from lightning_vescale.planner import BufferPlan
 from lightning_vescale.tensor import local_piece_shape
 
-__all__ = ["BufferState", "DBuffer"]
+__all__ = ["BufferState", "DBuffer", "GatheredTier", "PieceTier"]
 
 
 class BufferState(Enum):
@@ -53,6 +53,42 @@ class BufferState(Enum):
     """An AllGather into the unsharded buffer was issued and not yet waited on."""
     UNSHARDED = auto()
     """The unsharded buffer holds every tensor of the group."""
+
+
+class PieceTier(Protocol):
+    """Where a buffer's ``local`` and ``local_grad`` live between uses (``DBuffer.offload``): the engine's tier
+    interface, implemented by :mod:`lightning_vescale.memory`. None keeps them in memory."""
+
+    sends_copy: bool
+    """The AllGather reads a copy of ``local`` written into ``unsharded`` (``local`` itself is not resident)."""
+
+    def before_gather(self) -> None:
+        """Bring ``local`` back before the AllGather reads it."""
+
+    def after_gather(self) -> None:
+        """The AllGather has read ``local``: it may go back to its tier."""
+
+    def fetch_grad(self) -> None:
+        """Bring ``local_grad`` back (a ReduceScatter will add to it)."""
+
+    def after_reduce(self) -> None:
+        """The reduced ``local_grad`` is complete: it may go to its tier."""
+
+    def grad_dropped(self) -> None:
+        """``local_grad`` was released (every gradient set to None)."""
+
+
+class GatheredTier(Protocol):
+    """Where a buffer's gathered parameters wait between forward and backward (``DBuffer.gathered_offload``),
+    instead of being gathered again; implemented by :mod:`lightning_vescale.memory`."""
+
+    def has(self, buffer: "DBuffer") -> bool: ...
+
+    def save(self, buffer: "DBuffer") -> None: ...
+
+    def load(self, buffer: "DBuffer", async_op: bool) -> Any: ...
+
+    def drop(self, buffer: "DBuffer") -> None: ...
 
 
 def _free_storage(t: torch.Tensor) -> None:
@@ -144,10 +180,10 @@ class DBuffer:
         self._reduce_output: Optional[torch.Tensor] = None
         self._reduce_accumulate = False
         self.grad_allocated = False
-        self.offload = None  # lightning_vescale.memory's tier moves of local / local_grad; None: always in memory
+        self.offload: Optional[PieceTier] = None  # local / local_grad between uses; None: always in memory
         # lightning_vescale.memory.GatheredOffload: ``unsharded`` on disk between forward and backward (None: the
         # backward gathers again); see [Note: gathered parameters on disk].
-        self.gathered_offload = None
+        self.gathered_offload: Optional[GatheredTier] = None
         self._read_back = False
 
     def enable_grad(self) -> None:

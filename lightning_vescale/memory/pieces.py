@@ -27,13 +27,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn
 
+from lightning_vescale.clip_grad import GRADIENT_TIERS
 from lightning_vescale.dbuffer import DBuffer
 from lightning_vescale.memory.disk import DiskStore
 from lightning_vescale.memory.ledger import memory_stats
@@ -390,7 +390,7 @@ def offload_pieces(model: nn.Module, policy: MemoryPolicy, *,
     return PieceOffload(model, policy, tiers)
 
 
-_GRAD_OFFLOADS: "weakref.WeakSet[PieceOffload]" = weakref.WeakSet()
+_GRAD_OFFLOADS = GRADIENT_TIERS  # the engine's clip_grad_norm_ asks the offloads that hold gradient pieces
 
 
 def offload_of_grads(params: list[torch.Tensor]) -> Optional[PieceOffload]:
