@@ -164,11 +164,17 @@ def test_config_mistakes_stop_before_anything_is_written(tmp_path):
     arch = moe_config("tiny")
     arch.shared_expert_gate = True
     save_pretrained(MoE(arch), arch, tmp_path / "hf")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for script, overrides, message in [
         ("finetune.py", [f"init_from={tmp_path / 'hf'}", "model=moe_tiny"],
          "does not match model=moe_tiny:\n  shared_expert_gate: checkpoint True"),
         ("train.py", ["+foo=1"], "unknown config key(s): foo"),
+        # A nested target of the package that would replace a directory (issue 25): refused, nothing runs.
+        ("train.py", [f"strategy.granularity={{_target_:lightning_vescale.export.export_hf,source:{tmp_path / 'hf'},"
+                      f"output_dir:{victim},overwrite:true}}"], "is not something a config may build"),
     ]:
         cmd = [sys.executable, str(ROOT / "recipes" / script), *overrides, f"output_root={tmp_path / 'out'}"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
@@ -176,6 +182,7 @@ def test_config_mistakes_stop_before_anything_is_written(tmp_path):
         assert f"{script}: error: " in proc.stderr and message in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr and "Initializing distributed" not in proc.stdout + proc.stderr
         assert not (tmp_path / "out").exists()  # no run directory left behind
+    assert (victim / "keep.txt").read_text() == "precious"
 
 
 def test_memory_placements_train_like_the_device(tmp_path):
