@@ -209,15 +209,15 @@ def _read_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _read_sharded_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+def _read_sharded_checkpoint(path: Path, allow_unverified: bool = False) -> dict[str, torch.Tensor]:
     """The model tensors of a DCP checkpoint directory, read whole in this process (no process group, nothing
-    unpickled, checksums verified where the checkpoint has them)."""
+    unpickled, checksums verified; a directory without them only with ``allow_unverified``)."""
     from lightning_vescale.checkpoint import read_full_tensors
 
     # VeScaleStrategy stores "model.<module fqn>", ModelParallelStrategy "state_dict.<module fqn>"; the
     # LightningModule holds the network as ``self.model``.
     for prefix in ("model.model.", "state_dict.model."):
-        state = read_full_tensors(path, prefix=prefix)
+        state = read_full_tensors(path, prefix=prefix, allow_unverified=allow_unverified)
         if state:
             return {k[len(prefix):]: v for k, v in state.items()}
     raise ValueError(
@@ -226,12 +226,13 @@ def _read_sharded_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def read_model_state(checkpoint: PathLike) -> dict[str, torch.Tensor]:
+def read_model_state(checkpoint: PathLike, *, allow_unverified: bool = False) -> dict[str, torch.Tensor]:
     """The recipe model's full tensors from a checkpoint: a sharded directory (vescale, FSDP2; any world
-    size), a Lightning checkpoint file, or a state-dict file (``.safetensors`` or a ``torch.save``)."""
+    size), a Lightning checkpoint file, or a state-dict file (``.safetensors`` or a ``torch.save``).
+    A sharded directory without ``checksums.json`` is refused unless ``allow_unverified``."""
     path = Path(checkpoint)
     if path.is_dir() and (path / ".metadata").is_file():
-        return _read_sharded_checkpoint(path)
+        return _read_sharded_checkpoint(path, allow_unverified)
     if path.is_file():
         return _read_state_dict_file(path)
     raise FileNotFoundError(f"{str(path)!r} is not a checkpoint (a directory with .metadata, or a file)")
@@ -260,6 +261,7 @@ def export_hf(
     dtype: Optional[torch.dtype] = None,
     model_type: Optional[str] = None,
     overwrite: bool = False,
+    allow_unverified: bool = False,
 ) -> Path:
     """Write the model of a run directory or checkpoint as a Hugging Face directory at ``output_dir``.
 
@@ -270,6 +272,7 @@ def export_hf(
         model_type: ``"llama"``, ``"mixtral"`` or ``"qwen2_moe"``; default: the type the run started from,
             else what :func:`~lightning_vescale.models.save_pretrained` picks for the model.
         overwrite: replace an existing non-empty ``output_dir``.
+        allow_unverified: export a sharded checkpoint whose ``checksums.json`` is missing (refused by default).
 
     The directory is written next to ``output_dir`` and renamed into place, so a failure leaves nothing
     half-written under the final name.
@@ -290,7 +293,7 @@ def export_hf(
     if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{str(output_dir)!r} exists and is not empty; pick a new directory or pass --overwrite")
     arch, run_model_type = read_run_model(run_dir)
-    state = read_model_state(checkpoint)
+    state = read_model_state(checkpoint, allow_unverified=allow_unverified)
     with torch.device("meta"):
         model = FAMILIES[family_of(arch)].model_cls(arch)
     model.to_empty(device="cpu")
@@ -329,10 +332,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model-type", choices=SUPPORTED_MODEL_TYPES, default=None,
                         help="default: the type the run started from, else llama / qwen2_moe / mixtral by model")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    parser.add_argument("--allow-unverified", action="store_true",
+                        help="export a checkpoint whose checksums.json is missing (its bytes cannot be verified)")
     args = parser.parse_args(argv)
     try:
         out = export_hf(args.source, args.output_dir, dtype=_DTYPES.get(args.dtype), model_type=args.model_type,
-                        overwrite=args.overwrite)
+                        overwrite=args.overwrite, allow_unverified=args.allow_unverified)
     except (OSError, ValueError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     files = sorted(p.name for p in out.iterdir())

@@ -169,7 +169,8 @@ def _dcp_load(state: dict, directory: str, *, trust_pickle: bool = False) -> Non
     except CheckpointError:
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
-        raise CheckpointError(f"reading checkpoint {directory} failed ({_describe(e)}); nothing was loaded") from None
+        raise CheckpointError(f"reading checkpoint {_storage.shown(directory)} failed ({_describe(e)}); nothing was "
+                              f"loaded") from None
 
 
 def _read_plan_items(state: dict, metadata: Metadata) -> list:
@@ -289,8 +290,10 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     state["rng"] = {f"rank{_dist.rank()}": _rng_state()}
     tmp = _directory.tmp_dir(path)
     committed = False
+    lock = None
     try:
         if _dist.rank() == 0:
+            lock = _directory.WriterLock(tmp)  # marks tmp as a live save until this process ends
             _directory.remove_stale_tmp_dirs(path, keep=tmp)
         try:
             with warnings.catch_warnings():
@@ -303,11 +306,19 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
             raise CheckpointError(f"saving checkpoint {path} failed ({_describe(e)}); the previous checkpoint there "
                                   f"(if any) is unchanged") from None
         _write_checksums(tmp)
-        _dist.run_on_rank0(lambda: _directory.commit(tmp, path))
+
+        def commit() -> None:
+            if lock is not None:
+                lock.release()
+            _directory.commit(tmp, path)
+
+        _dist.run_on_rank0(commit)
         committed = True
     finally:
         if not committed and _dist.rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+            if lock is not None:
+                lock.release()
     logger.debug("lightning_vescale: saved checkpoint %s", path)
 
 
@@ -367,7 +378,7 @@ def _format_of(saved: Layout, directory: str) -> int:
         return FORMAT_VERSION
     if ("meta", "format") in saved:
         return 1
-    raise CheckpointError(f"{directory} is a DCP checkpoint but not one lightning_vescale wrote (no format entry); "
+    raise CheckpointError(f"{_storage.shown(directory)} is a DCP checkpoint but not one lightning_vescale wrote (no format entry); "
                           f"read it with torch.distributed.checkpoint directly")
 
 
@@ -428,6 +439,7 @@ def load(
     *,
     schedulers: Any = None,
     weights_only: bool = True,
+    allow_unverified: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save` (on any world size) into the sharded model and optimizer.
 
@@ -448,6 +460,11 @@ def load(
             hyperparameters, schedulers, loop state and RNG: with True, only their model weights load (an
             optimizer, schedulers or loop state raise :class:`CheckpointError` saying so); pass False only for
             a checkpoint you trust.
+        allow_unverified: load a checkpoint whose ``checksums.json`` is missing (its bytes then cannot be
+            verified); refused by default.
+
+    The checkpoint is opened once, links resolved, and every file is read from that one directory, even if a
+    save replaces or relinks it meanwhile (see [Note: consistent reads] in ``_directory``).
 
     Returns:
         The ``extra`` dict given to :func:`save` (empty if none).
@@ -458,21 +475,18 @@ def load(
         ValueError: the checkpoint does not match the model, optimizer or schedulers; nothing changed.
     """
     check_idle(model)
-    with resident_pieces(model):  # offloaded weights are loaded in memory, then written back to their tier
-        return _load(path, model, optimizer, schedulers, weights_only)
+    with _directory.pinned(path) as (directory, _), resident_pieces(model):
+        # offloaded weights are loaded in memory, then written back to their tier
+        return _load(directory, model, optimizer, schedulers, weights_only, allow_unverified)
 
 
-def _load(path: "os.PathLike | str", model: nn.Module, optimizer: Optional[torch.optim.Optimizer], schedulers: Any,
-          weights_only: bool) -> dict[str, Any]:
-    directory = _directory.resolve_checkpoint_dir(path)
+def _load(directory: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], schedulers: Any,
+          weights_only: bool, allow_unverified: bool) -> dict[str, Any]:
     metadata = _storage.read_metadata(directory)
     saved = _saved_layout(metadata)
     fmt = _format_of(saved, directory)
-    checksums = _storage.read_checksums(directory) if fmt >= 2 else None
-    if fmt >= 2 and checksums is None:
-        raise CheckpointError(f"{directory} has no {_storage.CHECKSUM_FILE}: the save did not complete, or the file "
-                              f"was removed; nothing was loaded")
-    where = f"checkpoint {directory}"
+    checksums = _storage.require_checksums(directory, allow_unverified) if fmt >= 2 else None
+    where = f"checkpoint {_storage.shown(directory)}"
     scheds = _as_list(schedulers)
 
     # 1. The model: names and global shapes against the metadata, before anything is read.
@@ -566,24 +580,30 @@ def _load(path: "os.PathLike | str", model: nn.Module, optimizer: Optional[torch
         _set_rng_state(values["rng"])
     elif values:
         logger.warning("checkpoint %s was saved on %s rank(s) and is loaded on %d: RNG states are not restored",
-                       directory, saved_world, _dist.world_size())
+                       _storage.shown(directory), saved_world, _dist.world_size())
     return dict(values.get("extra", {}))
 
 
-def read_full_tensors(path: "os.PathLike | str", prefix: str = "model.") -> dict[str, torch.Tensor]:
+def read_full_tensors(path: "os.PathLike | str", prefix: str = "model.", *,
+                      allow_unverified: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory whose key starts with ``prefix``, whole, in this process.
 
-    No process group, model code or GPU is needed; nothing is unpickled, and the checksums are verified
-    when the checkpoint has them (lightning_vescale's do; other DCP checkpoints, such as FSDP2's through
-    Lightning's ``ModelParallelStrategy``, are read without). Keys keep the prefix.
+    No process group, model code or GPU is needed; nothing is unpickled, the metadata is checked against the
+    files before anything is allocated, and the checksums are verified. A directory without ``checksums.json``
+    (a save that did not complete, a removed file, or another library's DCP checkpoint) is refused unless
+    ``allow_unverified`` (format 1, release 0.1, never had them). The directory is opened once (see [Note: consistent reads] in ``_directory``). Keys
+    keep the prefix.
     """
-    directory = _directory.resolve_checkpoint_dir(path)
-    metadata = _storage.read_metadata(directory)
-    state = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
-    }
-    if state:
-        _verified_load(state, directory, metadata, _storage.read_checksums(directory))
+    with _directory.pinned(path) as (directory, _):
+        metadata = _storage.read_metadata(directory)
+        format_1 = ("meta", "format") in _saved_layout(metadata)  # release 0.1 wrote no checksums
+        checksums = _storage.read_checksums(directory) if format_1 else _storage.require_checksums(
+            directory, allow_unverified)
+        state = {
+            key: torch.empty(md.size, dtype=md.properties.dtype)
+            for key, md in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+        }
+        if state:
+            _verified_load(state, directory, metadata, checksums)
     return state

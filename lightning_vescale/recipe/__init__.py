@@ -142,7 +142,8 @@ def build_strategy(config: TrainConfig, memory: Optional[Any] = None) -> Strateg
 
 
 def load_initial_weights(
-    init_from: Union[str, Path], model: ModelConfig, *, quant: Optional[QuantConfig] = None
+    init_from: Union[str, Path], model: ModelConfig, *, quant: Optional[QuantConfig] = None,
+    allow_unverified: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The full state dict a fine-tuning run starts from, checked against the chosen ``model``.
 
@@ -159,7 +160,8 @@ def load_initial_weights(
     With ``model=from_checkpoint`` the model config is the checkpoint's own (plus the user's overrides), so
     only the tensors' names and shapes are checked. An FP8 block checkpoint (``quantization_config``) is
     dequantized, except for a QLoRA run (``quant``) in its own format and block size, which gets its codes and
-    scales as they are (:class:`~lightning_vescale.quant.QuantizedTensor` entries).
+    scales as they are (:class:`~lightning_vescale.quant.QuantizedTensor` entries). A sharded checkpoint without
+    ``checksums.json`` is refused unless ``allow_unverified``.
 
     Raises:
         FileNotFoundError: the path does not exist, or a directory is none of the above.
@@ -188,7 +190,7 @@ def load_initial_weights(
                 f"directory, a recipe run or checkpoint, or a full state-dict file."
             ) from None
         try:
-            state = read_model_state(checkpoint)
+            state = read_model_state(checkpoint, allow_unverified=allow_unverified)
         except ValueError as err:
             raise ValueError(f"init_from={str(path)!r}: {err}") from None
     else:
@@ -339,7 +341,8 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     ckpt_path = str(resume.checkpoint) if resume is not None else None
     init_state = None
     if isinstance(config, FinetuneConfig) and ckpt_path is None:
-        init_state = load_initial_weights(_absolute(config.init_from), config.model, quant=config.quant)
+        init_state = load_initial_weights(_absolute(config.init_from), config.model, quant=config.quant,
+                                          allow_unverified=config.allow_unverified)
     if (_get_rank() or 0) == 0:
         _record_run(config, run_dir, resume)
     seed_everything(config.seed, workers=True, verbose=False)

@@ -21,10 +21,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -262,7 +265,13 @@ class StepCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` every ``every_n_train_steps`` steps (``step-000100.ckpt``, ``last.ckpt``), plus the
     final step when the run does not end on a multiple of N (``save_final``), plus the last completed step when
     SIGTERM stops the run (``save_on_signal``; needs :class:`StopOnSignal` or ``strategy="vescale"`` so every
-    rank saves at the same step). ``every_n_train_steps=0``: no periodic checkpoints."""
+    rank saves at the same step). ``every_n_train_steps=0``: no periodic checkpoints.
+
+    Unlike ``ModelCheckpoint``, a kill at any moment leaves a ``last.ckpt`` that names a complete checkpoint:
+    the new checkpoint is written, then ``last.ckpt`` is replaced in one ``rename`` (never removed first), and
+    only then are the checkpoints beyond ``save_top_k`` deleted. A sharded directory that another library wrote
+    without checksums (Lightning's ``ModelParallelStrategy``) gets its ``checksums.json`` before it is linked,
+    so export and ``init_from`` can verify it."""
 
     def __init__(self, *, save_final: bool = True, save_on_signal: bool = False, **kwargs: Any) -> None:
         if not kwargs.get("every_n_train_steps"):
@@ -270,6 +279,38 @@ class StepCheckpoint(ModelCheckpoint):
         super().__init__(**kwargs)
         self.save_final = save_final
         self.save_on_signal = save_on_signal
+        self._to_remove: list[str] = []
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        if os.path.isdir(filepath) and not os.path.isfile(os.path.join(filepath, "checksums.json")):
+            trainer.strategy.barrier()  # every rank's files are written
+            if trainer.is_global_zero:
+                _write_foreign_checksums(filepath)
+            trainer.strategy.barrier()
+
+    def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        self._to_remove.append(filepath)  # deleted once last.ckpt names the new checkpoint (_save_last_checkpoint)
+
+    def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        pending, self._to_remove = self._to_remove, []
+        linked = os.path.realpath(self.last_model_path) if self.last_model_path else None
+        for path in pending:
+            if os.path.realpath(path) != linked:
+                super()._remove_checkpoint(trainer, path)
+
+    @staticmethod
+    def _link_checkpoint(trainer: Trainer, filepath: str, linkpath: str) -> None:
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+                shutil.rmtree(linkpath)  # a copy an older run left instead of a link
+            tmp = f"{linkpath}.tmp-link-{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+            os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
+            os.replace(tmp, linkpath)  # atomic: last.ckpt names the old checkpoint or the new one, never nothing
+        trainer.strategy.barrier()
 
     def _save_now(self, trainer: Trainer) -> None:
         monitor_candidates = self._monitor_candidates(trainer)
@@ -293,6 +334,15 @@ class StepCheckpoint(ModelCheckpoint):
         if final_step_unsaved and not (trainer.fast_dev_run or trainer.sanity_checking):
             self._save_now(trainer)
         super().on_train_end(trainer, pl_module)
+
+
+def _write_foreign_checksums(directory: str) -> None:
+    """``checksums.json`` for a DCP directory written without one (see [Note: checksums] in the checkpoint's
+    ``_storage``)."""
+    from lightning_vescale.checkpoint import _storage
+
+    metadata = _storage.read_metadata(directory)
+    _storage.write_checksums(directory, _storage.all_items_crc(directory, metadata))
 
 
 class StopOnSignal(Callback):

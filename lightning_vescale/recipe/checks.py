@@ -101,15 +101,42 @@ def _absolute(path: Union[str, Path]) -> Path:
     return Path(path).absolute()
 
 
+def _run_time(checkpoints: Path) -> float:
+    """When a run's ``checkpoints/`` last changed: its newest checkpoint or ``last.ckpt`` (links not followed)."""
+    entries = [p for p in checkpoints.glob("step-*") if ".tmp-" not in p.name] + [checkpoints / "last.ckpt"]
+    times = [os.lstat(p).st_mtime for p in entries if os.path.lexists(p)]
+    if (checkpoints / "last.ckpt").exists():
+        times.append(os.path.getmtime(checkpoints / "last.ckpt"))
+    return max(times, default=float("-inf"))
+
+
 def find_last_checkpoint(output_root: Union[str, Path], name: str, run_dir: Optional[Path] = None) -> Optional[Path]:
-    """The newest ``checkpoints/last.ckpt`` of runs named ``name`` (in ``run_dir`` or under ``output_root/name``)."""
-    candidates = set(glob.glob(os.path.join(str(output_root), name, "*", "checkpoints", "last.ckpt")))
+    """The ``checkpoints/last.ckpt`` of the newest run named ``name`` (in ``run_dir`` or under
+    ``output_root/name``) that saved a checkpoint; ``None`` when none did.
+
+    Raises:
+        ConfigError: the newest run's ``last.ckpt`` is missing or names no checkpoint (a run killed while it
+            saved): resuming never continues an older run instead without saying so.
+    """
+    folders = {Path(c) for c in glob.glob(os.path.join(str(output_root), name, "*", "checkpoints"))}
     if run_dir is not None:
-        candidates.add(str(run_dir / "checkpoints" / "last.ckpt"))
-    existing = [Path(c) for c in candidates if os.path.exists(c)]  # exists() follows the last.ckpt link
-    if not existing:
+        folders.add(run_dir / "checkpoints")
+    saved = [(t, f) for f in folders if f.is_dir() and (t := _run_time(f)) > float("-inf")]
+    if not saved:
         return None
-    return max(existing, key=lambda p: os.path.getmtime(p))
+    _, newest = max(saved, key=lambda tf: (tf[0], str(tf[1])))
+    last = newest / "last.ckpt"
+    if last.exists():  # exists() follows the link
+        return last
+    steps = sorted(p.name for p in newest.glob("step-*")
+                   if ".tmp-" not in p.name and ((p / ".metadata").is_file() or p.is_file()))
+    target = f" (it names {os.readlink(last)!r}, which does not exist)" if os.path.islink(last) else " (it is missing)"
+    raise ConfigError(
+        f"resume=true: the newest run named {name!r}, {newest.parent}, has no usable checkpoints/last.ckpt{target}; "
+        f"it was probably killed while saving. Its complete checkpoints: {steps or 'none'}. Continue it from one of them "
+        f"with ckpt_path={newest / steps[-1] if steps else '<checkpoint>'}, or continue another run with "
+        f"resume=<run dir> (an older run is never picked instead)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -249,6 +276,7 @@ def resolve_resume(config: TrainConfig, run_dir: Optional[Path] = None) -> Optio
         what = f"resume={config.resume}"
     else:
         return None
+    checkpoint = Path(os.path.realpath(checkpoint))  # read once: a save that relinks last.ckpt cannot mix steps in
     step = checkpoint_step(checkpoint)
     differences, notes = compare_with_run(config, ckpt_run) if ckpt_run is not None else ([], [])
     where = f"{ckpt_run or checkpoint}" + (f" (checkpoint at step {step})" if step is not None else "")
@@ -326,6 +354,22 @@ def _check_initial_weights_config(config: FinetuneConfig) -> None:
         check_same_architecture(theirs, model.build_config(), path, chosen)
 
 
+def _check_initial_weights_verifiable(config: FinetuneConfig) -> None:
+    """A sharded ``init_from`` without ``checksums.json`` is refused here unless ``allow_unverified=true``."""
+    if config.allow_unverified:
+        return
+    try:
+        checkpoint, _ = locate_checkpoint(_absolute(config.init_from))
+    except FileNotFoundError:
+        return
+    if checkpoint.is_dir() and (checkpoint / ".metadata").is_file() and not (checkpoint / "checksums.json").is_file():
+        raise ConfigError(
+            f"init_from={config.init_from}: the checkpoint {os.path.realpath(checkpoint)} has no checksums.json, so "
+            f"its bytes cannot be verified (a save that did not complete, a removed file, or another library's "
+            f"checkpoint). Start from another checkpoint, or set allow_unverified=true if you trust these files"
+        )
+
+
 # ----------------------------------------------------------------------------------------------------
 # The check, and its Hydra callback
 # ----------------------------------------------------------------------------------------------------
@@ -343,6 +387,7 @@ def preflight(cfg: Union[DictConfig, TrainConfig], run_dir: Optional[Path] = Non
     resume = resolve_resume(config, run_dir)
     if isinstance(config, FinetuneConfig) and resume is None:
         _check_initial_weights_config(config)
+        _check_initial_weights_verifiable(config)
     _check_memory_budget(config)
     return Preflight(config, resume)
 

@@ -903,6 +903,9 @@ class FinetuneConfig(TrainConfig):
     export_hf: bool = False
     """At the end, write the final weights as a Hugging Face directory ``<run>/hf`` (``config.json``,
     ``model.safetensors`` and the tokenizer files of ``init_from``), as ``python -m lightning_vescale.export``."""
+    allow_unverified: bool = False
+    """Start from a sharded checkpoint (``init_from``) whose ``checksums.json`` is missing, so its bytes cannot be
+    verified; by default such a checkpoint is refused before the run starts."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -86,7 +86,7 @@ def test_llama_tiny_trains_checkpoints_and_resumes(tmp_path):
     run2 = tmp_path / "llama_tiny" / "run2"
     run_recipe("train.py", f"output_root={tmp_path}", f"hydra.run.dir={run2}", "resume=true", "trainer.max_steps=16")
     resumed = json.loads((run2 / "summary.json").read_text())
-    assert resumed["resumed_from"] == str(ckpts / "last.ckpt")
+    assert resumed["resumed_from"] == str(ckpts / "step-000012.ckpt")  # last.ckpt, resolved once
     assert resumed["resumed_from_step"] == 12 and resumed["steps"] == 16 and resumed["steps_this_run"] == 4
     assert [p["step"] for p in resumed["losses"]] == [13, 14, 15, 16]
     assert resumed["first_loss"] < summary["first_loss"] - 1.0  # no restart from random weights

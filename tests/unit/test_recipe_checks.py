@@ -48,6 +48,7 @@ def fake_run(
     (checkpoint / ".metadata").touch()  # what makes a directory a complete sharded checkpoint
     (run / "checkpoints" / "last.ckpt").symlink_to(checkpoint.name)
     os.utime(checkpoint, (mtime, mtime))
+    os.utime(run / "checkpoints" / "last.ckpt", (mtime, mtime), follow_symlinks=False)
     return run
 
 
@@ -74,7 +75,7 @@ def test_resume_true_continues_the_newest_run_with_the_same_settings(tmp_path):
     older = fake_run(tmp_path, "a", step=100, mtime=1000)
     newer = fake_run(tmp_path, "b", step=200, mtime=2000)
     checked = preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
-    assert checked.resume.checkpoint == newer / "checkpoints" / "last.ckpt"
+    assert checked.resume.checkpoint == newer / "checkpoints" / "step-000200.ckpt"  # last.ckpt, resolved once
     assert checked.resume.run_dir == newer and checked.resume.step == 200 and checked.resume.notes == []
     explicit = preflight(compose_cfg(f"output_root={tmp_path}", f"resume={older}")).resume
     assert explicit.run_dir == older and explicit.step == 100
@@ -125,6 +126,39 @@ def test_resuming_a_finished_run_says_how_to_extend_it(tmp_path):
                                           r"trainer.max_steps=24"):
         preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "trainer.max_steps=12"))
     assert preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "trainer.max_steps=24")).resume.step == 12
+
+
+def test_resume_true_never_continues_an_older_run_when_the_newest_lost_its_last_ckpt(tmp_path):
+    fake_run(tmp_path, "a", step=100, mtime=1000)
+    newer = fake_run(tmp_path, "b", step=200, mtime=2000)
+    # Killed after the new checkpoint was written and the old one deleted, before last.ckpt was relinked.
+    (newer / "checkpoints" / "step-000200.ckpt" / ".metadata").unlink()
+    (newer / "checkpoints" / "step-000200.ckpt").rmdir()
+    with pytest.raises(ConfigError, match=r"resume=true: the newest run named 'llama_tiny', .*b, has no usable "
+                                          r"checkpoints/last\.ckpt \(it names 'step-000200\.ckpt', which does not "
+                                          r"exist\).*an older run is never picked instead"):
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+    # Killed after its first checkpoint and before the link existed: its checkpoint is offered, not run a.
+    (newer / "checkpoints" / "last.ckpt").unlink()
+    step = newer / "checkpoints" / "step-000300.ckpt"
+    step.mkdir()
+    (step / ".metadata").touch()
+    os.utime(step, (3000, 3000))
+    with pytest.raises(ConfigError, match=r"\(it is missing\).*complete checkpoints: \['step-000300\.ckpt'\].*"
+                                          r"ckpt_path=.*step-000300\.ckpt"):
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+
+
+def test_init_from_a_sharded_checkpoint_without_checksums_is_refused_before_the_run(tmp_path):
+    run = tmp_path / "ft" / "run"
+    _sharded_checkpoint(run / "checkpoints" / "step-000004.ckpt", Llama(llama_config("tiny")))
+    (run / "checkpoints" / "last.ckpt").symlink_to("step-000004.ckpt")
+    write_run_model(run, llama_config("tiny"))
+    (run / "checkpoints" / "step-000004.ckpt" / "checksums.json").unlink()
+    with pytest.raises(ConfigError, match=r"init_from=.*run: the checkpoint .*step-000004\.ckpt has no checksums\.json"
+                                          r".*allow_unverified=true"):
+        preflight(compose_cfg(f"init_from={run}", config="finetune"))
+    assert preflight(compose_cfg(f"init_from={run}", "allow_unverified=true", config="finetune")).resume is None
 
 
 def test_resume_without_a_checkpoint_and_a_bad_run_dir_are_config_errors(tmp_path):
@@ -186,6 +220,9 @@ def _sharded_checkpoint(path: Path, model: torch.nn.Module) -> None:
         warnings.simplefilter("ignore")
         dcp.save({f"model.model.{k}": v for k, v in model.state_dict().items()},
                  storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    from lightning_vescale.recipe.callbacks import _write_foreign_checksums
+
+    _write_foreign_checksums(str(path))  # as the recipes' StepCheckpoint does for any sharded directory
 
 
 def _exported_run(tmp_path: Path, model: torch.nn.Module, arch, hf_model_type, *, with_model_json=True) -> Path:

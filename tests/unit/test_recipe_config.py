@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
+from lightning_vescale.checkpoint import CheckpointError
 from lightning_vescale.models import DeepSeekV3, Llama, MoE, llama_config, moe_config, save_pretrained
 from lightning_vescale.recipe import build_strategy, find_last_checkpoint, load_initial_weights, lr_multiplier
 from lightning_vescale.recipe.module import build_optimizer_from_config
@@ -339,7 +340,10 @@ def test_initial_weights_from_a_sharded_checkpoint_directory(tmp_path):
     # The layout VeScaleStrategy writes: "model." (checkpoint section) + "model." (the LightningModule's attribute).
     dcp.save({f"model.model.{k}": v for k, v in model.state_dict().items()} | {"extra.step": torch.tensor(3)},
              storage_writer=dcp.FileSystemWriter(str(tmp_path / "step-000003.ckpt")), no_dist=True)
-    state = load_initial_weights(tmp_path / "step-000003.ckpt", cfg.model)
+    # Written without checksums.json (as by another library): refused unless the user allows it (issue 25).
+    with pytest.raises(CheckpointError, match=r"has no checksums\.json, so its bytes cannot be verified"):
+        load_initial_weights(tmp_path / "step-000003.ckpt", cfg.model)
+    state = load_initial_weights(tmp_path / "step-000003.ckpt", cfg.model, allow_unverified=True)
     assert state.keys() == model.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
