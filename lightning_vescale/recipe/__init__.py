@@ -220,7 +220,12 @@ def _run_dir(config: TrainConfig) -> Path:
         from hydra.core.hydra_config import HydraConfig
 
         return Path(HydraConfig.get().runtime.output_dir)
-    return Path(config.output_root) / config.name / time.strftime("%Y-%m-%d_%H-%M-%S")
+    path = Path(config.output_root) / config.name / time.strftime("%Y-%m-%d_%H-%M-%S")
+    if _get_rank() is not None:
+        return path  # a process a launcher started (see lightning_vescale.recipe.run_dir)
+    from lightning_vescale.recipe.run_dir import claim_new_folder
+
+    return claim_new_folder(path, may_rename=True)
 
 
 def _limit_cpu_threads(config: TrainConfig) -> None:

@@ -445,3 +445,6 @@ class CheckBeforeRun(Callback):
         with read_write(task), open_dict(task):
             del task["hydra"]
         exit_on_config_error(lambda: preflight(task))
+        from lightning_vescale.recipe.run_dir import claim_run_dir
+
+        exit_on_config_error(lambda: claim_run_dir(config))  # a folder of its own, never another run's

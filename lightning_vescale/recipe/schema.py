@@ -865,7 +865,9 @@ class TrainConfig:
                 arch.num_experts % ep == 0,
                 f"strategy.expert_parallel_size={ep} does not divide the {arch.num_experts} experts of {where}",
             )
-        _check(bool(self.name) and "/" not in self.name, f"name must be a non-empty directory name, got {self.name!r}")
+        _check(bool(self.name) and not any(c in self.name for c in "/\\\0") and self.name not in (".", ".."),
+               f"name must be a directory name (not empty, '.' or '..', without '/'), so the run stays under "
+               f"output_root/<name>/; got {self.name!r}")
         if self.quant is not None:
             _check(isinstance(self.strategy, VeScaleStrategyConfig),
                    f"quant={self.quant.format} ({self.quant.mode}) needs strategy=vescale (block-quantized weights are "

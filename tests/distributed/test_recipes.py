@@ -215,3 +215,24 @@ def test_memory_budget_too_small_is_a_config_error(tmp_path):
     assert "memory.budget=1MiB: a budget of 1.0 MiB per rank is too small" in proc.stderr
     assert "Raise the budget to at least" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_started_when_its_folder_exists_writes_to_a_new_one(tmp_path):
+    """Another run of the same name started in the same second owns the timestamped folder: this one (both of
+    its ranks) writes to ``<time>_2`` and leaves the other's folder alone (issue 25)."""
+    import time
+
+    taken = set()
+    for ahead in range(0, 180):  # every second this run may start in
+        folder = tmp_path / "llama_tiny" / time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(time.time() + ahead))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "other_run.txt").write_text("mine")
+        taken.add(folder)
+    proc = run_recipe("train.py", f"output_root={tmp_path}", "trainer.max_steps=2", "trainer.val_every_n_steps=2",
+                      "trainer.checkpoint_every_n_steps=0")
+    new = [p for p in (tmp_path / "llama_tiny").iterdir() if p not in taken]
+    assert len(new) == 1 and new[0].name.endswith("_2"), new
+    assert f"this run writes to {new[0]}" in proc.stderr
+    assert (new[0] / "summary.json").is_file() and (new[0] / "csv" / "metrics.csv").is_file()
+    for folder in taken:
+        assert [p.name for p in folder.iterdir()] == ["other_run.txt"], folder

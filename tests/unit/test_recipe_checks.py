@@ -287,3 +287,34 @@ def test_memory_estimate_of_an_hsdp_run_shards_over_the_shard_group():
     hsdp = estimate_for(load("memory=budget", "strategy.replicate_size=2"), 4)
     assert hsdp.params == estimate_for(load("memory=budget"), 2).params
     assert hsdp.params > estimate_for(load("memory=budget"), 4).params
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Run folders
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, capsys):
+    from hydra.core.utils import setup_globals
+
+    from lightning_vescale.recipe.run_dir import claim_run_dir
+
+    setup_globals()  # the ${now:...} resolver, as @hydra.main registers it
+    # The default folder's form, to the year: the two runs share its name whenever the test runs.
+    same_time = [f"output_root={tmp_path}", "hydra.run.dir=${output_root}/${name}/${now:%Y}"]
+    first = compose("train", overrides=same_time, return_hydra_config=True)
+    second = compose("train", overrides=same_time, return_hydra_config=True)
+    assert first.hydra.run.dir == second.hydra.run.dir
+    a, b = claim_run_dir(first), claim_run_dir(second)
+    assert a != b and b.name == f"{a.name}_2" and a.is_dir() and b.is_dir()
+    assert second.hydra.run.dir == str(b)  # where Hydra and the launched ranks will write
+    assert f"this run writes to {b}" in capsys.readouterr().err
+    explicit = compose("train", overrides=[f"hydra.run.dir={a}"], return_hydra_config=True)
+    with pytest.raises(FileExistsError, match=rf"hydra.run.dir={a} already exists \(another run's folder"):
+        claim_run_dir(explicit)
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b"])
+def test_a_name_that_leaves_the_output_root_is_refused(name):
+    with pytest.raises(ValueError, match=r"name must be a directory name .* so the run stays under "
+                                         r"output_root/<name>/"):
+        load(f"name={name}")
