@@ -37,6 +37,7 @@ from lightning_vescale.models.hf import SUPPORTED_MODEL_TYPES, read_pretrained_c
 __all__ = [
     "TOKENIZER_FILES",
     "arch_from_dict",
+    "check_tokenizer_files",
     "checkpoint_step",
     "copy_tokenizer_files",
     "export_hf",
@@ -44,6 +45,7 @@ __all__ = [
     "read_model_state",
     "read_run_model",
     "read_source_config",
+    "tokenizer_source_of",
     "write_run_model",
 ]
 
@@ -243,10 +245,58 @@ def read_model_state(checkpoint: PathLike, *, allow_unverified: bool = False) ->
 # ----------------------------------------------------------------------------------------------------
 
 
-def copy_tokenizer_files(source: PathLike, destination: PathLike) -> list[str]:
-    """Copy the :data:`TOKENIZER_FILES` that ``source`` has into ``destination``; returns their names."""
-    source, destination = Path(source), Path(destination)
+def tokenizer_source_of(weights: PathLike) -> Optional[Path]:
+    """Where the tokenizer files of the weights at ``weights`` are: a Hugging Face directory itself, or the
+    ``tokenizer/`` folder of the recipe run a checkpoint belongs to (``None``: neither)."""
+    path = Path(weights)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    try:
+        run_dir = locate_checkpoint(path)[1]
+    except FileNotFoundError:
+        return None
+    return None if run_dir is None else run_dir / TOKENIZER_DIR
+
+
+def _link_boundary(source: Path) -> Path:
+    """The folder a tokenizer file of ``source`` may link within: a run's ``tokenizer/`` -> the run folder; a
+    Hugging Face cache snapshot (``models--org--name/snapshots/<rev>``) -> the repository's folder, whose
+    ``blobs/`` its files link to; any other directory -> itself."""
+    if source.name == TOKENIZER_DIR:
+        return source.parent
+    if source.parent.name == "snapshots":
+        return source.parent.parent
+    return source
+
+
+def check_tokenizer_files(source: PathLike) -> list[str]:
+    """The :data:`TOKENIZER_FILES` that ``source`` has, after checking that none is a link out of its folder
+    (see :func:`copy_tokenizer_files`).
+
+    Raises:
+        ValueError: a file is a link that leaves the folder; names the file and where it points.
+    """
+    source = Path(source)
     names = [n for n in TOKENIZER_FILES if (source / n).is_file()]
+    boundary = _link_boundary(source).resolve()
+    for name in names:
+        real = (source / name).resolve()
+        if not real.is_relative_to(boundary):
+            raise ValueError(
+                f"tokenizer file {source / name} is a link to {real}, outside {boundary}: refused, so that no file from "
+                f"elsewhere is copied into runs and exports. Replace the link with the file itself"
+            )
+    return names
+
+
+def copy_tokenizer_files(source: PathLike, destination: PathLike) -> list[str]:
+    """Copy the :data:`TOKENIZER_FILES` that ``source`` has into ``destination``; returns their names.
+
+    A file that is a link leaving ``source``'s folder (a run's folder for its ``tokenizer/``, a Hugging Face
+    cache repository for a snapshot) is refused before anything is copied (``ValueError``).
+    """
+    source, destination = Path(source), Path(destination)
+    names = check_tokenizer_files(source)
     if names:
         destination.mkdir(parents=True, exist_ok=True)
         for name in names:

@@ -47,6 +47,7 @@ from lightning_vescale.export import (
     locate_checkpoint,
     read_model_state,
     read_run_model,
+    tokenizer_source_of,
     write_run_model,
 )
 from lightning_vescale.lightning import VeScalePrecision, VeScaleStrategy
@@ -278,14 +279,7 @@ def _hf_model_type(config: TrainConfig, resume: Optional[Resume]) -> Optional[st
 def _tokenizer_source(config: TrainConfig, resume: Optional[Resume]) -> Optional[Path]:
     """Where the tokenizer files of the starting weights are: a Hugging Face ``init_from`` or an earlier run."""
     if isinstance(config, FinetuneConfig) and resume is None:
-        path = _absolute(config.init_from)
-        if path.is_dir() and (path / "config.json").is_file():
-            return path
-        try:
-            run_dir = locate_checkpoint(path)[1]
-        except FileNotFoundError:
-            return None
-        return None if run_dir is None else run_dir / TOKENIZER_DIR
+        return tokenizer_source_of(_absolute(config.init_from))
     if resume is not None and resume.run_dir is not None:
         return resume.run_dir / TOKENIZER_DIR
     return None

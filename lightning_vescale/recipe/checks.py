@@ -32,7 +32,13 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue, OmegaConfBaseException
 
-from lightning_vescale.export import checkpoint_step, locate_checkpoint, read_run_model
+from lightning_vescale.export import (
+    check_tokenizer_files,
+    checkpoint_step,
+    locate_checkpoint,
+    read_run_model,
+    tokenizer_source_of,
+)
 from lightning_vescale.models.hf import read_pretrained_config
 from lightning_vescale.recipe.schema import CheckpointModelConfig, FinetuneConfig, ModelConfig, TrainConfig, validate
 
@@ -354,6 +360,21 @@ def _check_initial_weights_config(config: FinetuneConfig) -> None:
         check_same_architecture(theirs, model.build_config(), path, chosen)
 
 
+def _check_tokenizer_links(config: TrainConfig, resume: Optional[Resume]) -> None:
+    """The tokenizer files a run will copy (from ``init_from`` or the resumed run) hold no link out of their folder."""
+    if isinstance(config, FinetuneConfig) and resume is None:
+        source, what = tokenizer_source_of(_absolute(config.init_from)), f"init_from={config.init_from}"
+    elif resume is not None and resume.run_dir is not None:
+        source, what = resume.run_dir / "tokenizer", f"the resumed run {resume.run_dir}"
+    else:
+        return
+    if source is not None and source.is_dir():
+        try:
+            check_tokenizer_files(source)
+        except ValueError as err:
+            raise ConfigError(f"{what}: {err}") from None
+
+
 def _check_initial_weights_verifiable(config: FinetuneConfig) -> None:
     """A sharded ``init_from`` without ``checksums.json`` is refused here unless ``allow_unverified=true``."""
     if config.allow_unverified:
@@ -388,6 +409,7 @@ def preflight(cfg: Union[DictConfig, TrainConfig], run_dir: Optional[Path] = Non
     if isinstance(config, FinetuneConfig) and resume is None:
         _check_initial_weights_config(config)
         _check_initial_weights_verifiable(config)
+    _check_tokenizer_links(config, resume)
     _check_memory_budget(config)
     return Preflight(config, resume)
 

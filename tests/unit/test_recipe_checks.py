@@ -318,3 +318,31 @@ def test_a_name_that_leaves_the_output_root_is_refused(name):
     with pytest.raises(ValueError, match=r"name must be a directory name .* so the run stays under "
                                          r"output_root/<name>/"):
         load(f"name={name}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenizer files that link out of their folder
+
+
+def test_a_tokenizer_file_linking_out_of_the_run_is_never_copied(tmp_path):
+    from lightning_vescale.export import copy_tokenizer_files
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("password")
+    run = _exported_run(tmp_path, Llama(llama_config("tiny")), llama_config("tiny"), "llama")
+    (run / "tokenizer" / "tokenizer.json").symlink_to(secret)
+    refused = rf"tokenizer file .*tokenizer\.json is a link to {secret}, outside .*run: refused"
+    with pytest.raises(ValueError, match=refused):
+        export_hf(run, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match=rf"init_from=.*run: {refused}"):  # a fine-tune of the run, before it starts
+        preflight(compose_cfg(f"init_from={run}", config="finetune"))
+    # A link inside the folder is its file; a Hugging Face cache snapshot links into its repository's blobs.
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc123").write_text('{"model_max_length": 8}')
+    snapshot = repo / "snapshots" / "rev1"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer_config.json").symlink_to("../../blobs/abc123")
+    assert copy_tokenizer_files(snapshot, tmp_path / "copied") == ["tokenizer_config.json"]
+    assert (tmp_path / "copied" / "tokenizer_config.json").read_text() == '{"model_max_length": 8}'
