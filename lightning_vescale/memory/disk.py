@@ -11,6 +11,18 @@ with room up to the next one (:func:`alloc_aligned`, :func:`realign`) moves with
 its memory and the device, costing almost no CPU, so a background thread overlaps it with compute. Smaller
 tensors (a few pages: a device round trip each would cost more than their cache) and file systems without
 ``O_DIRECT`` (tmpfs) go through the page cache.
+
+Every tensor written carries a CRC-32 of its bytes, kept in memory, and a read checks it before the tensor is
+used: a file changed on disk (another process, a bad disk, random bytes written over it) is a
+:class:`DiskTierError` naming the file, never silently wrong values in training (about 1.9 GB/s of one core
+here, on the thread that moves the bytes).
+
+[Note: who owns a tier folder]
+Each store's folder ``lightning_vescale_swap_<pid><tag>`` holds ``.owner.lock``, exclusively ``flock``-ed by the
+process that uses it until it ends (the kernel drops the lock of a killed process). A new store removes the
+folders whose lock is free: scratch of killed runs, which would otherwise fill the disk run after run. It never
+removes a folder whose lock is held, whatever its name says: the pid in it may belong to another container's
+namespace, where a live job uses it. A folder without the lock file (an older release's) is left alone.
 """
 
 from __future__ import annotations
@@ -18,10 +30,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import functools
 import os
 import shutil
 import sys
+import zlib
 from typing import Optional, Sequence
 
 import torch
@@ -111,19 +125,27 @@ class DiskTierError(RuntimeError):
 _PREFIX = "lightning_vescale_swap_"
 
 
+_OWNER_LOCK = ".owner.lock"
+
+
 def _remove_stale(directory: str) -> None:
-    """Remove the swap directories of processes that no longer run (killed before ``close``): scratch nobody reads,
-    which would otherwise fill the disk run after run."""
+    """Remove the swap folders of processes that ended without ``close`` (see [Note: who owns a tier folder])."""
     for name in os.listdir(directory):
-        pid = name[len(_PREFIX):].split("_", 1)[0]
-        if not name.startswith(_PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
+        folder = os.path.join(directory, name)
+        if not name.startswith(_PREFIX) or not os.path.isdir(folder):
             continue
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-        except PermissionError:
-            pass  # alive, another user's
+            fd = os.open(os.path.join(folder, _OWNER_LOCK), os.O_RDWR)
+        except OSError:
+            continue  # no lock file: not ours to judge
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: a live process (perhaps in another pid namespace) uses it
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def check_disk_space(directory: str, need: int, what: str) -> None:
@@ -180,10 +202,13 @@ class DiskStore:
         self.root = os.path.join(directory, f"{_PREFIX}{os.getpid()}{tag}")
         try:
             os.makedirs(self.root, exist_ok=True)
+            self._lock: Optional[int] = os.open(os.path.join(self.root, _OWNER_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as e:
             raise DiskTierError(f"cannot create the disk tier's directory {self.root} ({e})") from None
+        fcntl.flock(self._lock, fcntl.LOCK_EX)  # ours until close() or this process ends
         _remove_stale(directory)
         self.sizes: dict[str, int] = {}
+        self.crcs: dict[str, int] = {}
         self.direct = direct and _supports_direct(self.root)
 
     def moves_direct(self, nbytes: int) -> bool:
@@ -217,6 +242,14 @@ class DiskStore:
         finally:
             os.close(fd)
         self.sizes[key] = nbytes
+        self.crcs[key] = zlib.crc32(_bytes_of(src, nbytes))
+
+    def delete(self, key: str) -> None:
+        """Remove the file of ``key`` (a no-op if there is none)."""
+        self.sizes.pop(key, None)
+        self.crcs.pop(key, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(key))
 
     def read_into(self, key: str, tensor: torch.Tensor, staging: Optional[torch.Tensor] = None) -> None:
         """Fill ``tensor`` (contiguous, the size written under ``key``) from disk."""
@@ -240,9 +273,20 @@ class DiskStore:
             raise DiskTierError(f"cannot read {key} from the disk tier at {self.root} ({e})") from None
         finally:
             os.close(fd)
+        expected = self.crcs.get(key)
+        if expected is not None and zlib.crc32(_bytes_of(dst, nbytes)) != expected:
+            raise DiskTierError(
+                f"{self._path(key)} changed on disk since it was written (its bytes do not match the checksum taken "
+                f"when {key} was written): the disk tier's files must not be touched while training runs. Nothing "
+                f"was used; resume from the last checkpoint"
+            )
         if dst is not tensor:
             tensor.copy_(dst, non_blocking=True)
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
         self.sizes.clear()
+        self.crcs.clear()
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None

@@ -411,6 +411,7 @@ def preflight(cfg: Union[DictConfig, TrainConfig], run_dir: Optional[Path] = Non
         _check_initial_weights_verifiable(config)
     _check_tokenizer_links(config, resume)
     _check_memory_budget(config)
+    _check_disk_room(config)
     return Preflight(config, resume)
 
 
@@ -427,6 +428,16 @@ def _check_memory_budget(config: TrainConfig) -> None:
         choose_placement(estimate, config.memory.budget, disk_bandwidth=1e9)
     except ValueError as err:
         raise ConfigError(f"memory.budget={config.memory.budget}: {err}") from None
+
+
+def _check_disk_room(config: TrainConfig) -> None:
+    """A disk tier too small for what the memory placement puts there (activations included) is refused here."""
+    from lightning_vescale.recipe.memory import check_disk_room
+
+    try:
+        check_disk_room(config)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def config_error_message(err: BaseException) -> str:

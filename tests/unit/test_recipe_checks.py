@@ -346,3 +346,21 @@ def test_a_tokenizer_file_linking_out_of_the_run_is_never_copied(tmp_path):
     (snapshot / "tokenizer_config.json").symlink_to("../../blobs/abc123")
     assert copy_tokenizer_files(snapshot, tmp_path / "copied") == ["tokenizer_config.json"]
     assert (tmp_path / "copied" / "tokenizer_config.json").read_text() == '{"model_max_length": 8}'
+
+
+def test_a_disk_tier_too_small_for_the_placement_activations_included_is_refused_before_the_run(tmp_path):
+    from collections import namedtuple
+    from unittest import mock
+
+    from lightning_vescale.recipe.memory import estimate_for
+
+    cfg = compose_cfg(f"output_root={tmp_path}", "memory=offload_disk")
+    estimate = estimate_for(validate(cfg), 2)
+    on_disk = 2 * (estimate.params + estimate.grads + estimate.optimizer_states + estimate.activations)
+    usage = namedtuple("usage", "total used free")
+    with mock.patch("shutil.disk_usage", return_value=usage(0, 0, int(on_disk - estimate.activations))):
+        with pytest.raises(ConfigError, match=rf"memory: the disk tier at {tmp_path} has .* MiB free, but this "
+                                              r"placement puts .* activations of a micro-batch .* MiB.*memory\.disk_dir="):
+            preflight(cfg)  # room for all but the activations: still refused
+    with mock.patch("shutil.disk_usage", return_value=usage(0, 0, int(on_disk) + 1)):
+        preflight(cfg)
