@@ -6,7 +6,7 @@ from typing import Iterable, Union
 
 import torch
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "local_grads_finite"]
 
 
 def clip_grad_norm_(
@@ -34,3 +34,34 @@ def clip_grad_norm_(
     return torch.nn.utils.clip_grad_norm_(
         params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=True
     )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # RaggedTensor and DTensor: this rank's piece
+    return to_local() if callable(to_local) else t
+
+
+def local_grads_finite(parameters: Iterable[torch.Tensor]) -> bool:
+    """Whether every element of this rank's pieces of the parameters' gradients is finite. No collective: each
+    rank looks at its own pieces (a ReduceScatter has already spread any rank's NaN to the piece's owner).
+    Offloaded gradient pieces are brought in one buffer at a time, as :func:`clip_grad_norm_` does."""
+    from lightning_vescale.memory.pieces import offload_of_grads
+
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return True
+
+    def finite(chunk: list[torch.Tensor]) -> torch.Tensor:
+        local = [g for g in (_local(p.grad) for p in chunk) if g.numel() and g.is_floating_point()]
+        if not local:
+            return torch.tensor(True)
+        return torch.stack([n.to(local[0].device) for n in torch._foreach_norm(local, float("inf"))]).isfinite().all()
+
+    offload = offload_of_grads(params)
+    if offload is None:
+        return bool(finite(params))
+    flags = []
+    for chunk, buffers in offload._chunks(params):
+        with offload.resident(buffers, changes=False, weights=False):
+            flags.append(finite(chunk))
+    return bool(torch.stack([f.cpu() for f in flags]).all())

@@ -239,6 +239,7 @@ def save(
     *,
     extra: Optional[Mapping[str, Any]] = None,
     schedulers: Any = None,
+    allow_non_finite: bool = False,
 ) -> None:
     """Save a sharded checkpoint to the directory ``path`` atomically; every rank writes its own pieces.
 
@@ -255,6 +256,8 @@ def save(
             tensors and numpy arrays (stored as JSON, never pickled); returned by :func:`load`. Each rank's
             RNG states (torch, numpy, python ``random``, CUDA if used) are saved besides it.
         schedulers: an LR scheduler or a sequence of them (anything with ``state_dict()``).
+        allow_non_finite: save weights that hold NaN or inf; by default such a model is refused (``ValueError``
+            on every rank, naming the rank and the tensor) before anything is written.
 
     .. note::
         A value that cannot be stored without pickle raises ``TypeError`` naming it before anything is
@@ -263,14 +266,38 @@ def save(
         removed; leftovers of a killed rank 0 are removed by the next save of the same ``path``.
     """
     with resident_states(optimizer), resident_pieces(model, changes=False):
-        _save(os.fspath(path), model, optimizer, extra, schedulers)
+        _save(os.fspath(path), model, optimizer, extra, schedulers, allow_non_finite)
+
+
+def _first_non_finite(tensors: Mapping[str, torch.Tensor]) -> Optional[str]:
+    """The name of the first tensor whose piece on this rank holds NaN or inf (no collective), else None."""
+    names, finite = [], []
+    for name, t in tensors.items():
+        local = t.to_local() if is_ragged(t) else t
+        if local.is_floating_point() and local.numel():
+            names.append(name)
+            finite.append(torch.isfinite(local).all())
+    if not finite:
+        return None
+    bad = (~torch.stack(finite)).nonzero().flatten().tolist()
+    return names[bad[0]] if bad else None
 
 
 def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Optional[Mapping[str, Any]],
-          schedulers: Any) -> None:
+          schedulers: Any, allow_non_finite: bool = False) -> None:
     _directory.check_save_target(path)
     model_sd = get_model_state_dict(model)
     state: dict[str, Any] = {"model": {n: v for n, v in model_sd.items() if isinstance(v, torch.Tensor)}}
+    if not allow_non_finite:
+        bad = _first_non_finite(state["model"])
+        error = _dist.agree(None if bad is None else f"tensor {bad} holds NaN or inf")
+        if error is not None:
+            error = error if error.startswith("rank ") else f"rank {_dist.rank()}: {error}"
+            raise ValueError(
+                f"not saving checkpoint {path}: the model's weights are not finite ({error}); the checkpoint there (if "
+                f"any) is unchanged. A step wrote them (the recipes stop before such a step: trainer.on_non_finite); "
+                f"pass allow_non_finite=True to save them anyway"
+            )
     values: dict[str, Any] = {"meta": {"format": "lightning_vescale", "version": FORMAT_VERSION,
                                        "world_size": _dist.world_size()}}
     extra_states = {n: v for n, v in model_sd.items() if not isinstance(v, torch.Tensor)}

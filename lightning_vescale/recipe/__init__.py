@@ -14,7 +14,9 @@ Everything that can be checked on the config is checked before the run directory
 (``step-000100.ckpt``..., ``last.ckpt``), ``csv/metrics.csv`` (and ``tb/`` when TensorBoard is installed),
 ``loss_curve.png`` and ``summary.json``; a fine-tune also ``tokenizer/`` (the files of ``init_from``) and,
 with ``export_hf=true``, ``hf/`` (a Hugging Face directory). SIGTERM stops every rank after the same step,
-saves it (``trainer.save_on_signal``) and exits with code 143.
+saves it (``trainer.save_on_signal``) and exits with code 143. A step whose loss or gradients are not finite on
+any rank stops every rank before its optimizer step and exits with code 1, naming the step and the ranks
+(``trainer.on_non_finite=skip`` skips such steps instead).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ from lightning_vescale.models.hf import read_pretrained_config
 from lightning_vescale.quant.tensor import weights_state_dict
 from lightning_vescale.recipe.callbacks import (
     LineProgress,
+    NonFiniteError,
+    NonFiniteGuard,
     PlanReport,
     RecipeProgressBar,
     RunSummary,
@@ -371,7 +375,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
         "notes": dict(config.notes),
     }
     summary = RunSummary(stats, run_dir, extra=extra)
-    callbacks: list[Any] = [stats, summary, StopOnSignal(), PlanReport(run_dir)]
+    callbacks: list[Any] = [stats, summary, StopOnSignal(), PlanReport(run_dir), NonFiniteGuard(t.on_non_finite, stats)]
     if t.enable_progress_bar:
         callbacks.append(RecipeProgressBar() if sys.stdout.isatty() else LineProgress(t.log_every_n_steps))
     export = isinstance(config, FinetuneConfig) and config.export_hf
@@ -427,6 +431,11 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
                 else " (no checkpoint saved: trainer.save_on_signal=false)",
             )
         raise SystemExit(SIGTERM_EXIT_CODE) from None
+    except NonFiniteError as err:
+        if trainer.is_global_zero:
+            saved = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+            logger.error("%s%s", err, f" (last checkpoint: {os.path.realpath(saved)})" if saved else "")
+        raise SystemExit(1) from None
     if export and trainer.is_global_zero and not any(isinstance(c, AdapterExport) for c in callbacks):
         out = export_hf(run_dir, run_dir / "hf")
         logger.info("wrote the Hugging Face model to %s (python -m lightning_vescale.export does the same)", out)

@@ -11,6 +11,8 @@
   returns would turn every update into a line).
 * :class:`StepCheckpoint` is ``ModelCheckpoint`` every N steps that also saves the final step, and the last
   step before a SIGTERM stops the run.
+* :class:`NonFiniteGuard` stops the run (or skips the step) on every rank when a step's loss or gradients are
+  not finite on any rank, before the optimizer step.
 * :class:`StopOnSignal` makes SIGTERM stop every rank after the same step (see
   ``lightning_vescale/lightning/_signals.py``), whatever the strategy.
 * :class:`PlanReport` logs the sharding plan the strategy resolved (one line per group) and writes it, with every
@@ -45,6 +47,8 @@ from lightning_vescale.memory.ledger import memory_stats
 
 __all__ = [
     "LineProgress",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "PlanReport",
     "RecipeProgressBar",
     "RunSummary",
@@ -105,6 +109,7 @@ class StepStats(Callback):
         self.comm_bytes: list[int] = []
         self.comm_kinds: dict[str, int] = {}
         self.val_losses: list[tuple[int, float]] = []
+        self.skipped_steps: list[int] = []
         self.setup_bytes = 0
         self.counts_bytes = False
         self._step_start: Optional[float] = None
@@ -336,6 +341,73 @@ class StepCheckpoint(ModelCheckpoint):
         super().on_train_end(trainer, pl_module)
 
 
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradients were not finite on some rank; the run stopped before its optimizer step."""
+
+
+class NonFiniteGuard(Callback):
+    """Every rank stops (``action="stop"``) or skips the optimizer step (``"skip"``) when the step's loss or
+    gradients are not finite on any rank, before the optimizer step, so NaN never reaches the weights.
+
+    Each rank notes whether any micro-batch's loss was non-finite (``on_before_backward``, no sync) and, before
+    the optimizer step, whether its own gradient pieces are (no collective); one all-reduce of these flags per
+    step tells every rank the same answer and which ranks it came from. A skipped step leaves the weights and the
+    optimizer states as they were (the gradients are dropped, so the optimizer steps nothing), still counts as a
+    step (the schedule and the data move on) and is recorded in ``skipped`` (and logged as ``skipped_steps``).
+
+    Args:
+        action: ``"stop"`` (raise :class:`NonFiniteError` on every rank) or ``"skip"``.
+        stats: the run's :class:`StepStats`, whose ``skipped_steps`` the summary reports.
+    """
+
+    def __init__(self, action: str = "stop", stats: Optional[StepStats] = None) -> None:
+        if action not in ("stop", "skip"):
+            raise ValueError(f"action must be 'stop' or 'skip', got {action!r}")
+        self.action = action
+        self.stats = stats
+        self.skipped: list[int] = []
+        self._bad_loss: Optional[torch.Tensor] = None
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        from lightning_vescale.clip_grad import local_grads_finite
+
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        flags = torch.zeros(trainer.world_size, 2, dtype=torch.int32, device=trainer.strategy.root_device)
+        flags[trainer.global_rank, 0] = int(bool(self._bad_loss)) if self._bad_loss is not None else 0
+        flags[trainer.global_rank, 1] = int(not local_grads_finite(params))
+        self._bad_loss = None
+        if _distributed():
+            from lightning_vescale.collectives import named_collective
+
+            with named_collective("non-finite check all_reduce"):
+                dist.all_reduce(flags)  # the one collective: every rank gets every rank's flags
+        if not bool(flags.any()):
+            return
+        step = trainer.global_step + 1
+        found = "; ".join(
+            f"non-finite {what} on rank(s) {ranks}" for what, col in (("loss", 0), ("gradients", 1))
+            if (ranks := flags[:, col].nonzero().flatten().tolist())
+        )
+        if self.action == "stop":
+            raise NonFiniteError(
+                f"step {step}: {found}. Stopped on every rank before the optimizer step, so the weights (and any "
+                f"checkpoint) are those of step {step - 1}. Look for the cause (learning rate, data, precision); "
+                f"resume=true continues from the last checkpoint, and trainer.on_non_finite=skip skips such steps "
+                f"instead of stopping"
+            )
+        optimizer.zero_grad(set_to_none=True)  # nothing to step: the weights and states stay as they are
+        self.skipped.append(step)
+        if self.stats is not None:
+            self.stats.skipped_steps.append(step)
+        if trainer.is_global_zero:
+            logger.warning("step %d: %s; skipped its optimizer step (%d skipped so far)", step, found, len(self.skipped))
+        pl_module.log("skipped_steps", float(len(self.skipped)), rank_zero_only=True)
+
+
 def _write_foreign_checksums(directory: str) -> None:
     """``checksums.json`` for a DCP directory written without one (see [Note: checksums] in the checkpoint's
     ``_storage``)."""
@@ -430,6 +502,7 @@ class RunSummary(Callback):
             "final_loss_mean_last_10": sum(losses_list[-10:]) / len(losses_list[-10:]) if losses_list else None,
             "min_loss": min(finite) if finite else None,
             "loss_is_finite": len(finite) == len(losses_list),
+            "skipped_steps": list(s.skipped_steps),
             "val_loss": s.val_losses[-1][1] if s.val_losses else None,
             "val_losses": [{"step": st, "val_loss": v} for st, v in s.val_losses],
             "tokens_per_s": tokens_per_step * len(timed) / sum(timed) if timed and sum(timed) > 0 else None,

@@ -236,3 +236,18 @@ def test_a_run_started_when_its_folder_exists_writes_to_a_new_one(tmp_path):
     assert (new[0] / "summary.json").is_file() and (new[0] / "csv" / "metrics.csv").is_file()
     for folder in taken:
         assert [p.name for p in folder.iterdir()] == ["other_run.txt"], folder
+
+
+def test_a_run_whose_loss_turns_non_finite_stops_before_the_step_and_keeps_its_checkpoint(tmp_path):
+    """optimizer.lr=1e30 is finite (accepted) but blows the weights up: step 2's loss is not finite, and both
+    ranks stop before its optimizer step, naming it; the checkpoint of step 1 is the last one (issue 25)."""
+    run = tmp_path / "run"
+    proc = run_recipe("train.py", f"output_root={tmp_path}", f"hydra.run.dir={run}", "optimizer.lr=1e30",
+                      "scheduler.warmup_steps=0", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=1",
+                      "trainer.gradient_clip_val=null", returncode=1)
+    assert re.search(r"step 2: non-finite (loss|gradients) on rank\(s\) \[0, 1\].*Stopped on every rank before the "
+                     r"optimizer step.*\(last checkpoint: .*step-000001\.ckpt\)", proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert os.path.realpath(run / "checkpoints" / "last.ckpt").endswith("step-000001.ckpt")
+    state = read_model_state(run / "checkpoints" / "last.ckpt")
+    assert all(torch.isfinite(v).all() for v in state.values())
