@@ -383,7 +383,7 @@ class NonFiniteGuard(Callback):
         if _distributed():
             from lightning_vescale.collectives import named_collective
 
-            with named_collective("non-finite check all_reduce"):
+            with named_collective("all_reduce (non-finite check)"):
                 dist.all_reduce(flags)  # the one collective: every rank gets every rank's flags
         if not bool(flags.any()):
             return
