@@ -139,7 +139,7 @@ def remove_stale_tmp_dirs(path: str, keep: str = "") -> None:
         return
     for name in os.listdir(parent):
         full = os.path.join(parent, name)
-        if ".tmp-" not in name or full == os.path.abspath(keep) or not os.path.isdir(full):
+        if ".tmp-" not in name or full == os.path.abspath(keep) or os.path.islink(full) or not os.path.isdir(full):
             continue
         gone = _writer_is_gone(full)
         if gone or (gone is None and name.startswith(f"{base}.tmp-")):

@@ -618,10 +618,10 @@ def read_full_tensors(path: "os.PathLike | str", prefix: str = "model.", *,
     No process group, model code or GPU is needed; nothing is unpickled, the metadata is checked against the
     files before anything is allocated, and the checksums are verified. A directory without ``checksums.json``
     (a save that did not complete, a removed file, or another library's DCP checkpoint) is refused unless
-    ``allow_unverified`` (format 1, release 0.1, never had them). The directory is opened once (see [Note: consistent reads] in ``_directory``). Keys
-    keep the prefix.
+    ``allow_unverified`` (format 1, release 0.1, never had them). The directory is opened once (see [Note:
+    consistent reads] in ``_directory``). No collective, even where a process group exists. Keys keep the prefix.
     """
-    with _directory.pinned(path) as (directory, _):
+    with _dist.local(), _directory.pinned(path) as (directory, _):  # one process: no collective, on any rank
         metadata = _storage.read_metadata(directory)
         format_1 = ("meta", "format") in _saved_layout(metadata)  # release 0.1 wrote no checksums
         checksums = _storage.read_checksums(directory) if format_1 else _storage.require_checksums(
