@@ -52,7 +52,8 @@ def local_grads_finite(parameters: Iterable[torch.Tensor]) -> bool:
         return True
 
     def finite(chunk: list[torch.Tensor]) -> torch.Tensor:
-        local = [g for g in (_local(p.grad) for p in chunk) if g.numel() and g.is_floating_point()]
+        local = [g.float() if g.element_size() == 1 else g  # float8: no norm kernel
+                 for g in (_local(p.grad) for p in chunk) if g.numel() and g.is_floating_point()]
         if not local:
             return torch.tensor(True)
         return torch.stack([n.to(local[0].device) for n in torch._foreach_norm(local, float("inf"))]).isfinite().all()

@@ -276,7 +276,8 @@ def _first_non_finite(tensors: Mapping[str, torch.Tensor]) -> Optional[str]:
         local = t.to_local() if is_ragged(t) else t
         if local.is_floating_point() and local.numel():
             names.append(name)
-            finite.append(torch.isfinite(local).all())
+            # float8 codes have no isfinite kernel: widen them (one tensor at a time).
+            finite.append(torch.isfinite(local.float() if local.element_size() == 1 else local).all())
     if not finite:
         return None
     bad = (~torch.stack(finite)).nonzero().flatten().tolist()
