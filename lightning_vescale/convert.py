@@ -21,10 +21,13 @@ import torch
 __all__ = ["load_full_model_state", "convert"]
 
 
-def load_full_model_state(checkpoint_dir: Union[str, os.PathLike], *, strip_prefix: str = "") -> dict[str, torch.Tensor]:
+def load_full_model_state(checkpoint_dir: Union[str, os.PathLike], *, strip_prefix: str = "",
+                          allow_unverified: bool = False) -> dict[str, torch.Tensor]:
     """The model's full (unsharded) tensors from a sharded checkpoint directory, by parameter name.
 
-    Nothing in the checkpoint is unpickled, and its checksums are verified.
+    Nothing in the checkpoint is unpickled, its metadata is checked against its files before anything is
+    allocated, and its checksums are verified (a directory without ``checksums.json`` is refused unless
+    ``allow_unverified``).
     """
     from lightning_vescale.checkpoint import read_full_tensors
 
@@ -34,7 +37,8 @@ def load_full_model_state(checkpoint_dir: Union[str, os.PathLike], *, strip_pref
             f"{path} is not a complete sharded checkpoint (no .metadata file): pass the directory that "
             f"lightning_vescale.checkpoint.save / the strategy wrote, e.g. .../checkpoints/step-000300.ckpt"
         )
-    model = {k.removeprefix("model."): v for k, v in read_full_tensors(path, prefix="model.").items()}
+    model = {k.removeprefix("model."): v for k, v in read_full_tensors(path, prefix="model.",
+                                                                                 allow_unverified=allow_unverified).items()}
     if not model:
         raise ValueError(f"{path} holds no model state")
     out = {}
@@ -46,11 +50,12 @@ def load_full_model_state(checkpoint_dir: Union[str, os.PathLike], *, strip_pref
 
 
 def convert(checkpoint_dir: Union[str, os.PathLike], output: Union[str, os.PathLike], *, format: str = "safetensors",
-            strip_prefix: str = "") -> Path:
-    """Write the model of ``checkpoint_dir`` as one ``safetensors`` or ``torch.save`` file at ``output``."""
+            strip_prefix: str = "", allow_unverified: bool = False) -> Path:
+    """Write the model of ``checkpoint_dir`` as one ``safetensors`` or ``torch.save`` file at ``output``
+    (``allow_unverified``: convert a checkpoint whose ``checksums.json`` is missing)."""
     if format not in ("safetensors", "torch"):
         raise ValueError(f"format must be 'safetensors' or 'torch', got {format!r}")
-    tensors = load_full_model_state(checkpoint_dir, strip_prefix=strip_prefix)
+    tensors = load_full_model_state(checkpoint_dir, strip_prefix=strip_prefix, allow_unverified=allow_unverified)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
@@ -72,10 +77,14 @@ def main() -> None:
                         help="default: from the output's suffix (.safetensors, else torch)")
     parser.add_argument("--strip-prefix", default="",
                         help="remove this prefix from names, e.g. 'model.' for a LightningModule's attribute")
+    parser.add_argument("--allow-unverified", action="store_true",
+                        help="convert a checkpoint whose checksums.json is missing (its bytes cannot be verified)")
     args = parser.parse_args()
     fmt = args.format or ("safetensors" if args.output.endswith(".safetensors") else "torch")
-    out = convert(args.checkpoint_dir, args.output, format=fmt, strip_prefix=args.strip_prefix)
-    tensors = load_full_model_state(args.checkpoint_dir, strip_prefix=args.strip_prefix)
+    out = convert(args.checkpoint_dir, args.output, format=fmt, strip_prefix=args.strip_prefix,
+                  allow_unverified=args.allow_unverified)
+    tensors = load_full_model_state(args.checkpoint_dir, strip_prefix=args.strip_prefix,
+                                    allow_unverified=args.allow_unverified)
     total = sum(t.numel() for t in tensors.values())
     print(f"wrote {len(tensors)} tensors ({total / 1e6:.2f}M elements) to {out}")
 

@@ -37,6 +37,7 @@ from lightning_vescale.models.hf import SUPPORTED_MODEL_TYPES, read_pretrained_c
 __all__ = [
     "TOKENIZER_FILES",
     "arch_from_dict",
+    "check_tokenizer_files",
     "checkpoint_step",
     "copy_tokenizer_files",
     "export_hf",
@@ -44,6 +45,7 @@ __all__ = [
     "read_model_state",
     "read_run_model",
     "read_source_config",
+    "tokenizer_source_of",
     "write_run_model",
 ]
 
@@ -209,15 +211,15 @@ def _read_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _read_sharded_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+def _read_sharded_checkpoint(path: Path, allow_unverified: bool = False) -> dict[str, torch.Tensor]:
     """The model tensors of a DCP checkpoint directory, read whole in this process (no process group, nothing
-    unpickled, checksums verified where the checkpoint has them)."""
+    unpickled, checksums verified; a directory without them only with ``allow_unverified``)."""
     from lightning_vescale.checkpoint import read_full_tensors
 
     # VeScaleStrategy stores "model.<module fqn>", ModelParallelStrategy "state_dict.<module fqn>"; the
     # LightningModule holds the network as ``self.model``.
     for prefix in ("model.model.", "state_dict.model."):
-        state = read_full_tensors(path, prefix=prefix)
+        state = read_full_tensors(path, prefix=prefix, allow_unverified=allow_unverified)
         if state:
             return {k[len(prefix):]: v for k, v in state.items()}
     raise ValueError(
@@ -226,12 +228,13 @@ def _read_sharded_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def read_model_state(checkpoint: PathLike) -> dict[str, torch.Tensor]:
+def read_model_state(checkpoint: PathLike, *, allow_unverified: bool = False) -> dict[str, torch.Tensor]:
     """The recipe model's full tensors from a checkpoint: a sharded directory (vescale, FSDP2; any world
-    size), a Lightning checkpoint file, or a state-dict file (``.safetensors`` or a ``torch.save``)."""
+    size), a Lightning checkpoint file, or a state-dict file (``.safetensors`` or a ``torch.save``).
+    A sharded directory without ``checksums.json`` is refused unless ``allow_unverified``."""
     path = Path(checkpoint)
     if path.is_dir() and (path / ".metadata").is_file():
-        return _read_sharded_checkpoint(path)
+        return _read_sharded_checkpoint(path, allow_unverified)
     if path.is_file():
         return _read_state_dict_file(path)
     raise FileNotFoundError(f"{str(path)!r} is not a checkpoint (a directory with .metadata, or a file)")
@@ -242,10 +245,58 @@ def read_model_state(checkpoint: PathLike) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------
 
 
-def copy_tokenizer_files(source: PathLike, destination: PathLike) -> list[str]:
-    """Copy the :data:`TOKENIZER_FILES` that ``source`` has into ``destination``; returns their names."""
-    source, destination = Path(source), Path(destination)
+def tokenizer_source_of(weights: PathLike) -> Optional[Path]:
+    """Where the tokenizer files of the weights at ``weights`` are: a Hugging Face directory itself, or the
+    ``tokenizer/`` folder of the recipe run a checkpoint belongs to (``None``: neither)."""
+    path = Path(weights)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    try:
+        run_dir = locate_checkpoint(path)[1]
+    except FileNotFoundError:
+        return None
+    return None if run_dir is None else run_dir / TOKENIZER_DIR
+
+
+def _link_boundary(source: Path) -> Path:
+    """The folder a tokenizer file of ``source`` may link within: a run's ``tokenizer/`` -> the run folder; a
+    Hugging Face cache snapshot (``models--org--name/snapshots/<rev>``) -> the repository's folder, whose
+    ``blobs/`` its files link to; any other directory -> itself."""
+    if source.name == TOKENIZER_DIR:
+        return source.parent
+    if source.parent.name == "snapshots":
+        return source.parent.parent
+    return source
+
+
+def check_tokenizer_files(source: PathLike) -> list[str]:
+    """The :data:`TOKENIZER_FILES` that ``source`` has, after checking that none is a link out of its folder
+    (see :func:`copy_tokenizer_files`).
+
+    Raises:
+        ValueError: a file is a link that leaves the folder; names the file and where it points.
+    """
+    source = Path(source)
     names = [n for n in TOKENIZER_FILES if (source / n).is_file()]
+    boundary = _link_boundary(source).resolve()
+    for name in names:
+        real = (source / name).resolve()
+        if not real.is_relative_to(boundary):
+            raise ValueError(
+                f"tokenizer file {source / name} is a link to {real}, outside {boundary}: refused, so that no file from "
+                f"elsewhere is copied into runs and exports. Replace the link with the file itself"
+            )
+    return names
+
+
+def copy_tokenizer_files(source: PathLike, destination: PathLike) -> list[str]:
+    """Copy the :data:`TOKENIZER_FILES` that ``source`` has into ``destination``; returns their names.
+
+    A file that is a link leaving ``source``'s folder (a run's folder for its ``tokenizer/``, a Hugging Face
+    cache repository for a snapshot) is refused before anything is copied (``ValueError``).
+    """
+    source, destination = Path(source), Path(destination)
+    names = check_tokenizer_files(source)
     if names:
         destination.mkdir(parents=True, exist_ok=True)
         for name in names:
@@ -260,6 +311,7 @@ def export_hf(
     dtype: Optional[torch.dtype] = None,
     model_type: Optional[str] = None,
     overwrite: bool = False,
+    allow_unverified: bool = False,
 ) -> Path:
     """Write the model of a run directory or checkpoint as a Hugging Face directory at ``output_dir``.
 
@@ -270,6 +322,7 @@ def export_hf(
         model_type: ``"llama"``, ``"mixtral"`` or ``"qwen2_moe"``; default: the type the run started from,
             else what :func:`~lightning_vescale.models.save_pretrained` picks for the model.
         overwrite: replace an existing non-empty ``output_dir``.
+        allow_unverified: export a sharded checkpoint whose ``checksums.json`` is missing (refused by default).
 
     The directory is written next to ``output_dir`` and renamed into place, so a failure leaves nothing
     half-written under the final name.
@@ -290,7 +343,7 @@ def export_hf(
     if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{str(output_dir)!r} exists and is not empty; pick a new directory or pass --overwrite")
     arch, run_model_type = read_run_model(run_dir)
-    state = read_model_state(checkpoint)
+    state = read_model_state(checkpoint, allow_unverified=allow_unverified)
     with torch.device("meta"):
         model = FAMILIES[family_of(arch)].model_cls(arch)
     model.to_empty(device="cpu")
@@ -329,10 +382,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model-type", choices=SUPPORTED_MODEL_TYPES, default=None,
                         help="default: the type the run started from, else llama / qwen2_moe / mixtral by model")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    parser.add_argument("--allow-unverified", action="store_true",
+                        help="export a checkpoint whose checksums.json is missing (its bytes cannot be verified)")
     args = parser.parse_args(argv)
     try:
         out = export_hf(args.source, args.output_dir, dtype=_DTYPES.get(args.dtype), model_type=args.model_type,
-                        overwrite=args.overwrite)
+                        overwrite=args.overwrite, allow_unverified=args.allow_unverified)
     except (OSError, ValueError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     files = sorted(p.name for p in out.iterdir())

@@ -7,25 +7,46 @@ checkpoint to ``<path>.old``, the new one to ``<path>`` and deletes ``.old``. A 
 renames leaves the old checkpoint at ``<path>`` and the unfinished ``.tmp-*`` directory is removed (in a
 ``finally``; if rank 0 itself was killed, the next save of the same target removes it); a crash between
 the two renames leaves ``<path>.old``, which a load falls back to and the next save replaces.
+
+While it writes, rank 0 holds an exclusive ``flock`` on ``<tmp>/.writer.lock``; the kernel drops it when the
+process dies. Every save removes the ``*.tmp-*`` directories in its folder whose lock is free (their writer
+is gone, whichever checkpoint they were for), and never one whose writer still runs (another job saving
+into the same folder).
+
+[Note: consistent reads]
+A reader opens the checkpoint directory once (``last.ckpt`` and other links resolved by rank 0 and sent to
+every rank) and reads every file through that open directory (``/proc/self/fd/<fd>/<file>``): a save that
+replaces or relinks the checkpoint meanwhile cannot mix another step's files into the read. Files deleted
+while it reads (a checkpoint rotated out) fail the read, which then changes nothing. The ranks compare a
+checksum of the ``.metadata`` they opened, so they all read the same save or all refuse.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import uuid
+import zlib
+from typing import Iterator, Optional
 
 from lightning_vescale.checkpoint._dist import from_rank0
 from lightning_vescale.checkpoint._storage import (
     CHECKSUM_FILE,
     METADATA_FILE,
     CheckpointError,
+    register_pinned,
+    unregister_pinned,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["commit", "check_save_target", "is_complete", "remove_stale_tmp_dirs", "resolve_checkpoint_dir", "tmp_dir"]
+__all__ = ["WriterLock", "commit", "check_save_target", "is_complete", "pinned", "remove_stale_tmp_dirs",
+           "resolve_checkpoint_dir", "tmp_dir"]
+
+WRITER_LOCK = ".writer.lock"  # in a save's temporary directory, locked by rank 0 while it writes
 
 
 def tmp_dir(path: str) -> str:
@@ -74,15 +95,54 @@ def check_save_target(path: str) -> None:
         )
 
 
+class WriterLock:
+    """Rank 0's lock on a save's temporary directory (see [Note: atomic save]); :meth:`release` is idempotent."""
+
+    def __init__(self, tmp: str) -> None:
+        os.makedirs(tmp, exist_ok=True)
+        self.tmp = tmp
+        self.fd: Optional[int] = os.open(os.path.join(tmp, WRITER_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        """Drop the lock file (before the directory is committed) and the lock."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.tmp, WRITER_LOCK))
+        os.close(self.fd)
+        self.fd = None
+
+
+def _writer_is_gone(directory: str) -> Optional[bool]:
+    """Whether the save writing ``directory`` ended without committing (its lock is free); ``None``: no lock file
+    (an older release's save, or one whose lock is not taken yet)."""
+    try:
+        fd = os.open(os.path.join(directory, WRITER_LOCK), os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: its writer is still saving
+    finally:
+        os.close(fd)
+    return True
+
+
 def remove_stale_tmp_dirs(path: str, keep: str = "") -> None:
-    """Rank 0: remove ``<path>.tmp-*`` directories of earlier saves that never committed (a rank died)."""
+    """Rank 0: remove the ``*.tmp-*`` directories next to ``path`` left by saves that never committed (a rank
+    died): any whose writer's lock is free, and lockless ones of ``path`` itself; never a live save's."""
     parent = os.path.dirname(os.path.abspath(path)) or "."
     base = os.path.basename(path)
     if not os.path.isdir(parent):
         return
     for name in os.listdir(parent):
         full = os.path.join(parent, name)
-        if name.startswith(f"{base}.tmp-") and full != os.path.abspath(keep) and os.path.isdir(full):
+        if ".tmp-" not in name or full == os.path.abspath(keep) or os.path.islink(full) or not os.path.isdir(full):
+            continue
+        gone = _writer_is_gone(full)
+        if gone or (gone is None and name.startswith(f"{base}.tmp-")):
             logger.info("removing %s, left by a save that did not complete", full)
             shutil.rmtree(full, ignore_errors=True)
 
@@ -114,3 +174,58 @@ def commit(tmp: str, path: str) -> None:
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
     if os.path.exists(old):
         shutil.rmtree(old)
+
+
+_PROC_FD = "/proc/self/fd"
+
+
+def _metadata_crc(directory: str) -> int:
+    with open(os.path.join(directory, METADATA_FILE), "rb") as f:
+        return zlib.crc32(f.read())
+
+
+@contextlib.contextmanager
+def pinned(path: "os.PathLike | str") -> Iterator[tuple[str, str]]:
+    """Collective over the checkpoint's ranks: ``(read_path, real_path)`` of the checkpoint ``path`` names, opened
+    once (see [Note: consistent reads]); read every file under ``read_path`` inside the block. ``real_path``
+    names it in messages (the storage functions show it for ``read_path`` too).
+
+    Raises:
+        FileNotFoundError, CheckpointError: as :func:`resolve_checkpoint_dir`, on every rank; or the ranks
+            opened different saves (the checkpoint was replaced while they opened it).
+    """
+    from lightning_vescale.checkpoint import _dist
+
+    found: tuple[Optional[str], Optional[BaseException]] = (None, None)
+    if _dist.rank() == 0:
+        try:
+            found = (os.path.realpath(resolve_checkpoint_dir(path)), None)
+        except (FileNotFoundError, CheckpointError) as e:
+            found = (None, e)
+    real, error = _dist.from_rank0(found)
+    if error is not None:
+        raise error
+    assert real is not None
+    fd, read_path, problem = None, real, None
+    try:
+        if os.path.isdir(_PROC_FD):
+            fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY)
+            read_path = f"{_PROC_FD}/{fd}"
+        crc = _metadata_crc(read_path)
+    except OSError as e:
+        problem, crc = f"cannot open checkpoint {real} ({e}): it was removed or replaced while it was opened", None
+    problem = _dist.agree(problem)
+    if problem is None and len(set(_dist.all_gather_object(crc))) > 1:
+        problem = (f"the ranks opened different saves of checkpoint {real} (it was replaced while they opened it); "
+                   f"nothing was loaded: load it again")
+    if problem is not None:
+        if fd is not None:
+            os.close(fd)
+        raise CheckpointError(problem)
+    register_pinned(read_path, real)
+    try:
+        yield read_path, real
+    finally:
+        unregister_pinned(read_path)
+        if fd is not None:
+            os.close(fd)

@@ -16,12 +16,24 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import torch.distributed as dist
 
 __all__ = [
-    "agree", "barrier", "dist_on", "from_rank0", "group", "over", "over_model", "rank", "run_on_rank0", "world_size",
+    "agree", "barrier", "dist_on", "from_rank0", "group", "local", "over", "over_model", "rank", "run_on_rank0",
+    "world_size",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _GROUP: ContextVar[Optional[dist.ProcessGroup]] = ContextVar("lightning_vescale_checkpoint_group", default=None)
+_LOCAL: ContextVar[bool] = ContextVar("lightning_vescale_checkpoint_local", default=False)
+
+
+@contextlib.contextmanager
+def local() -> Iterator[None]:
+    """Run the block as one process, whatever process group exists (an offline read in one rank)."""
+    token = _LOCAL.set(True)
+    try:
+        yield
+    finally:
+        _LOCAL.reset(token)
 
 
 @contextlib.contextmanager
@@ -54,7 +66,7 @@ def group() -> Optional[dist.ProcessGroup]:
 
 
 def dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return not _LOCAL.get() and dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:

@@ -61,7 +61,7 @@ from lightning_vescale.checkpoint._values import from_bytes_tensor, to_bytes_ten
 from lightning_vescale.memory.optimizer_states import resident_states
 from lightning_vescale.memory.pieces import resident_pieces
 from lightning_vescale.state_dict_report import listing, mismatch_report
-from lightning_vescale.tensor import RaggedTensor, is_ragged
+from lightning_vescale.tensor import RaggedTensor, is_ragged, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,8 @@ def _dcp_load(state: dict, directory: str, *, trust_pickle: bool = False) -> Non
     except CheckpointError:
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
-        raise CheckpointError(f"reading checkpoint {directory} failed ({_describe(e)}); nothing was loaded") from None
+        raise CheckpointError(f"reading checkpoint {_storage.shown(directory)} failed ({_describe(e)}); nothing was "
+                              f"loaded") from None
 
 
 def _read_plan_items(state: dict, metadata: Metadata) -> list:
@@ -257,6 +258,7 @@ def save(
     *,
     extra: Optional[Mapping[str, Any]] = None,
     schedulers: Any = None,
+    allow_non_finite: bool = False,
 ) -> None:
     """Save a sharded checkpoint to the directory ``path`` atomically; every rank writes its own pieces.
 
@@ -274,6 +276,8 @@ def save(
             tensors and numpy arrays (stored as JSON, never pickled); returned by :func:`load`. Each rank's
             RNG states (torch, numpy, python ``random``, CUDA if used) are saved besides it.
         schedulers: an LR scheduler or a sequence of them (anything with ``state_dict()``).
+        allow_non_finite: save weights that hold NaN or inf; by default such a model is refused (``ValueError``
+            on every rank, naming the rank and the tensor) before anything is written.
 
     .. note::
         A value that cannot be stored without pickle raises ``TypeError`` naming it before anything is
@@ -286,14 +290,39 @@ def save(
         for opt in optimizers:
             stack.enter_context(resident_states(opt))
         stack.enter_context(resident_pieces(model, changes=False))
-        _save(os.fspath(path), model, optimizers, extra, schedulers)
+        _save(os.fspath(path), model, optimizers, extra, schedulers, allow_non_finite)
+
+
+def _first_non_finite(tensors: Mapping[str, torch.Tensor]) -> Optional[str]:
+    """The name of the first tensor whose piece on this rank holds NaN or inf (no collective), else None."""
+    names, finite = [], []
+    for name, t in tensors.items():
+        local = local_tensor(t)
+        if local.is_floating_point() and local.numel():
+            names.append(name)
+            # float8 codes have no isfinite kernel: widen them (one tensor at a time).
+            finite.append(torch.isfinite(local.float() if local.element_size() == 1 else local).all())
+    if not finite:
+        return None
+    bad = (~torch.stack(finite)).nonzero().flatten().tolist()
+    return names[bad[0]] if bad else None
 
 
 def _save(path: str, model: nn.Module, optimizers: list[torch.optim.Optimizer], extra: Optional[Mapping[str, Any]],
-          schedulers: Any) -> None:
+          schedulers: Any, allow_non_finite: bool = False) -> None:
     _directory.check_save_target(path)
     model_sd = get_model_state_dict(model)
     state: dict[str, Any] = {"model": {n: v for n, v in model_sd.items() if isinstance(v, torch.Tensor)}}
+    if not allow_non_finite:
+        bad = _first_non_finite(state["model"])
+        error = _dist.agree(None if bad is None else f"tensor {bad} holds NaN or inf")
+        if error is not None:
+            error = error if error.startswith("rank ") else f"rank {_dist.rank()}: {error}"
+            raise ValueError(
+                f"not saving checkpoint {path}: the model's weights are not finite ({error}); the checkpoint there (if "
+                f"any) is unchanged. A step wrote them (the recipes stop before such a step: trainer.on_non_finite); "
+                f"pass allow_non_finite=True to save them anyway"
+            )
     values: dict[str, Any] = {"meta": {"format": "lightning_vescale", "version": FORMAT_VERSION,
                                        "world_size": _dist.world_size()}}
     extra_states = {n: v for n, v in model_sd.items() if not isinstance(v, torch.Tensor)}
@@ -318,8 +347,10 @@ def _save(path: str, model: nn.Module, optimizers: list[torch.optim.Optimizer], 
     state["rng"] = {f"rank{_dist.rank()}": _rng_state()}
     tmp = _directory.tmp_dir(path)
     committed = False
+    lock = None
     try:
         if _dist.rank() == 0:
+            lock = _directory.WriterLock(tmp)  # marks tmp as a live save until this process ends
             _directory.remove_stale_tmp_dirs(path, keep=tmp)
         try:
             with warnings.catch_warnings():
@@ -332,11 +363,19 @@ def _save(path: str, model: nn.Module, optimizers: list[torch.optim.Optimizer], 
             raise CheckpointError(f"saving checkpoint {path} failed ({_describe(e)}); the previous checkpoint there "
                                   f"(if any) is unchanged") from None
         _write_checksums(tmp)
-        _dist.run_on_rank0(lambda: _directory.commit(tmp, path))
+
+        def commit() -> None:
+            if lock is not None:
+                lock.release()
+            _directory.commit(tmp, path)
+
+        _dist.run_on_rank0(commit)
         committed = True
     finally:
         if not committed and _dist.rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+            if lock is not None:
+                lock.release()
     logger.debug("lightning_vescale: saved checkpoint %s", path)
 
 
@@ -409,7 +448,7 @@ def _format_of(saved: Layout, directory: str) -> int:
         return FORMAT_VERSION
     if ("meta", "format") in saved:
         return 1
-    raise CheckpointError(f"{directory} is a DCP checkpoint but not one lightning_vescale wrote (no format entry); "
+    raise CheckpointError(f"{_storage.shown(directory)} is a DCP checkpoint but not one lightning_vescale wrote (no format entry); "
                           f"read it with torch.distributed.checkpoint directly")
 
 
@@ -472,6 +511,7 @@ def load(
     schedulers: Any = None,
     weights_only: bool = True,
     restore_rng: bool = True,
+    allow_unverified: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save` (on any world size) into the sharded model and optimizer.
 
@@ -496,6 +536,11 @@ def load(
         restore_rng: set every rank's RNG states (torch, CUDA, numpy, ``random``) to the saved ones, so a resumed
             run draws what the uninterrupted one would have; False leaves them as they are (what Lightning's
             own strategies do on resume).
+        allow_unverified: load a checkpoint whose ``checksums.json`` is missing (its bytes then cannot be
+            verified); refused by default.
+
+    The checkpoint is opened once, links resolved, and every file is read from that one directory, even if a
+    save replaces or relinks it meanwhile (see [Note: consistent reads] in ``_directory``).
 
     Returns:
         The ``extra`` dict given to :func:`save` (empty if none).
@@ -506,21 +551,19 @@ def load(
         ValueError: the checkpoint does not match the model, optimizer or schedulers; nothing changed.
     """
     check_idle(model)
-    with resident_pieces(model):  # offloaded weights are loaded in memory, then written back to their tier
-        return _load(path, model, _optimizer_list(optimizer), schedulers, weights_only, restore_rng)
+    with _directory.pinned(path) as (directory, _), resident_pieces(model):
+        # offloaded weights are loaded in memory, then written back to their tier
+        return _load(directory, model, _optimizer_list(optimizer), schedulers, weights_only, allow_unverified,
+                     restore_rng)
 
 
-def _load(path: "os.PathLike | str", model: nn.Module, optimizers: list[torch.optim.Optimizer], schedulers: Any,
-          weights_only: bool, restore_rng: bool = True) -> dict[str, Any]:
-    directory = _directory.resolve_checkpoint_dir(path)
+def _load(directory: str, model: nn.Module, optimizers: list[torch.optim.Optimizer], schedulers: Any,
+          weights_only: bool, allow_unverified: bool, restore_rng: bool = True) -> dict[str, Any]:
     metadata = _storage.read_metadata(directory)
     saved = _saved_layout(metadata)
     fmt = _format_of(saved, directory)
-    checksums = _storage.read_checksums(directory) if fmt >= 2 else None
-    if fmt >= 2 and checksums is None:
-        raise CheckpointError(f"{directory} has no {_storage.CHECKSUM_FILE}: the save did not complete, or the file "
-                              f"was removed; nothing was loaded")
-    where = f"checkpoint {directory}"
+    checksums = _storage.require_checksums(directory, allow_unverified) if fmt >= 2 else None
+    where = f"checkpoint {_storage.shown(directory)}"
     scheds = _as_list(schedulers)
 
     # 1. The model: names and global shapes against the metadata, before anything is read.
@@ -627,44 +670,53 @@ def _load(path: "os.PathLike | str", model: nn.Module, optimizers: list[torch.op
         _set_rng_state(values["rng"])
     elif values:
         logger.warning("checkpoint %s was saved on %s rank(s) and is loaded on %d: RNG states are not restored",
-                       directory, saved_world, _dist.world_size())
+                       _storage.shown(directory), saved_world, _dist.world_size())
     return dict(values.get("extra", {}))
 
 
-def read_full_checkpoint(path: "os.PathLike | str") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_full_checkpoint(path: "os.PathLike | str", *, allow_unverified: bool = False
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(state_dict, extra)`` of a checkpoint directory written by :func:`save`, whole, in this process.
 
     ``state_dict`` is the model's full state dict, named as ``model.state_dict()`` names it (tied weights under
     each of their names); ``extra`` the loop state given to :func:`save`. Nothing is unpickled and checksums
     are verified, as in :func:`read_full_tensors`.
     """
-    directory = _directory.resolve_checkpoint_dir(path)
-    metadata = _storage.read_metadata(directory)
-    saved = _saved_layout(metadata)
-    if _format_of(saved, directory) < 2:
-        raise CheckpointError(f"{directory} has format 1, whose values were pickled; load it with a model "
-                              f"(lightning_vescale.checkpoint.load) instead")
-    values = _read_values(directory, metadata, saved, _storage.read_checksums(directory), rng_key="")
-    state_dict = {k[len("model."):]: v for k, v in read_full_tensors(directory).items()}
+    with _dist.local(), _directory.pinned(path) as (directory, _):
+        metadata = _storage.read_metadata(directory)
+        saved = _saved_layout(metadata)
+        if _format_of(saved, directory) < 2:
+            raise CheckpointError(f"{directory} has format 1, whose values were pickled; load it with a model "
+                                  f"(lightning_vescale.checkpoint.load) instead")
+        checksums = _storage.require_checksums(directory, allow_unverified)
+        values = _read_values(directory, metadata, saved, checksums, rng_key="")
+        tensors = read_full_tensors(directory, allow_unverified=allow_unverified)
+    state_dict = {k[len("model."):]: v for k, v in tensors.items()}
     for name, first in values.get("tied", {}).items():
         state_dict[name] = state_dict[first]
     return state_dict, dict(values.get("extra", {}))
 
 
-def read_full_tensors(path: "os.PathLike | str", prefix: str = "model.") -> dict[str, torch.Tensor]:
+def read_full_tensors(path: "os.PathLike | str", prefix: str = "model.", *,
+                      allow_unverified: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory whose key starts with ``prefix``, whole, in this process.
 
-    No process group, model code or GPU is needed; nothing is unpickled, and the checksums are verified
-    when the checkpoint has them (lightning_vescale's do; other DCP checkpoints, such as FSDP2's through
-    Lightning's ``ModelParallelStrategy``, are read without). Keys keep the prefix.
+    No process group, model code or GPU is needed; nothing is unpickled, the metadata is checked against the
+    files before anything is allocated, and the checksums are verified. A directory without ``checksums.json``
+    (a save that did not complete, a removed file, or another library's DCP checkpoint) is refused unless
+    ``allow_unverified`` (format 1, release 0.1, never had them). The directory is opened once (see [Note:
+    consistent reads] in ``_directory``). No collective, even where a process group exists. Keys keep the prefix.
     """
-    directory = _directory.resolve_checkpoint_dir(path)
-    metadata = _storage.read_metadata(directory)
-    state = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
-    }
-    if state:
-        _verified_load(state, directory, metadata, _storage.read_checksums(directory))
+    with _dist.local(), _directory.pinned(path) as (directory, _):  # one process: no collective, on any rank
+        metadata = _storage.read_metadata(directory)
+        format_1 = ("meta", "format") in _saved_layout(metadata)  # release 0.1 wrote no checksums
+        checksums = _storage.read_checksums(directory) if format_1 else _storage.require_checksums(
+            directory, allow_unverified)
+        state = {
+            key: torch.empty(md.size, dtype=md.properties.dtype)
+            for key, md in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+        }
+        if state:
+            _verified_load(state, directory, metadata, checksums)
     return state

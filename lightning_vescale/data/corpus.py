@@ -15,6 +15,7 @@ Python version implements ``choice`` or ``shuffle``.
 from __future__ import annotations
 
 import random
+import stat
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -202,21 +203,33 @@ def generate_corpus(seed: int = _DEFAULT_SEED, num_chars: int = _DEFAULT_NUM_CHA
     return "".join(parts)
 
 
+def _what_it_is(path: Path) -> str:
+    """What a path that is not a regular file is, for the message."""
+    if not path.exists():
+        return "does not exist"
+    mode = path.stat().st_mode
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return f"is {kind}, not a regular text file"
+    return "is not a regular text file"
+
+
 def load_text(path: Optional[Union[str, Path]] = None) -> str:
     """The text of ``path`` (UTF-8), or the embedded corpus when ``path`` is ``None``.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist or is not a file; the message names it.
+        FileNotFoundError: ``path`` does not exist or is not a regular file (a directory, a device such as
+            ``/dev/null``, a pipe); the message names it and what it is.
         ValueError: the file is empty.
     """
     if path is None:
         return EMBEDDED_CORPUS_PATH.read_text(encoding="utf-8")
     path = Path(path)
     if not path.is_file():
-        what = "is a directory, not a text file" if path.is_dir() else "does not exist"
         raise FileNotFoundError(
-            f"data.path {str(path)!r} {what} (resolved to {str(path.resolve())!r}); pass an existing UTF-8 "
-            f"text file, or data=embedded for the built-in corpus"
+            f"data.path {str(path)!r} {_what_it_is(path)} (resolved to {str(path.resolve())!r}); pass an existing "
+            f"UTF-8 text file, or data=embedded for the built-in corpus"
         )
     text = path.read_text(encoding="utf-8", errors="replace")
     if not text:

@@ -26,6 +26,8 @@ from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnect
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
+from lightning_vescale.collectives import named_collective
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -69,7 +71,8 @@ class _DeferredSigtermConnector(_SignalConnector):
         stop = self.pending
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             flag = torch.tensor([int(stop)], dtype=torch.int32, device=self.trainer.strategy.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            with named_collective("all_reduce (SIGTERM agreement)"):  # a stopped peer's timeout names it
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             stop = bool(flag.item())
         if stop:
             self.received_sigterm = True

@@ -5,7 +5,8 @@ Between a block's forward and its backward, autograd keeps the tensors the block
 :func:`offload_activations`, every such tensor of the chosen blocks at least ``min_bytes`` large is moved by
 ``torch.autograd.graph.saved_tensors_hooks`` (pack on save, unpack on use) to the ``host`` tier (pinned memory,
 copied on a side stream on CUDA; on a CPU-only machine host memory is the device's, so nothing moves) or to
-the ``disk`` tier (one file per tensor, read back when backward needs it, then deleted). Parameters are never
+the ``disk`` tier (one file per tensor, deleted as soon as backward has read it, or when autograd drops the
+graph without a backward; the ledger counts what is on disk). Parameters are never
 offloaded: the engine gathers them again for backward. When backward unpacks the first tensor of a block, the
 rest of that block's tensors are read on a background thread (prefetch).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
@@ -25,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_vescale.memory.disk import DiskStore
+from lightning_vescale.memory.disk import DiskStore, DiskTierError
 from lightning_vescale.memory.ledger import memory_stats
 
 __all__ = ["ActivationOffload", "checkpoint_blocks", "offload_activations"]
@@ -34,13 +36,21 @@ _COUNTER = itertools.count()
 
 
 class _Handle:
-    __slots__ = ("key", "shape", "dtype", "device", "nbytes", "future", "value")
+    __slots__ = ("key", "shape", "dtype", "device", "nbytes", "future", "value", "release", "__weakref__")
 
     def __init__(self, key: str, t: torch.Tensor) -> None:
         self.key, self.shape, self.dtype, self.device = key, t.shape, t.dtype, t.device
         self.nbytes = t.numel() * t.element_size()
         self.future: Optional[Future] = None
         self.value: Optional[torch.Tensor] = None
+        self.release: Optional[weakref.finalize] = None
+        """Disk tier: deletes the file and takes it off the ledger, once (after backward read it, or when autograd
+        drops the handle unread)."""
+
+
+def _drop_file(store: DiskStore, key: str, tier: str, nbytes: int) -> None:
+    store.delete(key)
+    memory_stats.add("activations", tier, -nbytes)
 
 
 class ActivationOffload:
@@ -55,7 +65,7 @@ class ActivationOffload:
         self.min_bytes = min_bytes
         self.store = DiskStore(disk_dir, tag="_act") if tier == "disk" else None
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lv-act") if prefetch else None
-        self._blocks: dict[int, list[_Handle]] = {}
+        self._blocks: dict[int, list[weakref.ref]] = {}  # weak: a graph autograd drops frees its handles
         self._lock = threading.Lock()
         self.handles: list[Any] = []
 
@@ -63,18 +73,24 @@ class ActivationOffload:
     def pack(self, block: int):
         def hook(t: torch.Tensor) -> Any:
             nbytes = t.numel() * t.element_size()
-            if nbytes < self.min_bytes or isinstance(t, nn.Parameter) or t.requires_grad and t.is_leaf:
+            if isinstance(t, nn.Parameter) or t.requires_grad and t.is_leaf:
                 return t
-            if self.tier == "host" and t.device.type == "cpu":
-                return t  # host memory is the device's: nothing to move
+            if nbytes < self.min_bytes or self.tier == "host" and t.device.type == "cpu":
+                # Kept as it is (too small to move; host memory is the device's), as an alias without grad_fn:
+                # the node's own output returned whole would hold the graph in a cycle that outlives a dropped
+                # graph (autograd restores the grad_fn on unpack).
+                return t.detach()
             handle = _Handle(f"a{next(_COUNTER)}", t)
             if self.store is not None:
                 self.store.write(handle.key, t)
+                handle.release = weakref.finalize(handle, _drop_file, self.store, handle.key, self.tier, nbytes)
             else:
                 handle.value = t.to("cpu", non_blocking=True)
             memory_stats.add("activations", self.tier, nbytes)
             with self._lock:
-                self._blocks.setdefault(block, []).append(handle)
+                refs = self._blocks.setdefault(block, [])
+                refs[:] = [r for r in refs if r() is not None]  # handles of graphs autograd dropped unread
+                refs.append(weakref.ref(handle))
             return handle
 
         return hook
@@ -90,19 +106,27 @@ class ActivationOffload:
         def hook(packed: Any) -> torch.Tensor:
             if not isinstance(packed, _Handle):
                 return packed
+            if packed.release is not None and not packed.release.alive:
+                raise DiskTierError(
+                    f"activation {packed.key} was read by a backward already and deleted from the disk tier: a second "
+                    f"backward through the same graph (retain_graph=True) needs activations on the device or host "
+                    f"(MemoryPolicy(activations='host' or 'checkpoint'))"
+                )
             if self._reader is not None and packed.future is None:
                 with self._lock:  # first use in this block: read the block's other tensors ahead
-                    pending = [h for h in self._blocks.get(block, []) if h.future is None and h is not packed]
-                    for h in pending:
-                        h.future = self._reader.submit(self._load, h)
+                    live = [h for h in (r() for r in self._blocks.get(block, [])) if h is not None]
+                    for h in live:
+                        if h.future is None and h is not packed:
+                            h.future = self._reader.submit(self._load, h)
             t = packed.future.result() if packed.future is not None else self._load(packed)
-            memory_stats.add("activations", self.tier, -packed.nbytes)
+            packed.future = None
             with self._lock:
-                handles = self._blocks.get(block, [])
-                if packed in handles:
-                    handles.remove(packed)
-            if self.store is not None:
-                self.store.sizes.pop(packed.key, None)
+                refs = self._blocks.get(block, [])
+                refs[:] = [r for r in refs if r() is not None and r() is not packed]
+            if packed.release is not None:
+                packed.release()  # read: the file goes now, not when autograd frees the graph
+            else:
+                memory_stats.add("activations", self.tier, -packed.nbytes)
             return t
 
         return hook
@@ -112,6 +136,11 @@ class ActivationOffload:
             handle.remove()
         if self._reader is not None:
             self._reader.shutdown()
+        for refs in self._blocks.values():  # handles of graphs still alive: their files go with the store
+            for h in (r() for r in refs):
+                if h is not None and h.release is not None:
+                    h.release()
+        self._blocks.clear()
         if self.store is not None:
             self.store.close()
 

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -328,6 +328,14 @@ class PieceOffload:
         finally:
             for offload in buffers:
                 offload.put_back(params_changed=changes, grads_changed=changes, weights=weights)
+
+    def each_resident(self, params: list[torch.Tensor], fn: Callable[[list[torch.Tensor]], Any]) -> list[Any]:
+        """``fn`` on each chunk of ``params`` while its buffers' gradient pieces are in memory (one at a time)."""
+        out = []
+        for chunk, buffers in self._chunks(params):
+            with self.resident(buffers, changes=False, weights=False):
+                out.append(fn(chunk))
+        return out
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
                         error_if_nonfinite: bool) -> torch.Tensor:

@@ -14,7 +14,9 @@ Everything that can be checked on the config is checked before the run directory
 (``step-000100.ckpt``..., ``last.ckpt``), ``csv/metrics.csv`` (and ``tb/`` when TensorBoard is installed),
 ``loss_curve.png`` and ``summary.json``; a fine-tune also ``tokenizer/`` (the files of ``init_from``) and,
 with ``export_hf=true``, ``hf/`` (a Hugging Face directory). SIGTERM stops every rank after the same step,
-saves it (``trainer.save_on_signal``) and exits with code 143.
+saves it (``trainer.save_on_signal``) and exits with code 143. A step whose loss or gradients are not finite on
+any rank stops every rank before its optimizer step and exits with code 1, naming the step and the ranks
+(``trainer.on_non_finite=skip`` skips such steps instead).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from lightning_vescale.export import (
     locate_checkpoint,
     read_model_state,
     read_run_model,
+    tokenizer_source_of,
     write_run_model,
 )
 from lightning_vescale.lightning import VeScalePrecision, VeScaleStrategy
@@ -56,6 +59,8 @@ from lightning_vescale.models.hf import read_pretrained_config
 from lightning_vescale.quant.tensor import weights_state_dict
 from lightning_vescale.recipe.callbacks import (
     LineProgress,
+    NonFiniteError,
+    NonFiniteGuard,
     PlanReport,
     RecipeProgressBar,
     RunSummary,
@@ -142,7 +147,8 @@ def build_strategy(config: TrainConfig, memory: Optional[Any] = None) -> Strateg
 
 
 def load_initial_weights(
-    init_from: Union[str, Path], model: ModelConfig, *, quant: Optional[QuantConfig] = None
+    init_from: Union[str, Path], model: ModelConfig, *, quant: Optional[QuantConfig] = None,
+    allow_unverified: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The full state dict a fine-tuning run starts from, checked against the chosen ``model``.
 
@@ -159,7 +165,8 @@ def load_initial_weights(
     With ``model=from_checkpoint`` the model config is the checkpoint's own (plus the user's overrides), so
     only the tensors' names and shapes are checked. An FP8 block checkpoint (``quantization_config``) is
     dequantized, except for a QLoRA run (``quant``) in its own format and block size, which gets its codes and
-    scales as they are (:class:`~lightning_vescale.quant.QuantizedTensor` entries).
+    scales as they are (:class:`~lightning_vescale.quant.QuantizedTensor` entries). A sharded checkpoint without
+    ``checksums.json`` is refused unless ``allow_unverified``.
 
     Raises:
         FileNotFoundError: the path does not exist, or a directory is none of the above.
@@ -188,7 +195,7 @@ def load_initial_weights(
                 f"directory, a recipe run or checkpoint, or a full state-dict file."
             ) from None
         try:
-            state = read_model_state(checkpoint)
+            state = read_model_state(checkpoint, allow_unverified=allow_unverified)
         except ValueError as err:
             raise ValueError(f"init_from={str(path)!r}: {err}") from None
     else:
@@ -218,7 +225,12 @@ def _run_dir(config: TrainConfig) -> Path:
         from hydra.core.hydra_config import HydraConfig
 
         return Path(HydraConfig.get().runtime.output_dir)
-    return Path(config.output_root) / config.name / time.strftime("%Y-%m-%d_%H-%M-%S")
+    path = Path(config.output_root) / config.name / time.strftime("%Y-%m-%d_%H-%M-%S")
+    if _get_rank() is not None:
+        return path  # a process a launcher started (see lightning_vescale.recipe.run_dir)
+    from lightning_vescale.recipe.run_dir import claim_new_folder
+
+    return claim_new_folder(path, may_rename=True)
 
 
 def _limit_cpu_threads(config: TrainConfig) -> None:
@@ -271,14 +283,7 @@ def _hf_model_type(config: TrainConfig, resume: Optional[Resume]) -> Optional[st
 def _tokenizer_source(config: TrainConfig, resume: Optional[Resume]) -> Optional[Path]:
     """Where the tokenizer files of the starting weights are: a Hugging Face ``init_from`` or an earlier run."""
     if isinstance(config, FinetuneConfig) and resume is None:
-        path = _absolute(config.init_from)
-        if path.is_dir() and (path / "config.json").is_file():
-            return path
-        try:
-            run_dir = locate_checkpoint(path)[1]
-        except FileNotFoundError:
-            return None
-        return None if run_dir is None else run_dir / TOKENIZER_DIR
+        return tokenizer_source_of(_absolute(config.init_from))
     if resume is not None and resume.run_dir is not None:
         return resume.run_dir / TOKENIZER_DIR
     return None
@@ -339,7 +344,8 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     ckpt_path = str(resume.checkpoint) if resume is not None else None
     init_state = None
     if isinstance(config, FinetuneConfig) and ckpt_path is None:
-        init_state = load_initial_weights(_absolute(config.init_from), config.model, quant=config.quant)
+        init_state = load_initial_weights(_absolute(config.init_from), config.model, quant=config.quant,
+                                          allow_unverified=config.allow_unverified)
     if (_get_rank() or 0) == 0:
         _record_run(config, run_dir, resume)
     seed_everything(config.seed, workers=True, verbose=False)
@@ -369,7 +375,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
         "notes": dict(config.notes),
     }
     summary = RunSummary(stats, run_dir, extra=extra)
-    callbacks: list[Any] = [stats, summary, StopOnSignal(), PlanReport(run_dir)]
+    callbacks: list[Any] = [stats, summary, StopOnSignal(), PlanReport(run_dir), NonFiniteGuard(t.on_non_finite, stats)]
     if t.enable_progress_bar:
         callbacks.append(RecipeProgressBar() if sys.stdout.isatty() else LineProgress(t.log_every_n_steps))
     export = isinstance(config, FinetuneConfig) and config.export_hf
@@ -425,6 +431,11 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
                 else " (no checkpoint saved: trainer.save_on_signal=false)",
             )
         raise SystemExit(SIGTERM_EXIT_CODE) from None
+    except NonFiniteError as err:
+        if trainer.is_global_zero:
+            saved = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+            logger.error("%s%s", err, f" (last checkpoint: {os.path.realpath(saved)})" if saved else "")
+        raise SystemExit(1) from None
     if export and trainer.is_global_zero and not any(isinstance(c, AdapterExport) for c in callbacks):
         out = export_hf(run_dir, run_dir / "hf")
         logger.info("wrote the Hugging Face model to %s (python -m lightning_vescale.export does the same)", out)

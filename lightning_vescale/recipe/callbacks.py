@@ -11,6 +11,8 @@
   returns would turn every update into a line).
 * :class:`StepCheckpoint` is ``ModelCheckpoint`` every N steps that also saves the final step, and the last
   step before a SIGTERM stops the run.
+* :class:`NonFiniteGuard` stops the run (or skips the step) on every rank when a step's loss or gradients are
+  not finite on any rank, before the optimizer step.
 * :class:`StopOnSignal` makes SIGTERM stop every rank after the same step (see
   ``lightning_vescale/lightning/_signals.py``), whatever the strategy.
 * :class:`PlanReport` logs the sharding plan the strategy resolved (one line per group) and writes it, with every
@@ -21,10 +23,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -42,6 +47,8 @@ from lightning_vescale.memory.ledger import memory_stats
 
 __all__ = [
     "LineProgress",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "PlanReport",
     "RecipeProgressBar",
     "RunSummary",
@@ -102,6 +109,7 @@ class StepStats(Callback):
         self.comm_bytes: list[int] = []
         self.comm_kinds: dict[str, int] = {}
         self.val_losses: list[tuple[int, float]] = []
+        self.skipped_steps: list[int] = []
         self.setup_bytes = 0
         self.counts_bytes = False
         self._step_start: Optional[float] = None
@@ -262,7 +270,13 @@ class StepCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` every ``every_n_train_steps`` steps (``step-000100.ckpt``, ``last.ckpt``), plus the
     final step when the run does not end on a multiple of N (``save_final``), plus the last completed step when
     SIGTERM stops the run (``save_on_signal``; needs :class:`StopOnSignal` or ``strategy="vescale"`` so every
-    rank saves at the same step). ``every_n_train_steps=0``: no periodic checkpoints."""
+    rank saves at the same step). ``every_n_train_steps=0``: no periodic checkpoints.
+
+    Unlike ``ModelCheckpoint``, a kill at any moment leaves a ``last.ckpt`` that names a complete checkpoint:
+    the new checkpoint is written, then ``last.ckpt`` is replaced in one ``rename`` (never removed first), and
+    only then are the checkpoints beyond ``save_top_k`` deleted. A sharded directory that another library wrote
+    without checksums (Lightning's ``ModelParallelStrategy``) gets its ``checksums.json`` before it is linked,
+    so export and ``init_from`` can verify it."""
 
     def __init__(self, *, save_final: bool = True, save_on_signal: bool = False, **kwargs: Any) -> None:
         if not kwargs.get("every_n_train_steps"):
@@ -270,6 +284,38 @@ class StepCheckpoint(ModelCheckpoint):
         super().__init__(**kwargs)
         self.save_final = save_final
         self.save_on_signal = save_on_signal
+        self._to_remove: list[str] = []
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        if os.path.isdir(filepath) and not os.path.isfile(os.path.join(filepath, "checksums.json")):
+            trainer.strategy.barrier()  # every rank's files are written
+            if trainer.is_global_zero:
+                _write_foreign_checksums(filepath)
+            trainer.strategy.barrier()
+
+    def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        self._to_remove.append(filepath)  # deleted once last.ckpt names the new checkpoint (_save_last_checkpoint)
+
+    def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        pending, self._to_remove = self._to_remove, []
+        linked = os.path.realpath(self.last_model_path) if self.last_model_path else None
+        for path in pending:
+            if os.path.realpath(path) != linked:
+                super()._remove_checkpoint(trainer, path)
+
+    @staticmethod
+    def _link_checkpoint(trainer: Trainer, filepath: str, linkpath: str) -> None:
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+                shutil.rmtree(linkpath)  # a copy an older run left instead of a link
+            tmp = f"{linkpath}.tmp-link-{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+            os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
+            os.replace(tmp, linkpath)  # atomic: last.ckpt names the old checkpoint or the new one, never nothing
+        trainer.strategy.barrier()
 
     def _save_now(self, trainer: Trainer) -> None:
         monitor_candidates = self._monitor_candidates(trainer)
@@ -293,6 +339,82 @@ class StepCheckpoint(ModelCheckpoint):
         if final_step_unsaved and not (trainer.fast_dev_run or trainer.sanity_checking):
             self._save_now(trainer)
         super().on_train_end(trainer, pl_module)
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradients were not finite on some rank; the run stopped before its optimizer step."""
+
+
+class NonFiniteGuard(Callback):
+    """Every rank stops (``action="stop"``) or skips the optimizer step (``"skip"``) when the step's loss or
+    gradients are not finite on any rank, before the optimizer step, so NaN never reaches the weights.
+
+    Each rank notes whether any micro-batch's loss was non-finite (``on_before_backward``, no sync) and, before
+    the optimizer step, whether its own gradient pieces are (no collective); one all-reduce of these flags per
+    step tells every rank the same answer and which ranks it came from. A skipped step leaves the weights and the
+    optimizer states as they were (the gradients are dropped, so the optimizer steps nothing), still counts as a
+    step (the schedule and the data move on) and is recorded in ``skipped`` (and logged as ``skipped_steps``).
+
+    Args:
+        action: ``"stop"`` (raise :class:`NonFiniteError` on every rank) or ``"skip"``.
+        stats: the run's :class:`StepStats`, whose ``skipped_steps`` the summary reports.
+    """
+
+    def __init__(self, action: str = "stop", stats: Optional[StepStats] = None) -> None:
+        if action not in ("stop", "skip"):
+            raise ValueError(f"action must be 'stop' or 'skip', got {action!r}")
+        self.action = action
+        self.stats = stats
+        self.skipped: list[int] = []
+        self._bad_loss: Optional[torch.Tensor] = None
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        from lightning_vescale.clip_grad import local_grads_finite
+
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        flags = torch.zeros(trainer.world_size, 2, dtype=torch.int32, device=trainer.strategy.root_device)
+        flags[trainer.global_rank, 0] = int(bool(self._bad_loss)) if self._bad_loss is not None else 0
+        flags[trainer.global_rank, 1] = int(not local_grads_finite(params))
+        self._bad_loss = None
+        if _distributed():
+            from lightning_vescale.collectives import named_collective
+
+            with named_collective("all_reduce (non-finite check)"):
+                dist.all_reduce(flags)  # the one collective: every rank gets every rank's flags
+        if not bool(flags.any()):
+            return
+        step = trainer.global_step + 1
+        found = "; ".join(
+            f"non-finite {what} on rank(s) {ranks}" for what, col in (("loss", 0), ("gradients", 1))
+            if (ranks := flags[:, col].nonzero().flatten().tolist())
+        )
+        if self.action == "stop":
+            raise NonFiniteError(
+                f"step {step}: {found}. Stopped on every rank before the optimizer step, so the weights (and any "
+                f"checkpoint) are those of step {step - 1}. Look for the cause (learning rate, data, precision); "
+                f"resume=true continues from the last checkpoint, and trainer.on_non_finite=skip skips such steps "
+                f"instead of stopping"
+            )
+        optimizer.zero_grad(set_to_none=True)  # nothing to step: the weights and states stay as they are
+        self.skipped.append(step)
+        if self.stats is not None:
+            self.stats.skipped_steps.append(step)
+        if trainer.is_global_zero:
+            logger.warning("step %d: %s; skipped its optimizer step (%d skipped so far)", step, found, len(self.skipped))
+        pl_module.log("skipped_steps", float(len(self.skipped)), rank_zero_only=True)
+
+
+def _write_foreign_checksums(directory: str) -> None:
+    """``checksums.json`` for a DCP directory written without one (see [Note: checksums] in the checkpoint's
+    ``_storage``)."""
+    from lightning_vescale.checkpoint import _storage
+
+    metadata = _storage.read_metadata(directory)
+    _storage.write_checksums(directory, _storage.all_items_crc(directory, metadata))
 
 
 class StopOnSignal(Callback):
@@ -380,6 +502,7 @@ class RunSummary(Callback):
             "final_loss_mean_last_10": sum(losses_list[-10:]) / len(losses_list[-10:]) if losses_list else None,
             "min_loss": min(finite) if finite else None,
             "loss_is_finite": len(finite) == len(losses_list),
+            "skipped_steps": list(s.skipped_steps),
             "val_loss": s.val_losses[-1][1] if s.val_losses else None,
             "val_losses": [{"step": st, "val_loss": v} for st, v in s.val_losses],
             "tokens_per_s": tokens_per_step * len(timed) / sum(timed) if timed and sum(timed) > 0 else None,

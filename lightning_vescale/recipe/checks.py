@@ -32,7 +32,13 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue, OmegaConfBaseException
 
-from lightning_vescale.export import checkpoint_step, locate_checkpoint, read_run_model
+from lightning_vescale.export import (
+    check_tokenizer_files,
+    checkpoint_step,
+    locate_checkpoint,
+    read_run_model,
+    tokenizer_source_of,
+)
 from lightning_vescale.models.hf import read_pretrained_config
 from lightning_vescale.recipe.schema import CheckpointModelConfig, FinetuneConfig, ModelConfig, TrainConfig, validate
 
@@ -101,15 +107,42 @@ def _absolute(path: Union[str, Path]) -> Path:
     return Path(path).absolute()
 
 
+def _run_time(checkpoints: Path) -> float:
+    """When a run's ``checkpoints/`` last changed: its newest checkpoint or ``last.ckpt`` (links not followed)."""
+    entries = [p for p in checkpoints.glob("step-*") if ".tmp-" not in p.name] + [checkpoints / "last.ckpt"]
+    times = [os.lstat(p).st_mtime for p in entries if os.path.lexists(p)]
+    if (checkpoints / "last.ckpt").exists():
+        times.append(os.path.getmtime(checkpoints / "last.ckpt"))
+    return max(times, default=float("-inf"))
+
+
 def find_last_checkpoint(output_root: Union[str, Path], name: str, run_dir: Optional[Path] = None) -> Optional[Path]:
-    """The newest ``checkpoints/last.ckpt`` of runs named ``name`` (in ``run_dir`` or under ``output_root/name``)."""
-    candidates = set(glob.glob(os.path.join(str(output_root), name, "*", "checkpoints", "last.ckpt")))
+    """The ``checkpoints/last.ckpt`` of the newest run named ``name`` (in ``run_dir`` or under
+    ``output_root/name``) that saved a checkpoint; ``None`` when none did.
+
+    Raises:
+        ConfigError: the newest run's ``last.ckpt`` is missing or names no checkpoint (a run killed while it
+            saved): resuming never continues an older run instead without saying so.
+    """
+    folders = {Path(c) for c in glob.glob(os.path.join(str(output_root), name, "*", "checkpoints"))}
     if run_dir is not None:
-        candidates.add(str(run_dir / "checkpoints" / "last.ckpt"))
-    existing = [Path(c) for c in candidates if os.path.exists(c)]  # exists() follows the last.ckpt link
-    if not existing:
+        folders.add(run_dir / "checkpoints")
+    saved = [(t, f) for f in folders if f.is_dir() and (t := _run_time(f)) > float("-inf")]
+    if not saved:
         return None
-    return max(existing, key=lambda p: os.path.getmtime(p))
+    _, newest = max(saved, key=lambda tf: (tf[0], str(tf[1])))
+    last = newest / "last.ckpt"
+    if last.exists():  # exists() follows the link
+        return last
+    steps = sorted(p.name for p in newest.glob("step-*")
+                   if ".tmp-" not in p.name and ((p / ".metadata").is_file() or p.is_file()))
+    target = f" (it names {os.readlink(last)!r}, which does not exist)" if os.path.islink(last) else " (it is missing)"
+    raise ConfigError(
+        f"resume=true: the newest run named {name!r}, {newest.parent}, has no usable checkpoints/last.ckpt{target}; "
+        f"it was probably killed while saving. Its complete checkpoints: {steps or 'none'}. Continue it from one of them "
+        f"with ckpt_path={newest / steps[-1] if steps else '<checkpoint>'}, or continue another run with "
+        f"resume=<run dir> (an older run is never picked instead)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -249,6 +282,7 @@ def resolve_resume(config: TrainConfig, run_dir: Optional[Path] = None) -> Optio
         what = f"resume={config.resume}"
     else:
         return None
+    checkpoint = Path(os.path.realpath(checkpoint))  # read once: a save that relinks last.ckpt cannot mix steps in
     step = checkpoint_step(checkpoint)
     differences, notes = compare_with_run(config, ckpt_run) if ckpt_run is not None else ([], [])
     where = f"{ckpt_run or checkpoint}" + (f" (checkpoint at step {step})" if step is not None else "")
@@ -326,6 +360,37 @@ def _check_initial_weights_config(config: FinetuneConfig) -> None:
         check_same_architecture(theirs, model.build_config(), path, chosen)
 
 
+def _check_tokenizer_links(config: TrainConfig, resume: Optional[Resume]) -> None:
+    """The tokenizer files a run will copy (from ``init_from`` or the resumed run) hold no link out of their folder."""
+    if isinstance(config, FinetuneConfig) and resume is None:
+        source, what = tokenizer_source_of(_absolute(config.init_from)), f"init_from={config.init_from}"
+    elif resume is not None and resume.run_dir is not None:
+        source, what = resume.run_dir / "tokenizer", f"the resumed run {resume.run_dir}"
+    else:
+        return
+    if source is not None and source.is_dir():
+        try:
+            check_tokenizer_files(source)
+        except ValueError as err:
+            raise ConfigError(f"{what}: {err}") from None
+
+
+def _check_initial_weights_verifiable(config: FinetuneConfig) -> None:
+    """A sharded ``init_from`` without ``checksums.json`` is refused here unless ``allow_unverified=true``."""
+    if config.allow_unverified:
+        return
+    try:
+        checkpoint, _ = locate_checkpoint(_absolute(config.init_from))
+    except FileNotFoundError:
+        return
+    if checkpoint.is_dir() and (checkpoint / ".metadata").is_file() and not (checkpoint / "checksums.json").is_file():
+        raise ConfigError(
+            f"init_from={config.init_from}: the checkpoint {os.path.realpath(checkpoint)} has no checksums.json, so "
+            f"its bytes cannot be verified (a save that did not complete, a removed file, or another library's "
+            f"checkpoint). Start from another checkpoint, or set allow_unverified=true if you trust these files"
+        )
+
+
 # ----------------------------------------------------------------------------------------------------
 # The check, and its Hydra callback
 # ----------------------------------------------------------------------------------------------------
@@ -343,7 +408,10 @@ def preflight(cfg: Union[DictConfig, TrainConfig], run_dir: Optional[Path] = Non
     resume = resolve_resume(config, run_dir)
     if isinstance(config, FinetuneConfig) and resume is None:
         _check_initial_weights_config(config)
+        _check_initial_weights_verifiable(config)
+    _check_tokenizer_links(config, resume)
     _check_memory_budget(config)
+    _check_disk_room(config)
     return Preflight(config, resume)
 
 
@@ -360,6 +428,16 @@ def _check_memory_budget(config: TrainConfig) -> None:
         choose_placement(estimate, config.memory.budget, disk_bandwidth=1e9)
     except ValueError as err:
         raise ConfigError(f"memory.budget={config.memory.budget}: {err}") from None
+
+
+def _check_disk_room(config: TrainConfig) -> None:
+    """A disk tier too small for what the memory placement puts there (activations included) is refused here."""
+    from lightning_vescale.recipe.memory import check_disk_room
+
+    try:
+        check_disk_room(config)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def config_error_message(err: BaseException) -> str:
@@ -400,3 +478,6 @@ class CheckBeforeRun(Callback):
         with read_write(task), open_dict(task):
             del task["hydra"]
         exit_on_config_error(lambda: preflight(task))
+        from lightning_vescale.recipe.run_dir import claim_run_dir
+
+        exit_on_config_error(lambda: claim_run_dir(config))  # a folder of its own, never another run's

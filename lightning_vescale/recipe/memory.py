@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +14,7 @@ from lightning_vescale.memory import MemoryEstimate, MemoryPolicy, choose_placem
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["memory_policy_for", "estimate_for", "world_size_of"]
+__all__ = ["check_disk_room", "memory_policy_for", "estimate_for", "world_size_of"]
 
 _PRECISION = {"fp32": "32-true", "32-true": "32-true", "bf16_mixed": "bf16-mixed", "bf16-mixed": "bf16-mixed",
               "bf16_true": "bf16-true", "bf16-true": "bf16-true"}
@@ -91,3 +92,51 @@ def memory_policy_for(config, run_dir: Path, world_size: int) -> Optional[Memory
     return MemoryPolicy(optimizer_states=optimizer_states, params=params, grads=grads, activations=activations,
                         gathered_params=m.gathered_params, activation_blocks=tuple(m.activation_blocks), disk_dir=disk_dir, prefetch=m.prefetch,
                         bucket_bytes=m.bucket_bytes, prefetch_buckets=m.prefetch_buckets)
+
+
+_DISK_NAMES = {"params": "master weights", "grads": "gradients", "optimizer_states": "optimizer states",
+               "gathered_params": "gathered parameters", "activations": "activations of a micro-batch"}
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_disk_room(config) -> None:
+    """Refuse a ``memory`` placement whose disk tier cannot hold what it puts there, before anything starts.
+
+    The bytes are the dry run's per rank (weights, gradients, optimizer states, gathered parameters and, with
+    ``memory.activations=disk``, one micro-batch's activations), times the ranks of a node (every rank's folder
+    is on the same disk), against the free space where ``memory.disk_dir`` (default ``<run dir>/swap``) will be.
+    With ``memory.budget``, the placement the cost model would choose is checked.
+
+    Raises:
+        ValueError: names the bytes per class, the free space and the fixes.
+    """
+    m = config.memory
+    if m is None:
+        return
+    tiers = {c: getattr(m, c) for c in _DISK_NAMES}
+    world = world_size_of(config)
+    estimate = None
+    if m.budget is not None:
+        estimate = estimate_for(config, world)
+        tiers = choose_placement(estimate, m.budget, disk_bandwidth=1e9).tiers
+    on_disk = [c for c, t in tiers.items() if t == "disk"]
+    if not on_disk:
+        return
+    estimate = estimate or estimate_for(config, world)
+    per_node = max(1, world // max(1, int(getattr(config.trainer, "num_nodes", 1) or 1)))
+    need = {c: getattr(estimate, c) * per_node for c in on_disk if getattr(estimate, c)}
+    where = Path(m.disk_dir) if m.disk_dir else Path(config.output_root)
+    free = shutil.disk_usage(_existing_ancestor(where)).free
+    if sum(need.values()) > free:
+        parts = ", ".join(f"{_DISK_NAMES[c]} {v / 2**20:.1f} MiB" for c, v in need.items())
+        raise ValueError(
+            f"memory: the disk tier at {where} has {free / 2**20:.1f} MiB free, but this placement puts "
+            f"{sum(need.values()) / 2**20:.1f} MiB there ({parts}; for the {per_node} rank(s) of a node): free space, "
+            f"set memory.disk_dir=<a larger disk>, or keep some of them on the device (e.g. memory.activations=checkpoint)"
+        )

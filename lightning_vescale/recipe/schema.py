@@ -26,6 +26,7 @@ strategy plugs in with a new YAML file (and, for validation of its keys, a schem
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,8 +320,9 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         _check_target("optimizer", self._target_)
-        _check(self.lr > 0, f"optimizer.lr must be > 0, got {self.lr}")
-        _check(self.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        _check(0 < self.lr < math.inf, f"optimizer.lr must be a finite number > 0, got {self.lr}")
+        _check(0 <= self.weight_decay < math.inf,
+               f"optimizer.weight_decay must be a finite number >= 0, got {self.weight_decay}")
 
 
 @dataclass
@@ -344,7 +346,7 @@ class AdamWConfig(OptimizerConfig):
             len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
             f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}",
         )
-        _check(self.eps > 0, f"optimizer.eps must be > 0, got {self.eps}")
+        _check(0 < self.eps < math.inf, f"optimizer.eps must be a finite number > 0, got {self.eps}")
 
 
 @dataclass
@@ -377,7 +379,9 @@ class MuonConfig(OptimizerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.muon_lr > 0, f"optimizer.muon_lr must be > 0, got {self.muon_lr}")
+        _check(0 < self.muon_lr < math.inf, f"optimizer.muon_lr must be a finite number > 0, got {self.muon_lr}")
+        _check(self.adamw_weight_decay is None or 0 <= self.adamw_weight_decay < math.inf,
+               f"optimizer.adamw_weight_decay must be a finite number >= 0 or null, got {self.adamw_weight_decay}")
         _check(0.0 <= self.momentum < 1.0, f"optimizer.momentum must be in [0, 1), got {self.momentum}")
         _check(
             len(self.adamw_betas) == 2 and all(0.0 <= b < 1.0 for b in self.adamw_betas),
@@ -659,6 +663,11 @@ class TrainerConfig:
     enable_progress_bar: bool = True
     """Show progress (loss, tokens/s, communication bytes per step): a bar in a terminal, otherwise a line
     every ``log_every_n_steps`` steps."""
+    on_non_finite: str = "stop"
+    """A step whose loss or gradients are not finite (NaN, inf) on any rank: ``"stop"`` ends the run on every rank
+    before the optimizer step, naming the step and the ranks (the weights and checkpoints stay those of the step
+    before); ``"skip"`` skips that optimizer step on every rank and counts it (``skipped_steps`` in the logs and
+    ``summary.json``)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -683,9 +692,11 @@ class TrainerConfig:
         )
         _check(self.checkpoint_keep in (-1, 1), f"trainer.checkpoint_keep must be -1 or 1, got {self.checkpoint_keep}")
         _check(
-            self.gradient_clip_val is None or self.gradient_clip_val > 0,
-            f"trainer.gradient_clip_val must be > 0 or null, got {self.gradient_clip_val}",
+            self.gradient_clip_val is None or 0 < self.gradient_clip_val < math.inf,
+            f"trainer.gradient_clip_val must be a finite number > 0 or null, got {self.gradient_clip_val}",
         )
+        _check(self.on_non_finite in ("stop", "skip"),
+               f"trainer.on_non_finite must be 'stop' or 'skip', got {self.on_non_finite!r}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -847,7 +858,8 @@ class TrainConfig:
             f"set either resume=... or ckpt_path=..., not both (got resume={self.resume!r}, "
             f"ckpt_path={self.ckpt_path!r})",
         )
-        _check(self.expert_bias_rate >= 0, f"expert_bias_rate must be >= 0, got {self.expert_bias_rate}")
+        _check(0 <= self.expert_bias_rate < math.inf,
+               f"expert_bias_rate must be a finite number >= 0, got {self.expert_bias_rate}")
         ep = getattr(self.strategy, "expert_parallel_size", 1)
         if ep > 1:
             _check(
@@ -868,7 +880,9 @@ class TrainConfig:
                 arch.num_experts % ep == 0,
                 f"strategy.expert_parallel_size={ep} does not divide the {arch.num_experts} experts of {where}",
             )
-        _check(bool(self.name) and "/" not in self.name, f"name must be a non-empty directory name, got {self.name!r}")
+        _check(bool(self.name) and not any(c in self.name for c in "/\\\0") and self.name not in (".", ".."),
+               f"name must be a directory name (not empty, '.' or '..', without '/'), so the run stays under "
+               f"output_root/<name>/; got {self.name!r}")
         if self.quant is not None:
             _check(isinstance(self.strategy, VeScaleStrategyConfig),
                    f"quant={self.quant.format} ({self.quant.mode}) needs strategy=vescale (block-quantized weights are "
@@ -906,6 +920,9 @@ class FinetuneConfig(TrainConfig):
     export_hf: bool = False
     """At the end, write the final weights as a Hugging Face directory ``<run>/hf`` (``config.json``,
     ``model.safetensors`` and the tokenizer files of ``init_from``), as ``python -m lightning_vescale.export``."""
+    allow_unverified: bool = False
+    """Start from a sharded checkpoint (``init_from``) whose ``checksums.json`` is missing, so its bytes cannot be
+    verified; by default such a checkpoint is refused before the run starts."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -2,7 +2,7 @@
 
 * Four bytes flipped in one rank's shard file (a piece rank 1 wrote): every rank raises ``CheckpointError`` (an ``Exception``) naming
   the file and the tensor, and no rank's parameters or optimizer states changed (the ranks agree before any
-  copy). A missing shard file is named the same way.
+  copy). A missing shard file is named the same way, and so is a ``.metadata`` that lost a chunk.
 * A ``.metadata`` replaced by a pickle that would create a file: refused through ``Trainer.fit(ckpt_path=...)``
   (``weights_only`` True and False: metadata is never unpickled freely), ``Fabric.load`` and
   ``VeScaleAccelerator.load_state``; the file is never created.
@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from pathlib import Path
@@ -94,6 +95,34 @@ def _damaged(rank: int, world: int, tmp: str) -> None:
     with pytest.raises(ckpt.CheckpointError, match=rf"cannot read checkpoint file .*{file[0]}"):
         ckpt.load(path, other, other_opt)
     assert same(snapshot(other, other_opt), before)
+
+    # A .metadata with the chunk rank 1 wrote of one tensor removed (issue 25): its rows would load as
+    # uninitialised memory on rank 1. Refused on every rank and every reader before anything is read.
+    path = tmp / "ck_chunk"
+    ckpt.save(path, model, opt)
+    if rank == 0:
+        remove_chunk(path, f"model.{name}", weight.layout_info.ranges[1][0])
+    dist.barrier()
+    lost = rf"the chunks of tensor 'model\.{name}' \(shape \[.*\]\) cover \d+ of its {full.numel()} elements"
+    with pytest.raises(ckpt.CheckpointError, match=lost):
+        ckpt.load(path, other, other_opt)
+    assert same(snapshot(other, other_opt), before)
+    with pytest.raises(ckpt.CheckpointError, match=lost):
+        ckpt.read_full_tensors(path)  # export, convert and init_from read through it
+
+
+def remove_chunk(path: Path, fqn: str, flat_start: int) -> None:
+    """Drop from ``path``'s metadata the chunk of ``fqn`` that holds flat element ``flat_start``."""
+    from lightning_vescale.checkpoint import _storage
+
+    metadata = _storage.read_metadata(str(path))
+    md = metadata.state_dict_metadata[fqn]
+    strides = [math.prod(md.size[i + 1:]) for i in range(len(md.size))]
+
+    kept = [c for c in md.chunks if sum(o * s for o, s in zip(c.offsets, strides)) != flat_start]
+    assert len(kept) == len(md.chunks) - 1, (md.chunks, flat_start)
+    md.chunks[:] = kept
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
 def test_a_damaged_checkpoint_changes_nothing_on_any_rank(tmp_path) -> None:

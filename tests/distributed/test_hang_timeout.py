@@ -139,7 +139,19 @@ def test_hsdp_mesh_groups_fail_within_the_timeout() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Lightning's own collectives through the strategies (barrier, broadcast, reduce) name themselves too
+# Lightning's own collectives through the strategies (barrier, broadcast, reduce) and the recipes' SIGTERM
+# agreement name themselves too
+
+
+def _sigterm_connector():
+    """The recipes' SIGTERM connector on a stand-in Trainer at batch 0 (its agreement is one all-reduce)."""
+    from types import SimpleNamespace
+
+    from lightning_vescale.lightning._signals import _DeferredSigtermConnector
+
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(total_batch_idx=0),
+                              strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    return _DeferredSigtermConnector(trainer)
 
 
 def _lightning_collectives_rank(rank: int, world: int) -> None:
@@ -152,6 +164,7 @@ def _lightning_collectives_rank(rank: int, world: int) -> None:
         _stop_here()
     # The first call times out; the others fail at once on the broken connection, still naming themselves.
     calls = {
+        "all_reduce (SIGTERM agreement)": lambda: _sigterm_connector().agree(),  # issue 25
         "barrier (Lightning)": lambda: VeScaleStrategy().barrier(),
         "broadcast (Lightning)": lambda: VeScaleFabricStrategy().broadcast("x"),
         "reduce (Lightning)": lambda: VeScaleStrategy().reduce(torch.ones(1)),

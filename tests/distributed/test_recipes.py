@@ -86,7 +86,7 @@ def test_llama_tiny_trains_checkpoints_and_resumes(tmp_path):
     run2 = tmp_path / "llama_tiny" / "run2"
     run_recipe("train.py", f"output_root={tmp_path}", f"hydra.run.dir={run2}", "resume=true", "trainer.max_steps=16")
     resumed = json.loads((run2 / "summary.json").read_text())
-    assert resumed["resumed_from"] == str(ckpts / "last.ckpt")
+    assert resumed["resumed_from"] == str(ckpts / "step-000012.ckpt")  # last.ckpt, resolved once
     assert resumed["resumed_from_step"] == 12 and resumed["steps"] == 16 and resumed["steps_this_run"] == 4
     assert [p["step"] for p in resumed["losses"]] == [13, 14, 15, 16]
     assert resumed["first_loss"] < summary["first_loss"] - 1.0  # no restart from random weights
@@ -164,11 +164,17 @@ def test_config_mistakes_stop_before_anything_is_written(tmp_path):
     arch = moe_config("tiny")
     arch.shared_expert_gate = True
     save_pretrained(MoE(arch), arch, tmp_path / "hf")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for script, overrides, message in [
         ("finetune.py", [f"init_from={tmp_path / 'hf'}", "model=moe_tiny"],
          "does not match model=moe_tiny:\n  shared_expert_gate: checkpoint True"),
         ("train.py", ["+foo=1"], "unknown config key(s): foo"),
+        # A nested target of the package that would replace a directory (issue 25): refused, nothing runs.
+        ("train.py", [f"strategy.granularity={{_target_:lightning_vescale.export.export_hf,source:{tmp_path / 'hf'},"
+                      f"output_dir:{victim},overwrite:true}}"], "is not something a config may build"),
     ]:
         cmd = [sys.executable, str(ROOT / "recipes" / script), *overrides, f"output_root={tmp_path / 'out'}"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
@@ -176,6 +182,7 @@ def test_config_mistakes_stop_before_anything_is_written(tmp_path):
         assert f"{script}: error: " in proc.stderr and message in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr and "Initializing distributed" not in proc.stdout + proc.stderr
         assert not (tmp_path / "out").exists()  # no run directory left behind
+    assert (victim / "keep.txt").read_text() == "precious"
 
 
 def test_memory_placements_train_like_the_device(tmp_path):
@@ -208,3 +215,39 @@ def test_memory_budget_too_small_is_a_config_error(tmp_path):
     assert "memory.budget=1MiB: a budget of 1.0 MiB per rank is too small" in proc.stderr
     assert "Raise the budget to at least" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_started_when_its_folder_exists_writes_to_a_new_one(tmp_path):
+    """Another run of the same name started in the same second owns the timestamped folder: this one (both of
+    its ranks) writes to ``<time>_2`` and leaves the other's folder alone (issue 25)."""
+    import time
+
+    taken = set()
+    for ahead in range(0, 180):  # every second this run may start in
+        folder = tmp_path / "llama_tiny" / time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(time.time() + ahead))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "other_run.txt").write_text("mine")
+        taken.add(folder)
+    proc = run_recipe("train.py", f"output_root={tmp_path}", "trainer.max_steps=2", "trainer.val_every_n_steps=2",
+                      "trainer.checkpoint_every_n_steps=0")
+    new = [p for p in (tmp_path / "llama_tiny").iterdir() if p not in taken]
+    assert len(new) == 1 and new[0].name.endswith("_2"), new
+    assert f"this run writes to {new[0]}" in proc.stderr
+    assert (new[0] / "summary.json").is_file() and (new[0] / "csv" / "metrics.csv").is_file()
+    for folder in taken:
+        assert [p.name for p in folder.iterdir()] == ["other_run.txt"], folder
+
+
+def test_a_run_whose_loss_turns_non_finite_stops_before_the_step_and_keeps_its_checkpoint(tmp_path):
+    """optimizer.lr=1e30 is finite (accepted) but blows the weights up: step 2's loss is not finite, and both
+    ranks stop before its optimizer step, naming it; the checkpoint of step 1 is the last one (issue 25)."""
+    run = tmp_path / "run"
+    proc = run_recipe("train.py", f"output_root={tmp_path}", f"hydra.run.dir={run}", "optimizer.lr=1e30",
+                      "scheduler.warmup_steps=0", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=1",
+                      "trainer.gradient_clip_val=null", returncode=1)
+    assert re.search(r"step 2: non-finite (loss|gradients) on rank\(s\) \[0, 1\].*Stopped on every rank before the "
+                     r"optimizer step.*\(last checkpoint: .*step-000001\.ckpt\)", proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert os.path.realpath(run / "checkpoints" / "last.ckpt").endswith("step-000001.ckpt")
+    state = read_model_state(run / "checkpoints" / "last.ckpt")
+    assert all(torch.isfinite(v).all() for v in state.values())

@@ -216,3 +216,19 @@ def test_leftovers_of_failed_saves_are_removed(saved, monkeypatch) -> None:
     ckpt.load(saved, reloaded)
     assert unchanged(reloaded, snapshot(model))
     assert os.path.isfile(saved / _storage.CHECKSUM_FILE)
+
+
+def test_weights_holding_nan_are_not_saved_unless_asked(tmp_path) -> None:
+    model, opt = trained()
+    path = tmp_path / "ck"
+    ckpt.save(path, model, opt, extra={"step": 1})
+    with torch.no_grad():
+        model.blocks[1].up.weight[3, 4] = float("nan")
+    with pytest.raises(ValueError, match=rf"not saving checkpoint {path}: the model's weights are not finite "
+                                         r"\(rank 0: tensor blocks\.1\.up\.weight holds NaN or inf\); the checkpoint "
+                                         r"there \(if any\) is unchanged"):
+        ckpt.save(path, model, opt, extra={"step": 2})
+    other, other_opt = fresh()
+    assert ckpt.load(path, other, other_opt) == {"step": 1}  # the good checkpoint is still there
+    ckpt.save(path, model, opt, extra={"step": 2}, allow_non_finite=True)
+    assert ckpt.load(path, other, other_opt) == {"step": 2}

@@ -131,8 +131,18 @@ def test_missing_path_fails_at_construction_naming_it(tmp_path):
     missing = tmp_path / "nope" / "corpus.txt"
     with pytest.raises(FileNotFoundError, match=r"data.path '.*nope/corpus.txt' does not exist"):
         TextDataModule(missing)
-    with pytest.raises(FileNotFoundError, match="is a directory, not a text file"):
+    with pytest.raises(FileNotFoundError, match="is a directory, not a regular text file"):
         TextDataModule(tmp_path)
+
+
+def test_a_device_or_pipe_as_data_path_is_named_for_what_it_is(tmp_path):
+    import os
+
+    with pytest.raises(FileNotFoundError, match=r"data.path '/dev/null' is a character device, not a regular text file"):
+        TextDataModule("/dev/null")
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(FileNotFoundError, match=r"pipe' is a named pipe, not a regular text file"):
+        TextDataModule(tmp_path / "pipe")
 
 
 def test_too_short_validation_split_names_the_sizes(tmp_path):

@@ -98,18 +98,41 @@ def test_a_read_only_disk_dir_is_refused(tmp_path) -> None:
             MemoryPolicy(params="disk", disk_dir=str(tmp_path))
 
 
-def test_swap_files_of_a_killed_process_are_removed(tmp_path) -> None:
-    """A process killed before close() leaves its swap directory; the next store under the directory removes it
-    (never one of a live process)."""
+_KILLED_STORE = """
+import os, signal, sys
+from lightning_vescale.memory import DiskStore
+store = DiskStore(sys.argv[1], tag="_pieces")
+open(os.path.join(store.root, "b0_params.bin"), "wb").write(b"x" * 10)
+print(store.root, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # before close()
+"""
+
+
+def test_swap_files_of_a_killed_process_are_removed_but_never_a_live_ones(tmp_path) -> None:
+    """A process killed before close() leaves its swap directory; the next store under the directory removes it.
+    A folder whose owner still runs is kept, even when its pid is one this process cannot see (a live job in
+    another container's pid namespace, issue 25)."""
+    import fcntl
     import os
+    import subprocess
+    import sys
 
     from lightning_vescale.memory import DiskStore
 
-    dead = tmp_path / "lightning_vescale_swap_999999999_pieces"  # no such pid
-    dead.mkdir()
-    (dead / "b0_params.bin").write_bytes(b"x" * 10)
-    alive = tmp_path / f"lightning_vescale_swap_{os.getppid()}"
-    alive.mkdir()
-    store = DiskStore(str(tmp_path))
-    assert not dead.exists() and alive.exists() and os.path.isdir(store.root)
-    store.close()
+    proc = subprocess.run([sys.executable, "-c", _KILLED_STORE, str(tmp_path)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    dead = proc.stdout.strip()
+    assert proc.returncode == -9 and os.path.isdir(dead)
+    other = tmp_path / "lightning_vescale_swap_999999999_pieces"  # a pid this namespace does not have
+    other.mkdir()
+    (other / "b0_params.bin").write_bytes(b"x" * 10)
+    lock = os.open(other / ".owner.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # its owner is alive
+    try:
+        store = DiskStore(str(tmp_path))
+        assert not os.path.exists(dead), "a killed process's swap folder was left behind"
+        assert (other / "b0_params.bin").exists(), "a live job's swap folder was deleted"
+        assert os.path.isdir(store.root)
+        store.close()
+    finally:
+        os.close(lock)

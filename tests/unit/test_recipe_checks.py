@@ -48,6 +48,7 @@ def fake_run(
     (checkpoint / ".metadata").touch()  # what makes a directory a complete sharded checkpoint
     (run / "checkpoints" / "last.ckpt").symlink_to(checkpoint.name)
     os.utime(checkpoint, (mtime, mtime))
+    os.utime(run / "checkpoints" / "last.ckpt", (mtime, mtime), follow_symlinks=False)
     return run
 
 
@@ -74,7 +75,7 @@ def test_resume_true_continues_the_newest_run_with_the_same_settings(tmp_path):
     older = fake_run(tmp_path, "a", step=100, mtime=1000)
     newer = fake_run(tmp_path, "b", step=200, mtime=2000)
     checked = preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
-    assert checked.resume.checkpoint == newer / "checkpoints" / "last.ckpt"
+    assert checked.resume.checkpoint == newer / "checkpoints" / "step-000200.ckpt"  # last.ckpt, resolved once
     assert checked.resume.run_dir == newer and checked.resume.step == 200 and checked.resume.notes == []
     explicit = preflight(compose_cfg(f"output_root={tmp_path}", f"resume={older}")).resume
     assert explicit.run_dir == older and explicit.step == 100
@@ -125,6 +126,39 @@ def test_resuming_a_finished_run_says_how_to_extend_it(tmp_path):
                                           r"trainer.max_steps=24"):
         preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "trainer.max_steps=12"))
     assert preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "trainer.max_steps=24")).resume.step == 12
+
+
+def test_resume_true_never_continues_an_older_run_when_the_newest_lost_its_last_ckpt(tmp_path):
+    fake_run(tmp_path, "a", step=100, mtime=1000)
+    newer = fake_run(tmp_path, "b", step=200, mtime=2000)
+    # Killed after the new checkpoint was written and the old one deleted, before last.ckpt was relinked.
+    (newer / "checkpoints" / "step-000200.ckpt" / ".metadata").unlink()
+    (newer / "checkpoints" / "step-000200.ckpt").rmdir()
+    with pytest.raises(ConfigError, match=r"resume=true: the newest run named 'llama_tiny', .*b, has no usable "
+                                          r"checkpoints/last\.ckpt \(it names 'step-000200\.ckpt', which does not "
+                                          r"exist\).*an older run is never picked instead"):
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+    # Killed after its first checkpoint and before the link existed: its checkpoint is offered, not run a.
+    (newer / "checkpoints" / "last.ckpt").unlink()
+    step = newer / "checkpoints" / "step-000300.ckpt"
+    step.mkdir()
+    (step / ".metadata").touch()
+    os.utime(step, (3000, 3000))
+    with pytest.raises(ConfigError, match=r"\(it is missing\).*complete checkpoints: \['step-000300\.ckpt'\].*"
+                                          r"ckpt_path=.*step-000300\.ckpt"):
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+
+
+def test_init_from_a_sharded_checkpoint_without_checksums_is_refused_before_the_run(tmp_path):
+    run = tmp_path / "ft" / "run"
+    _sharded_checkpoint(run / "checkpoints" / "step-000004.ckpt", Llama(llama_config("tiny")))
+    (run / "checkpoints" / "last.ckpt").symlink_to("step-000004.ckpt")
+    write_run_model(run, llama_config("tiny"))
+    (run / "checkpoints" / "step-000004.ckpt" / "checksums.json").unlink()
+    with pytest.raises(ConfigError, match=r"init_from=.*run: the checkpoint .*step-000004\.ckpt has no checksums\.json"
+                                          r".*allow_unverified=true"):
+        preflight(compose_cfg(f"init_from={run}", config="finetune"))
+    assert preflight(compose_cfg(f"init_from={run}", "allow_unverified=true", config="finetune")).resume is None
 
 
 def test_resume_without_a_checkpoint_and_a_bad_run_dir_are_config_errors(tmp_path):
@@ -186,6 +220,9 @@ def _sharded_checkpoint(path: Path, model: torch.nn.Module) -> None:
         warnings.simplefilter("ignore")
         dcp.save({f"model.model.{k}": v for k, v in model.state_dict().items()},
                  storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    from lightning_vescale.recipe.callbacks import _write_foreign_checksums
+
+    _write_foreign_checksums(str(path))  # as the recipes' StepCheckpoint does for any sharded directory
 
 
 def _exported_run(tmp_path: Path, model: torch.nn.Module, arch, hf_model_type, *, with_model_json=True) -> Path:
@@ -250,3 +287,80 @@ def test_memory_estimate_of_an_hsdp_run_shards_over_the_shard_group():
     hsdp = estimate_for(load("memory=budget", "strategy.replicate_size=2"), 4)
     assert hsdp.params == estimate_for(load("memory=budget"), 2).params
     assert hsdp.params > estimate_for(load("memory=budget"), 4).params
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Run folders
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, capsys):
+    from hydra.core.utils import setup_globals
+
+    from lightning_vescale.recipe.run_dir import claim_run_dir
+
+    setup_globals()  # the ${now:...} resolver, as @hydra.main registers it
+    # The default folder's form, to the year: the two runs share its name whenever the test runs.
+    same_time = [f"output_root={tmp_path}", "hydra.run.dir=${output_root}/${name}/${now:%Y}"]
+    first = compose("train", overrides=same_time, return_hydra_config=True)
+    second = compose("train", overrides=same_time, return_hydra_config=True)
+    assert first.hydra.run.dir == second.hydra.run.dir
+    a, b = claim_run_dir(first), claim_run_dir(second)
+    assert a != b and b.name == f"{a.name}_2" and a.is_dir() and b.is_dir()
+    assert second.hydra.run.dir == str(b)  # where Hydra and the launched ranks will write
+    assert f"this run writes to {b}" in capsys.readouterr().err
+    explicit = compose("train", overrides=[f"hydra.run.dir={a}"], return_hydra_config=True)
+    with pytest.raises(FileExistsError, match=rf"hydra.run.dir={a} already exists \(another run's folder"):
+        claim_run_dir(explicit)
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b"])
+def test_a_name_that_leaves_the_output_root_is_refused(name):
+    with pytest.raises(ValueError, match=r"name must be a directory name .* so the run stays under "
+                                         r"output_root/<name>/"):
+        load(f"name={name}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenizer files that link out of their folder
+
+
+def test_a_tokenizer_file_linking_out_of_the_run_is_never_copied(tmp_path):
+    from lightning_vescale.export import copy_tokenizer_files
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("password")
+    run = _exported_run(tmp_path, Llama(llama_config("tiny")), llama_config("tiny"), "llama")
+    (run / "tokenizer" / "tokenizer.json").symlink_to(secret)
+    refused = rf"tokenizer file .*tokenizer\.json is a link to {secret}, outside .*run: refused"
+    with pytest.raises(ValueError, match=refused):
+        export_hf(run, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match=rf"init_from=.*run: {refused}"):  # a fine-tune of the run, before it starts
+        preflight(compose_cfg(f"init_from={run}", config="finetune"))
+    # A link inside the folder is its file; a Hugging Face cache snapshot links into its repository's blobs.
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc123").write_text('{"model_max_length": 8}')
+    snapshot = repo / "snapshots" / "rev1"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer_config.json").symlink_to("../../blobs/abc123")
+    assert copy_tokenizer_files(snapshot, tmp_path / "copied") == ["tokenizer_config.json"]
+    assert (tmp_path / "copied" / "tokenizer_config.json").read_text() == '{"model_max_length": 8}'
+
+
+def test_a_disk_tier_too_small_for_the_placement_activations_included_is_refused_before_the_run(tmp_path):
+    from collections import namedtuple
+    from unittest import mock
+
+    from lightning_vescale.recipe.memory import estimate_for
+
+    cfg = compose_cfg(f"output_root={tmp_path}", "memory=offload_disk")
+    estimate = estimate_for(validate(cfg), 2)
+    on_disk = 2 * (estimate.params + estimate.grads + estimate.optimizer_states + estimate.activations)
+    usage = namedtuple("usage", "total used free")
+    with mock.patch("shutil.disk_usage", return_value=usage(0, 0, int(on_disk - estimate.activations))):
+        with pytest.raises(ConfigError, match=rf"memory: the disk tier at {tmp_path} has .* MiB free, but this "
+                                              r"placement puts .* activations of a micro-batch .* MiB.*memory\.disk_dir="):
+            preflight(cfg)  # room for all but the activations: still refused
+    with mock.patch("shutil.disk_usage", return_value=usage(0, 0, int(on_disk) + 1)):
+        preflight(cfg)

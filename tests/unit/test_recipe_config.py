@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
+from lightning_vescale.checkpoint import CheckpointError
 from lightning_vescale.models import DeepSeekV3, Llama, MoE, llama_config, moe_config, save_pretrained
 from lightning_vescale.recipe import build_strategy, find_last_checkpoint, load_initial_weights, lr_multiplier
 from lightning_vescale.recipe.module import build_optimizer_from_config
@@ -220,7 +221,12 @@ def test_unknown_options_list_the_valid_ones(group, option):
                                                   r"debug, small, tiny"),
         (["model.dim=100"], r"model=llama_tiny with overrides \{'dim': 100\}: .*head dim"),
         (["model=moe_tiny", "model.top_k=9"], r"top_k \(9\) must be <= num_experts \(4\)"),
-        (["optimizer.lr=-1"], r"optimizer.lr must be > 0, got -1.0"),
+        (["optimizer.lr=-1"], r"optimizer.lr must be a finite number > 0, got -1.0"),
+        (["optimizer.lr=inf"], r"optimizer.lr must be a finite number > 0, got inf"),  # trained to NaN (issue 25)
+        (["optimizer.lr=nan"], r"optimizer.lr must be a finite number > 0, got nan"),
+        (["optimizer=muon", "optimizer.muon_lr=inf"], r"optimizer.muon_lr must be a finite number > 0, got inf"),
+        (["optimizer.weight_decay=inf"], r"optimizer.weight_decay must be a finite number >= 0, got inf"),
+        (["trainer.on_non_finite=ignore"], r"trainer.on_non_finite must be 'stop' or 'skip', got 'ignore'"),
         (["optimizer.betas=[0.9,1.5]"], r"optimizer.betas must be two numbers in \[0, 1\), got \[0.9, 1.5\]"),
         (["optimizer=muon", "optimizer.momentum=1.2"], r"optimizer.momentum must be in \[0, 1\), got 1.2"),
         (["optimizer._target_=not a path"], r"optimizer._target_ must be a dotted import path"),
@@ -229,7 +235,7 @@ def test_unknown_options_list_the_valid_ones(group, option):
         (["trainer.devices=0"], r"trainer.devices must be >= 1, got 0"),
         (["memory=offload_disk", "memory.prefetch_buckets=0"], r"memory.prefetch_buckets must be >= 1, got 0"),
         (["trainer.max_steps=0"], r"trainer.max_steps must be >= 1, got 0"),
-        (["trainer.gradient_clip_val=-1"], r"trainer.gradient_clip_val must be > 0 or null"),
+        (["trainer.gradient_clip_val=-1"], r"trainer.gradient_clip_val must be a finite number > 0 or null"),
         (["trainer.checkpoint_keep=3"], r"trainer.checkpoint_keep must be -1 or 1, got 3"),
         (["data.tokenizer=wordpiece"], r"data.tokenizer must be one of byte, bpe, got 'wordpiece'"),
         (["data.val_fraction=0"], r"data.val_fraction must be in \(0, 1\), got 0"),
@@ -339,7 +345,10 @@ def test_initial_weights_from_a_sharded_checkpoint_directory(tmp_path):
     # The layout VeScaleStrategy writes: "model." (checkpoint section) + "model." (the LightningModule's attribute).
     dcp.save({f"model.model.{k}": v for k, v in model.state_dict().items()} | {"extra.step": torch.tensor(3)},
              storage_writer=dcp.FileSystemWriter(str(tmp_path / "step-000003.ckpt")), no_dist=True)
-    state = load_initial_weights(tmp_path / "step-000003.ckpt", cfg.model)
+    # Written without checksums.json (as by another library): refused unless the user allows it (issue 25).
+    with pytest.raises(CheckpointError, match=r"has no checksums\.json, so its bytes cannot be verified"):
+        load_initial_weights(tmp_path / "step-000003.ckpt", cfg.model)
+    state = load_initial_weights(tmp_path / "step-000003.ckpt", cfg.model, allow_unverified=True)
     assert state.keys() == model.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 

@@ -70,3 +70,43 @@ def test_building_goes_through_instantiate_and_its_blocklist() -> None:
     # Even without the config check (a mapping built in Python), Hydra's blocklist applies: os.remove is not called.
     with pytest.raises(ImportError, match=r"optimizer\._target_='os\.remove' cannot be built .*blocklisted"):
         build_optimizer_from_config({"_target_": "os.remove", "lr": 1.0}, torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "lightning_vescale.export.export_hf",  # replaces output_dir with overwrite=true
+        "lightning_vescale.convert.convert",
+        "lightning_vescale.checkpoint.save_full",
+        "torch.optim.swap_in_optimizer_params_and_state",
+    ],
+)
+def test_functions_of_the_allowed_packages_that_a_config_does_not_build_are_refused(target: str) -> None:
+    with pytest.raises(ValueError, match=rf"optimizer\._target_='{target}' is not something a config may build: "
+                                         r".*optimizer, LR scheduler, strategy, data module or plan class.*"
+                                         r"trusted_target_modules"):
+        load(f"optimizer._target_={target}")
+
+
+def test_a_nested_target_of_the_package_that_would_delete_a_directory_is_refused(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    with pytest.raises(ValueError, match=r"strategy\.granularity\._target_='lightning_vescale\.export\.export_hf' is "
+                                         r"not something a config may build"):
+        load(f"strategy.granularity={{_target_: lightning_vescale.export.export_hf, source: {tmp_path}, "
+             f"output_dir: {victim}, overwrite: true}}")
+    assert (victim / "keep.txt").read_text() == "precious"
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "optimizer._target_=torch.optim.SGD",  # an Optimizer subclass
+        "optimizer._target_=lightning_vescale.optim.build_optimizer",  # the optimizer factory
+        "strategy=ddp",  # a Lightning Strategy subclass
+        "strategy.granularity={_target_: lightning_vescale.plan.load_plan, _args_: [llama]}",  # nested, allowed
+    ],
+)
+def test_what_a_config_is_meant_to_build_passes(override: str) -> None:
+    load(override)
