@@ -16,12 +16,14 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import torch.distributed as dist
 
 __all__ = [
-    "agree", "barrier", "dist_on", "from_rank0", "group", "over", "over_model", "rank", "run_on_rank0", "world_size",
+    "agree", "barrier", "dist_on", "from_rank0", "group", "in_this_process", "over", "over_model", "rank", "run_on_rank0",
+    "world_size",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _GROUP: ContextVar[Optional[dist.ProcessGroup]] = ContextVar("lightning_vescale_checkpoint_group", default=None)
+_ALONE: ContextVar[bool] = ContextVar("lightning_vescale_checkpoint_alone", default=False)
 
 
 @contextlib.contextmanager
@@ -32,6 +34,17 @@ def over(process_group: Optional[dist.ProcessGroup]) -> Iterator[None]:
         yield
     finally:
         _GROUP.reset(token)
+
+
+@contextlib.contextmanager
+def in_this_process() -> Iterator[None]:
+    """Run the block as if no process group existed: no collective, this process is rank 0 of 1. For reads that
+    one rank does alone (an export on rank 0 while the others wait elsewhere)."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
 
 
 def over_model(fn: F) -> F:
@@ -54,7 +67,7 @@ def group() -> Optional[dist.ProcessGroup]:
 
 
 def dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return not _ALONE.get() and dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:

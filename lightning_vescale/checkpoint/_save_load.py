@@ -585,5 +585,7 @@ def read_full_tensors(path: "os.PathLike | str", prefix: str = "model.") -> dict
         if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
     if state:
-        _verified_load(state, directory, metadata, _storage.read_checksums(directory))
+        # In this process only, even inside a process group: one rank may read alone (an export on rank 0).
+        with _dist.in_this_process():
+            _verified_load(state, directory, metadata, _storage.read_checksums(directory))
     return state
