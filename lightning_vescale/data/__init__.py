@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning_vescale.data.corpus import (
     EMBEDDED_CORPUS_PATH,
+    check_windows_fit,
     generate_corpus,
     load_text,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "Tokenizer",
     "TokenWindows",
     "build_tokenizer",
+    "check_windows_fit",
     "generate_corpus",
     "load_text",
     "split_tokens",

@@ -307,8 +307,12 @@ def check_same_architecture(theirs: Any, ours: Any, path: Path, chosen: str) -> 
 def _check_initial_weights_config(config: FinetuneConfig) -> None:
     """The chosen model against the config the initial weights carry (files' headers only, no weights)."""
     if isinstance(config.model, CheckpointModelConfig):
-        return  # the model config is the checkpoint's (plus the user's overrides)
+        _check_overrides_keep_the_shapes(config)  # the model config is the checkpoint's, plus the user's overrides
+        return
     path = _absolute(config.init_from)
+    if path.is_file() and path.suffix == ".safetensors":
+        _check_safetensors_shapes(path, config)
+        return
     model = config.model
     chosen = f"model={model.family}_{model.preset}" + (f" with {model.overrides()}" if model.overrides() else "")
     if path.is_dir() and (path / "config.json").is_file():
@@ -324,6 +328,56 @@ def _check_initial_weights_config(config: FinetuneConfig) -> None:
         except (OSError, ValueError):
             return  # the tensors are checked when they are read
         check_same_architecture(theirs, model.build_config(), path, chosen)
+
+
+def _meta_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    import torch
+
+    from lightning_vescale.models.families import FAMILIES, family_of
+
+    with torch.device("meta"):
+        built = FAMILIES[family_of(model)].model_cls(model)
+    return {k: tuple(v.shape) for k, v in built.state_dict().items()}
+
+
+def _check_overrides_keep_the_shapes(config: FinetuneConfig) -> None:
+    """``model.<field>=...`` on ``model=from_checkpoint`` may change what does not shape the weights (``rope_theta``,
+    ``max_seq_len``, ...), not what does: the checkpoint's tensors would not fit the model."""
+    model = config.model
+    theirs = model._source_arch
+    changed = {k: v for k, v in model.overrides().items() if getattr(theirs, k, v) != v}
+    if not changed:
+        return
+    from lightning_vescale.state_dict_report import mismatch_report
+
+    report = mismatch_report(_meta_shapes(model.build_config()), _meta_shapes(theirs), ours="model",
+                             theirs="checkpoint")
+    if report is None:
+        return
+    fields = ", ".join(f"model.{k}={_cli_value(v)} (the checkpoint's: {_cli_value(getattr(theirs, k))})"
+                       for k, v in changed.items())
+    raise ConfigError(
+        f"{fields} contradicts init_from={config.init_from}: the checkpoint's weights do not fit that model:\n{report}"
+        f"\nDrop the override (model=from_checkpoint takes the checkpoint's config), or start from weights of that "
+        f"shape"
+    )
+
+
+def _check_safetensors_shapes(path: Path, config: FinetuneConfig) -> None:
+    """The tensors' names and shapes of a ``.safetensors`` file (its header) against the chosen model."""
+    from safetensors import safe_open
+
+    from lightning_vescale.state_dict_report import mismatch_report
+
+    with safe_open(str(path), framework="pt") as f:
+        given = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    report = mismatch_report(_meta_shapes(config.model.build_config()), given, ours="model", theirs="checkpoint")
+    if report is not None:
+        model = config.model
+        raise ConfigError(
+            f"init_from={config.init_from!r} does not match model={model.family}_{model.preset}:\n{report}\n"
+            f"Pick the model the weights were saved from (model=...), or override its fields (model.<field>=...)."
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -344,7 +398,108 @@ def preflight(cfg: Union[DictConfig, TrainConfig], run_dir: Optional[Path] = Non
     if isinstance(config, FinetuneConfig) and resume is None:
         _check_initial_weights_config(config)
     _check_memory_budget(config)
+    check_machine(config)
+    check_data(config)
+    check_fits_memory(config)
     return Preflight(config, resume)
+
+
+# ----------------------------------------------------------------------------------------------------
+# What the run needs from this machine and its data
+# ----------------------------------------------------------------------------------------------------
+
+
+def check_machine(config: TrainConfig) -> None:
+    """GPUs asked for exist (``trainer=gpu`` on a machine without one would fail in every process after launch),
+    and an HSDP ``strategy.replicate_size`` divides the number of processes."""
+    import torch
+
+    t = config.trainer
+    if t.accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"trainer.accelerator={t.accelerator} (trainer=gpu) but this machine has no CUDA GPU that torch "
+                f"{torch.__version__} can use (built {'with CUDA ' + torch.version.cuda if torch.version.cuda else 'for CPU only'}): "
+                f"train on CPU with trainer=default, or install a CUDA build of torch"
+            )
+        count = torch.cuda.device_count()
+        wanted = len(t.devices) if isinstance(t.devices, list) else t.devices if isinstance(t.devices, int) else None
+        if wanted is not None and wanted > count:
+            raise ConfigError(
+                f"trainer.devices={t.devices} asks for {wanted} GPUs but this machine has {count}: set "
+                f"trainer.devices={count} (or trainer.devices=auto)"
+            )
+    from lightning_vescale.recipe.memory import world_size_of
+
+    r = getattr(config.strategy, "replicate_size", None)
+    world = world_size_of(config)
+    if isinstance(r, int) and world % r != 0:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ConfigError(
+            f"strategy.replicate_size={r} does not divide the {world} processes (trainer.devices={t.devices} x "
+            f"trainer.num_nodes={t.num_nodes}): HSDP needs as many ranks in every replica; pick one of "
+            f"{', '.join(map(str, divisors))}, or strategy.replicate_size=null to shard over every rank"
+        )
+
+
+def check_data(config: TrainConfig) -> None:
+    """The corpus is UTF-8 text (not binary) and long enough for a training and a validation window."""
+    from lightning_vescale.data import check_windows_fit, load_text
+
+    data = config.data
+    path = None if data.path is None else _absolute(data.path)
+    num_bytes = len(load_text(path).encode("utf-8"))
+    source = "the embedded corpus" if path is None else repr(data.path)
+    if data.tokenizer == "byte":
+        check_windows_fit(num_bytes, seq_len=data.seq_len, val_fraction=data.val_fraction, source=source)
+    elif num_bytes < 2 * (data.seq_len + 1):  # BPE gives at most one token per byte
+        check_windows_fit(num_bytes, seq_len=data.seq_len, val_fraction=data.val_fraction, source=source)
+
+
+_STATE_BYTES_PER_PARAM = {"AdamWConfig": 16, "MuonConfig": 12}
+"""fp32 weight, gradient and optimizer states per parameter (AdamW: m and v; Muon: one momentum)."""
+
+
+def check_fits_memory(config: TrainConfig) -> None:
+    """A model whose training state cannot fit this machine is refused before launch (the real-size presets,
+    ``model=deepseek_v3_671b``, are for the dry run). Checked when everything stays on the device (no ``memory``,
+    ``quant`` or MPMD); the sharded state per rank is compared with this machine's memory per process."""
+    if config.memory is not None or config.quant is not None or config.mpmd is not None:
+        return
+    import torch
+
+    from lightning_vescale.models import num_params
+    from lightning_vescale.recipe.memory import replicate_of, world_size_of
+    from lightning_vescale.recipe.schema import DDPStrategyConfig
+
+    with torch.device("meta"):
+        params = num_params(config.model.build_model())
+    world = world_size_of(config)
+    shards = 1 if isinstance(config.strategy, DDPStrategyConfig) else world // replicate_of(config, world)
+    per_param = _STATE_BYTES_PER_PARAM.get(type(config.optimizer).__name__, 16)
+    if config.trainer.precision == "bf16-true":
+        per_param //= 2
+    need = params * per_param / shards
+    gpu = config.trainer.accelerator in ("gpu", "cuda") and torch.cuda.is_available()
+    if gpu:
+        have, where = torch.cuda.get_device_properties(0).total_memory, "one GPU's memory"
+    else:
+        processes = max(1, world // config.trainer.num_nodes)
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / processes
+        where = f"this machine's memory / {processes} processes"
+    if need <= have:
+        return
+    from lightning_vescale.recipe.numbers import format_bytes, format_count
+
+    model = f"model={config.model.family}_{config.model.preset}"
+    raise ConfigError(
+        f"{model} has {format_count(params)} parameters: training them holds about {format_bytes(need)} per rank "
+        f"({per_param} B of weight, gradient and optimizer state per parameter, sharded over {shards} rank"
+        f"{'s' if shards > 1 else ''}), more than the {format_bytes(have)} a rank has here ({where}). Size it with "
+        f"the dry run (python -m lightning_vescale.plan model={config.model.family}_{config.model.preset} "
+        f"world_size=...), train a small preset here (e.g. model={config.model.family}_tiny), or move state off "
+        f"the device (memory=offload_disk, memory=budget)"
+    )
 
 
 def _check_memory_budget(config: TrainConfig) -> None:
@@ -364,9 +519,12 @@ def _check_memory_budget(config: TrainConfig) -> None:
 
 def config_error_message(err: BaseException) -> str:
     """The one-line (or few-line) message of a config problem, without OmegaConf's internals."""
-    missing = re.search(r"Missing mandatory value: (\S+)", str(err))
+    missing = re.search(r"Missing mandatory value: (\S+)", str(err)) or re.search(r"full_key: (\S+)", str(err))
     if isinstance(err, (MissingMandatoryValue, InterpolationToMissingValueError)) and missing:
         key = missing.group(1)
+        if key == "data.path":
+            return ("data=text_file trains on your own text, so it needs data.path: set data.path=/path/to/corpus.txt "
+                    "(a UTF-8 text file), or use data=embedded for the built-in corpus")
         return f"{key} is required (it is ??? in the config): set it, e.g. {key}=..."
     if isinstance(err, OmegaConfBaseException):
         return str(err).split("\n    full_key:")[0].strip()
