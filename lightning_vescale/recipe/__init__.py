@@ -435,6 +435,8 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
             f"resuming from {ckpt_path}" if ckpt_path else "from scratch" if init_state is None else
             f"from {extra['init_from']}", run_dir,
         )
+        if resume is not None:
+            logger.info("%s", resume.reason)
         for note in resume.notes if resume is not None else []:
             logger.warning("resume: %s", note)
         if t.accelerator == "cpu" and t.precision.startswith("bf16"):

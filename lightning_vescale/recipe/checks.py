@@ -53,9 +53,18 @@ T = TypeVar("T")
 # Architecture fields that do not change the weights' meaning (sizes of RoPE tables, init, derivations).
 ARCH_FIELDS_IGNORED = frozenset({"init_std", "max_seq_len", "multiple_of", "ffn_dim_multiplier"})
 # Sections compared on resume (flattened keys); keys under these prefixes must be equal.
-_MUST_MATCH_PREFIXES = ("optimizer.", "scheduler.", "data.")
-_MUST_MATCH_KEYS = ("seed", "trainer.precision", "strategy._target_")
-_MAY_CHANGE = frozenset({"data.num_workers"})
+_MUST_MATCH_PREFIXES = ("optimizer.", "scheduler.", "data.", "strategy.", "quant.")
+_MUST_MATCH_KEYS = ("seed", "trainer.precision", "quant")
+_NOT_SET = "(not set)"
+_MAY_CHANGE = frozenset({"data.num_workers", "strategy.timeout", "strategy.process_group_backend"})
+# The option of a group that builds a given class, for a run saved without its Hydra choices.
+_OPTION_OF_TARGET = {
+    "lightning_vescale.lightning.VeScaleStrategy": "vescale",
+    "lightning.pytorch.strategies.DDPStrategy": "ddp",
+    "lightning.pytorch.strategies.ModelParallelStrategy": "fsdp2",
+    "torch.optim.AdamW": "adamw",
+    "lightning_vescale.optim.build_optimizer": "muon",
+}
 
 
 class ConfigError(ValueError):
@@ -75,6 +84,8 @@ class Resume:
     """The optimizer step it was saved at (from its ``step-NNNNNN`` name), if known."""
     notes: list[str] = field(default_factory=list)
     """Settings that changed and may change (world size, ...), for the start-up log."""
+    reason: str = ""
+    """Which run is continued and why (the newest of its name, its settings match), for the start-up log."""
 
 
 @dataclass
@@ -185,7 +196,7 @@ def compare_with_run(config: TrainConfig, run_dir: Path) -> tuple[list[tuple[str
         if key not in flat_saved:
             continue  # a setting newer than the saved run
         if flat_saved[key] != flat_now.get(key):
-            differences.append((key, flat_saved[key], flat_now.get(key, "(not set)")))
+            differences.append((key, flat_saved[key], flat_now.get(key, _NOT_SET)))
     notes = []
     saved_trainer, now_trainer = saved.get("trainer", {}), now["trainer"]
     before, after = _world_size(saved_trainer), _world_size(now_trainer)
@@ -201,6 +212,38 @@ def compare_with_run(config: TrainConfig, run_dir: Path) -> tuple[list[tuple[str
             notes.append(f"trainer.{key} changes from {old} to {new}"
                          + (" (the learning-rate schedule now ends there)" if key == "max_steps" else ""))
     return differences, notes
+
+
+def _saved_choices(run_dir: Optional[Path]) -> dict[str, Any]:
+    """The config-group options the run was composed from (``.hydra/hydra.yaml``), if it kept them."""
+    hydra_file = None if run_dir is None else run_dir / ".hydra" / "hydra.yaml"
+    if hydra_file is None or not hydra_file.is_file():
+        return {}
+    try:
+        choices = OmegaConf.select(OmegaConf.load(hydra_file), "hydra.runtime.choices", default=None)
+    except (OSError, OmegaConfBaseException):
+        return {}
+    return dict(choices) if choices is not None else {}
+
+
+def _fixes(differences: list[tuple[str, Any, Any]], run_dir: Optional[Path]) -> list[str]:
+    """The overrides that give back a run's settings: ``group=option`` where the saved class differs (its
+    ``_target_``, or the model family; setting ``_target_`` alone would keep the other class's fields), then
+    ``key=value`` for the other keys."""
+    choices = _saved_choices(run_dir)
+    fixes, groups = [], set()
+    for key, saved, _ in differences:
+        group = key.split(".")[0]
+        if key == "model" or key.endswith("._target_"):
+            option = choices.get(group) or (_OPTION_OF_TARGET.get(saved) if key.endswith("._target_") else None)
+            if option is not None and group not in groups:
+                fixes.append(f"{group}={option}")
+                groups.add(group)
+    for key, saved, now in differences:
+        if key == "model" or key.endswith("._target_") or (key.split(".")[0] in groups and now == _NOT_SET):
+            continue  # the option brings the fields of its class
+        fixes.append(f"{key}={_cli_value(saved)}")
+    return fixes
 
 
 def _matching_runs(config: TrainConfig, root: Path, exclude: Path) -> list[Path]:
@@ -252,12 +295,20 @@ def resolve_resume(config: TrainConfig, run_dir: Optional[Path] = None) -> Optio
     step = checkpoint_step(checkpoint)
     differences, notes = compare_with_run(config, ckpt_run) if ckpt_run is not None else ([], [])
     where = f"{ckpt_run or checkpoint}" + (f" (checkpoint at step {step})" if step is not None else "")
+    reason = f"{what} continues {where}"
+    if config.resume is True:
+        runs = len(glob.glob(os.path.join(str(root), config.name, "*", "checkpoints", "last.ckpt")))
+        reason += (f": the newest of the {runs} run(s) named {config.name!r} under {str(root)!r} with a "
+                   f"checkpoints/last.ckpt")
+    reason += ("; its settings differ (resume_strict=false)" if differences else
+               "; its settings match this run's" if ckpt_run is not None else "")
+    reason += ". The continued run writes a new run directory"
     if differences and not config.resume_strict:
         notes = [f"{key} differs from the run's: saved {saved!r}, now {now!r} (resume_strict=false)"
                  for key, saved, now in differences] + notes
     elif differences:
         lines = [f"  {key}: saved {saved!r}, now {now!r}" for key, saved, now in differences]
-        fixes = " ".join(f"{key}={_cli_value(saved)}" for key, saved, _ in differences if key != "model")
+        fixes = " ".join(_fixes(differences, ckpt_run))
         others = _matching_runs(config, root, ckpt_run) if config.resume is True else []
         raise ConfigError(
             f"{what} would continue {where}, which was trained with other settings:\n" + "\n".join(lines)
@@ -272,7 +323,7 @@ def resolve_resume(config: TrainConfig, run_dir: Optional[Path] = None) -> Optio
             f"to train. To train further, raise it (e.g. trainer.max_steps={2 * step}; the learning-rate schedule is "
             f"recomputed to end there), or start a new run without resume"
         )
-    return Resume(checkpoint, ckpt_run, step, notes)
+    return Resume(checkpoint, ckpt_run, step, notes, reason)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -333,3 +333,43 @@ def test_a_text_too_small_for_the_windows_says_what_helps(tmp_path):
                                          r"shorter than one window .*: set data.val_fraction=0.129 or more"):
         preflight(compose_cfg("data=text_file", f"data.path={medium}"))
     preflight(compose_cfg("data=text_file", f"data.path={medium}", "data.val_fraction=0.129"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which run resume=true continues, and the overrides its message suggests
+
+
+def test_resume_suggests_the_strategy_option_not_its_target(tmp_path):
+    # strategy._target_=...DDPStrategy alone keeps vescale's fields, which DDPStrategy does not take.
+    run = fake_run(tmp_path, "a", "strategy=ddp", step=100)
+    with pytest.raises(ConfigError) as info:
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+    message = str(info.value)
+    assert "Continue it with its settings (strategy=ddp)" in message, message
+    assert "strategy._target_=" not in message
+    # The run's Hydra choices, where it kept them, name the option it was composed from.
+    (run / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      strategy: my_ddp\n")
+    with pytest.raises(ConfigError, match=r"Continue it with its settings \(strategy=my_ddp\)"):
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+    assert preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "strategy=ddp")).resume.run_dir == run
+
+
+def test_resume_true_refuses_the_newest_run_when_its_strategy_settings_differ(tmp_path):
+    # The README in order: the main job, then a short HSDP run; resume=true with the main job's settings must not
+    # stretch the HSDP run to 300 steps.
+    main_job = fake_run(tmp_path, "a", step=200, mtime=1000)
+    hsdp = fake_run(tmp_path, "b", "strategy=vescale_hsdp", "trainer.max_steps=30", step=30, mtime=2000)
+    with pytest.raises(ConfigError) as info:
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+    message = str(info.value)
+    assert f"resume=true would continue {hsdp} (checkpoint at step 30)" in message
+    assert "strategy.replicate_size: saved 'auto', now None" in message
+    assert "(strategy.replicate_size=auto)" in message and f"matching settings: {main_job}" in message
+    resume = preflight(compose_cfg(f"output_root={tmp_path}", f"resume={main_job}")).resume
+    assert resume.reason == (f"resume={main_job} continues {main_job} (checkpoint at step 200); its settings match "
+                             f"this run's. The continued run writes a new run directory")
+    resume = preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "strategy=vescale_hsdp",
+                                   "trainer.max_steps=60")).resume
+    assert resume.reason == (f"resume=true continues {hsdp} (checkpoint at step 30): the newest of the 2 run(s) named "
+                             f"'llama_tiny' under {str(tmp_path)!r} with a checkpoints/last.ckpt; its settings match "
+                             f"this run's. The continued run writes a new run directory")
