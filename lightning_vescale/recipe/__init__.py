@@ -53,6 +53,7 @@ from lightning_vescale.recipe.checks import (
     preflight,
 )
 from lightning_vescale.recipe.memory import memory_policy_for, world_size_of
+from lightning_vescale.recipe.numbers import format_count
 from lightning_vescale.recipe.schema import (
     CheckpointModelConfig,
     DataConfig,
@@ -251,12 +252,38 @@ def _loggers(run_dir: Path) -> list[Logger]:
     return loggers
 
 
+def _tidy_lightning_output() -> None:
+    """Each Lightning message once, in the run's log format, and none of its noise.
+
+    Lightning, imported after Hydra configured logging (the recipes import it only once the config is checked),
+    keeps a console handler of its own on the ``lightning`` logger and also propagates to the root's: drop its
+    own, so a message prints once and is kept in the run's log file. Lightning's advertisement for its cloud
+    logger and the deprecation warning its ``_pytree`` raises on torch 2.13 print on every run, about nothing the
+    user can change: dropped.
+    """
+    if logging.getLogger().hasHandlers():
+        lightning_log = logging.getLogger("lightning")
+        for handler in list(lightning_log.handlers):
+            lightning_log.removeHandler(handler)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero_log.filters):
+        rank_zero_log.addFilter(_NoLitLoggerTip())
+
+
+class _NoLitLoggerTip(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
+
+
 def _quiet_other_ranks(rank: int) -> None:
-    """Print warnings once: ranks other than zero drop Python warnings and this package's log records below
-    ERROR (every rank would repeat rank zero's)."""
+    """Print warnings once: ranks other than zero drop Python warnings and this package's and Lightning's log
+    records below ERROR (every rank would repeat rank zero's)."""
     if rank != 0:
         warnings.simplefilter("ignore")
         logging.getLogger("lightning_vescale").setLevel(logging.ERROR)
+        for name in ("lightning", "lightning.fabric", "lightning.pytorch"):  # each sets its own level
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _hf_model_type(config: TrainConfig, resume: Optional[Resume]) -> Optional[str]:
@@ -354,6 +381,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     from lightning_vescale.recipe.module import CausalLMModule
     from lightning_vescale.recipe.quant import AdapterExport
 
+    _tidy_lightning_output()
     _quiet_other_ranks(_get_rank() or 0)
     checked = preflight(cfg, run_dir=_run_dir_if_known())
     config, resume = checked.config, checked.resume
@@ -429,8 +457,8 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     _quiet_other_ranks(trainer.global_rank)
     if trainer.is_global_zero:
         logger.info(
-            "training %s (%.2fM parameters) with %s on %d process(es), precision %s; %s; writing to %s",
-            extra["model"], total_params / 1e6, extra["strategy"], trainer.world_size,
+            "training %s (%s parameters) with %s on %d process(es), precision %s; %s; writing to %s",
+            extra["model"], format_count(total_params), extra["strategy"], trainer.world_size,
             precision_line(strategy, t.precision),
             f"resuming from {ckpt_path}" if ckpt_path else "from scratch" if init_state is None else
             f"from {extra['init_from']}", run_dir,

@@ -51,6 +51,9 @@ def test_llama_tiny_trains_checkpoints_and_resumes(tmp_path):
     # stdout is not a terminal: one progress line every log_every_n_steps (2) steps, and one per validation.
     output = proc.stdout + proc.stderr
     assert "\r" not in output
+    # No noise: Lightning's cloud-logger tip, an empty log file of rank 1; counts in readable units.
+    assert "litlogger" not in output and "training llama_tiny (107K parameters)" in output
+    assert sorted(p.name for p in run1.glob("*.log")) == ["train.log"]
     progress = [line.split(" - ", 1)[1] for line in proc.stdout.splitlines() if " - step " in line]
     assert [p.split()[1] for p in progress] == ["2/12", "4/12", "6/12", "6/12", "8/12", "10/12", "12/12", "12/12"]
     assert progress[2].startswith("step 6/12  loss ") and progress[3].startswith("step 6/12  val_loss ")
@@ -170,6 +173,8 @@ def test_config_mistakes_stop_before_anything_is_written(tmp_path):
         ("finetune.py", [f"init_from={tmp_path / 'hf'}", "model=moe_tiny"],
          "does not match model=moe_tiny:\n  shared_expert_gate: checkpoint True"),
         ("train.py", ["+foo=1"], "unknown config key(s): foo"),
+        ("train.py", ["trainer.max_step=20"], "(did you mean trainer.max_steps?)"),  # checked before Hydra's app
+        ("train.py", ["strategy.replicate_size=3"], "strategy.replicate_size=3 does not divide the 2 processes"),
     ]:
         cmd = [sys.executable, str(ROOT / "recipes" / script), *overrides, f"output_root={tmp_path / 'out'}"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
