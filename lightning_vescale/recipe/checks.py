@@ -1,5 +1,5 @@
 """What a recipe checks before its run directory exists: the config, the checkpoint to resume, the weights to
-start from.
+start from, and what the run needs from the machine and its data (GPUs, memory, a usable corpus).
 
 :class:`CheckBeforeRun` is a Hydra callback (``hydra.callbacks`` in ``configs/train.yaml`` and
 ``configs/finetune.yaml``): Hydra calls it after composing the config and before it creates the run
@@ -10,8 +10,11 @@ function (``recipe.run`` calls it again, so a config given programmatically is c
 [Note: what resume compares]
 A run continues only with the settings it was trained with: the model (every architecture field that
 shapes the weights), the optimizer, the learning-rate schedule, ``trainer.precision``, the data (all but
-``num_workers``), the seed and the strategy class. They are compared against the run's saved
-``.hydra/config.yaml`` (and ``model.json``); a difference stops with the list of differing keys (or, with
+``num_workers``), the seed, the strategy (its class and every setting but ``timeout`` and
+``process_group_backend``: an HSDP run is not continued by a plain ``strategy=vescale`` command) and the
+quantization. They are compared against the run's saved ``.hydra/config.yaml`` (and ``model.json``); a difference
+stops with the list of differing keys and the overrides that give them back, naming a group's option where the
+class differs (``strategy=ddp``: ``strategy._target_=...`` alone would keep the other class's fields) (or, with
 ``resume_strict=false``, is logged as a warning). The world size, ``accumulate_grad_batches`` and
 ``max_steps`` may change (sharded checkpoints reshard); the run says so when it starts.
 """

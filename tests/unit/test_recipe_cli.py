@@ -96,3 +96,14 @@ def test_a_typo_on_the_recipe_command_line_stops_before_lightning_is_imported(tm
     assert "train.py: error: trainer.max_step: there is no key 'max_step' in trainer (did you mean " \
            "trainer.max_steps?)" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_the_readme_names_every_config_group_and_where_the_config_is_kept():
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    listed = re.search(r"Groups live in `configs/` \(([^)]*)\)", readme).group(1)
+    groups = sorted(g.strip("`/ \n") for g in listed.split(","))
+    assert groups == sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir()), groups
+    # A run keeps its composed config in .hydra/config.yaml (Hydra's), not in a config.yaml of its own.
+    assert not re.search(r"(?<![./])config\.yaml", readme.replace("configs/", ""))
