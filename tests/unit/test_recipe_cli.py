@@ -78,11 +78,19 @@ def test_help_lists_groups_and_every_field_with_type_value_and_description(capsy
     assert "  memory.budget: Optional[str] = 6GiB\n" in out
 
 
-def test_a_typo_on_the_recipe_command_line_stops_before_lightning_is_imported(tmp_path):
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.max_step=20", "trainer.max_step: there is no key 'max_step' in trainer (did you mean "
+                                "trainer.max_steps?)"),  # found while composing
+        ("strategy.replicate_size=3", "strategy.replicate_size=3 does not divide the 2 processes"),  # by preflight
+    ],
+)
+def test_a_mistake_on_the_recipe_command_line_stops_before_lightning_is_imported(tmp_path, override, message):
     # The cost of a mistake is the check, not Lightning's import: the process exits 2 without having imported it.
     probe = (
         "import runpy, sys\n"
-        f"sys.argv = [{str(ROOT / 'recipes' / 'train.py')!r}, 'trainer.max_step=20', 'output_root={tmp_path}']\n"
+        f"sys.argv = [{str(ROOT / 'recipes' / 'train.py')!r}, {override!r}, 'output_root={tmp_path}']\n"
         "try:\n"
         "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
         "except SystemExit as e:\n"
@@ -93,9 +101,19 @@ def test_a_typo_on_the_recipe_command_line_stops_before_lightning_is_imported(tm
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.stdout.strip() == "exit 2 False False", (proc.stdout, proc.stderr)
-    assert "train.py: error: trainer.max_step: there is no key 'max_step' in trainer (did you mean " \
-           "trainer.max_steps?)" in proc.stderr
+    assert f"train.py: error: {message}" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_the_schemas_own_targets_are_defined_in_the_allowed_modules():
+    # They pass the target check without being imported (a strategy would import Lightning): check them here.
+    import hydra.utils
+
+    from lightning_vescale.recipe.targets import BUILTIN_TARGETS, DEFAULT_TARGET_MODULES
+
+    for target in BUILTIN_TARGETS:
+        obj = hydra.utils.get_object(target)
+        assert callable(obj) and obj.__module__.startswith(DEFAULT_TARGET_MODULES), (target, obj.__module__)
 
 
 def test_the_readme_names_every_config_group_and_where_the_config_is_kept():

@@ -143,7 +143,8 @@ def test_lightnings_cloud_logger_tip_and_pytree_deprecation_are_not_printed():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _tree_flatten(1.0)
-        assert any("LeafSpec" in str(w.message) for w in caught)  # what Lightning does on torch 2.13
+        if not any("LeafSpec" in str(w.message) for w in caught):
+            pytest.skip("this torch does not deprecate LeafSpec (torch 2.13 does, and Lightning 2.6 uses it)")
         caught.clear()
         _tidy_lightning_output()
         _tree_flatten(1.0)
