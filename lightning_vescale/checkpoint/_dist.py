@@ -16,24 +16,15 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import torch.distributed as dist
 
 __all__ = [
-    "agree", "barrier", "dist_on", "from_rank0", "group", "local", "over", "over_model", "rank", "run_on_rank0",
+    "agree", "barrier", "dist_on", "from_rank0", "group", "in_this_process", "local", "over", "over_model", "rank",
+    "run_on_rank0",
     "world_size",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _GROUP: ContextVar[Optional[dist.ProcessGroup]] = ContextVar("lightning_vescale_checkpoint_group", default=None)
-_LOCAL: ContextVar[bool] = ContextVar("lightning_vescale_checkpoint_local", default=False)
-
-
-@contextlib.contextmanager
-def local() -> Iterator[None]:
-    """Run the block as one process, whatever process group exists (an offline read in one rank)."""
-    token = _LOCAL.set(True)
-    try:
-        yield
-    finally:
-        _LOCAL.reset(token)
+_ALONE: ContextVar[bool] = ContextVar("lightning_vescale_checkpoint_alone", default=False)
 
 
 @contextlib.contextmanager
@@ -44,6 +35,21 @@ def over(process_group: Optional[dist.ProcessGroup]) -> Iterator[None]:
         yield
     finally:
         _GROUP.reset(token)
+
+
+@contextlib.contextmanager
+def in_this_process() -> Iterator[None]:
+    """Run the block as if no process group existed: no collective, this process is rank 0 of 1. For reads that
+    one rank does alone (an export on rank 0 while the others wait elsewhere)."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
+
+local = in_this_process
+"""The same context manager (the name the checkpoint readers use)."""
 
 
 def over_model(fn: F) -> F:
@@ -66,7 +72,7 @@ def group() -> Optional[dist.ProcessGroup]:
 
 
 def dist_on() -> bool:
-    return not _LOCAL.get() and dist.is_available() and dist.is_initialized()
+    return not _ALONE.get() and dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:

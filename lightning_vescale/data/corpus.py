@@ -19,7 +19,7 @@ import stat
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-__all__ = ["EMBEDDED_CORPUS_PATH", "generate_corpus", "load_text"]
+__all__ = ["EMBEDDED_CORPUS_PATH", "check_windows_fit", "generate_corpus", "load_text"]
 
 EMBEDDED_CORPUS_PATH = Path(__file__).with_name("tiny_tales.txt")
 """Where the shipped corpus lives inside the package."""
@@ -221,7 +221,8 @@ def load_text(path: Optional[Union[str, Path]] = None) -> str:
     Raises:
         FileNotFoundError: ``path`` does not exist or is not a regular file (a directory, a device such as
             ``/dev/null``, a pipe); the message names it and what it is.
-        ValueError: the file is empty.
+        ValueError: the file is empty, is not UTF-8, or holds NUL bytes (a binary file); the message names the
+            byte and how to convert the file.
     """
     if path is None:
         return EMBEDDED_CORPUS_PATH.read_text(encoding="utf-8")
@@ -231,7 +232,50 @@ def load_text(path: Optional[Union[str, Path]] = None) -> str:
             f"data.path {str(path)!r} {_what_it_is(path)} (resolved to {str(path.resolve())!r}); pass an existing "
             f"UTF-8 text file, or data=embedded for the built-in corpus"
         )
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if not text:
+    data = path.read_bytes()
+    if not data:
         raise ValueError(f"data.path {str(path)!r} is empty; a text corpus needs at least a few KB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"data.path {str(path)!r} is not UTF-8 text (byte {err.start} is 0x{data[err.start]:02x}): a binary file, "
+            f"or text in another encoding; convert it with iconv -f <its encoding> -t UTF-8 (-c drops bytes that do "
+            f"not convert)"
+        ) from None
+    if "\x00" in text:
+        raise ValueError(
+            f"data.path {str(path)!r} holds NUL bytes (the first at byte {data.index(0)}), so it is a binary file, not "
+            f"text; pass a UTF-8 text file"
+        )
     return text
+
+
+def check_windows_fit(num_tokens: int, *, seq_len: int, val_fraction: float, source: str) -> None:
+    """Raise unless ``num_tokens`` split by ``val_fraction`` (as :func:`~lightning_vescale.data.split_tokens`)
+    gives at least one window of ``seq_len`` (+1 for the target) to train on and one to validate on.
+
+    The message says what helps: a longer text or a shorter ``data.seq_len`` when the text cannot hold two
+    windows, else the ``data.val_fraction`` that makes both splits fit.
+    """
+    window = seq_len + 1
+    num_val = max(1, int(round(num_tokens * val_fraction)))
+    if num_val >= window and num_tokens - num_val >= window:
+        return
+    if num_tokens < 2 * window:
+        shorter = f", or data.seq_len={num_tokens // 2 - 1} at most" if num_tokens // 2 - 1 >= 1 else ""
+        raise ValueError(
+            f"{source} has {num_tokens} tokens, fewer than the {2 * window} of one training and one validation "
+            f"window of data.seq_len={seq_len} (+1 for the target): use a longer text{shorter}"
+        )
+    if num_val < window:  # the smallest fraction that rounds to a whole window
+        needed = next(f / 1000 for f in range(1, 1000) if int(round(num_tokens * f / 1000)) >= window)
+        raise ValueError(
+            f"the validation split of {source} (data.val_fraction={val_fraction}: {num_val} of {num_tokens} tokens) is "
+            f"shorter than one window of data.seq_len={seq_len} (+1): set data.val_fraction={needed} or more"
+        )
+    most = max(f / 1000 for f in range(1, 1000) if num_tokens - max(1, int(round(num_tokens * f / 1000))) >= window)
+    raise ValueError(
+        f"data.val_fraction={val_fraction} leaves {num_tokens - num_val} of the {num_tokens} tokens of {source} to train "
+        f"on, fewer than one window of data.seq_len={seq_len} (+1): set data.val_fraction={most} or less"
+    )

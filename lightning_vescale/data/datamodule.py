@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from lightning_vescale.data.corpus import load_text
+from lightning_vescale.data.corpus import check_windows_fit, load_text
 from lightning_vescale.data.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer
 
 __all__ = ["TextDataModule", "TokenWindows", "split_tokens"]
@@ -146,13 +146,9 @@ class TextDataModule(LightningDataModule):
         text = load_text(self.path)
         self.tokenizer = build_tokenizer(self.tokenizer_name, text, vocab_size=self.bpe_vocab_size)
         tokens_N = torch.tensor(self.tokenizer.encode(text), dtype=torch.long)
-        train_N, val_N = split_tokens(tokens_N, self.val_fraction)
         source = "the embedded corpus" if self.path is None else repr(str(self.path))
-        if val_N.numel() < self.seq_len + 1:
-            raise ValueError(
-                f"the validation split of {source} has {val_N.numel()} tokens, fewer than one window of "
-                f"seq_len={self.seq_len} (+1); raise data.val_fraction ({self.val_fraction}) or use a longer text"
-            )
+        check_windows_fit(tokens_N.numel(), seq_len=self.seq_len, val_fraction=self.val_fraction, source=source)
+        train_N, val_N = split_tokens(tokens_N, self.val_fraction)
         self.train_set = TokenWindows(train_N, self.seq_len, self.stride)
         self.val_set = TokenWindows(val_N, self.seq_len)
         if self.trainer is None or self.trainer.is_global_zero:

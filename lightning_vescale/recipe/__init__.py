@@ -29,19 +29,12 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import hydra.utils
 import torch
-from lightning.fabric.utilities.rank_zero import _get_rank
-from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.loggers import CSVLogger, Logger
-from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_vescale.data import TextDataModule
 from lightning_vescale.export import (
     TOKENIZER_DIR,
     copy_tokenizer_files,
@@ -52,22 +45,9 @@ from lightning_vescale.export import (
     tokenizer_source_of,
     write_run_model,
 )
-from lightning_vescale.lightning import VeScalePrecision, VeScaleStrategy
-from lightning_vescale.lightning._common import describe_precision
 from lightning_vescale.models import from_pretrained, num_params
 from lightning_vescale.models.hf import read_pretrained_config
 from lightning_vescale.quant.tensor import weights_state_dict
-from lightning_vescale.recipe.callbacks import (
-    LineProgress,
-    NonFiniteError,
-    NonFiniteGuard,
-    PlanReport,
-    RecipeProgressBar,
-    RunSummary,
-    StepCheckpoint,
-    StepStats,
-    StopOnSignal,
-)
 from lightning_vescale.recipe.checks import (
     ConfigError,
     Resume,
@@ -76,8 +56,7 @@ from lightning_vescale.recipe.checks import (
     preflight,
 )
 from lightning_vescale.recipe.memory import memory_policy_for, world_size_of
-from lightning_vescale.recipe.module import CausalLMModule, build_optimizer_from_config, lr_multiplier
-from lightning_vescale.recipe.quant import AdapterExport, quantized_weights_mode
+from lightning_vescale.recipe.numbers import format_count
 from lightning_vescale.recipe.schema import (
     CheckpointModelConfig,
     DataConfig,
@@ -91,6 +70,27 @@ from lightning_vescale.recipe.schema import (
     validate,
 )
 from lightning_vescale.state_dict_report import mismatch_report
+
+if TYPE_CHECKING:
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.strategies import Strategy
+
+    from lightning_vescale.data import TextDataModule
+
+# [Note: Lightning is imported where it is used]
+# The recipes check a config (schema, checks, Hydra) before anything heavy is imported, so a typo costs the import
+# of torch and not of Lightning: this package's face imports no Lightning, and the functions that build the run
+# import it (and the modules that need it: callbacks, module, quant) inside.
+_FROM_MODULE = ("CausalLMModule", "build_optimizer_from_config", "lr_multiplier")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_MODULE:
+        from lightning_vescale.recipe import module
+
+        return getattr(module, name)
+    raise AttributeError(f"module 'lightning_vescale.recipe' has no attribute {name!r}")
+
 
 __all__ = [
     "CausalLMModule",
@@ -111,7 +111,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_TENSORBOARD = RequirementCache("tensorboard") or RequirementCache("tensorboardX")
 SIGTERM_EXIT_CODE = 128 + 15
 """Exit code of a run stopped by SIGTERM (the shell's convention for "terminated by SIGTERM")."""
 
@@ -119,6 +118,8 @@ SIGTERM_EXIT_CODE = 128 + 15
 def build_datamodule(data: DataConfig, *, seed: int = 0) -> TextDataModule:
     """The data module ``data`` describes (a relative ``path`` is taken from the launch directory); ``seed``
     orders the training windows."""
+    from lightning_vescale.data import TextDataModule
+
     path = None if data.path is None else hydra.utils.to_absolute_path(data.path) if _hydra_on() else data.path
     return TextDataModule(
         path, tokenizer=data.tokenizer, bpe_vocab_size=data.bpe_vocab_size, seq_len=data.seq_len,
@@ -173,6 +174,8 @@ def load_initial_weights(
         ValueError: the checkpoint's architecture or tensors do not match ``model``; the message lists the
             differing fields (or names and shapes) and how to pick the matching model.
     """
+    from lightning_vescale.recipe.quant import quantized_weights_mode
+
     path = Path(init_from)
     arch = model.build_config()
     with torch.device("meta"):
@@ -248,20 +251,49 @@ def _limit_cpu_threads(config: TrainConfig) -> None:
 
 
 def _loggers(run_dir: Path) -> list[Logger]:
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning_utilities.core.imports import RequirementCache
+
     loggers: list[Logger] = [CSVLogger(run_dir, name="csv", version="")]
-    if _TENSORBOARD:
+    if RequirementCache("tensorboard") or RequirementCache("tensorboardX"):
         from lightning.pytorch.loggers import TensorBoardLogger
 
         loggers.append(TensorBoardLogger(run_dir, name="tb", version=""))
     return loggers
 
 
+def _tidy_lightning_output() -> None:
+    """Each Lightning message once, in the run's log format, and none of its noise.
+
+    Lightning, imported after Hydra configured logging (the recipes import it only once the config is checked),
+    keeps a console handler of its own on the ``lightning`` logger and also propagates to the root's: drop its
+    own, so a message prints once and is kept in the run's log file. Lightning's advertisement for its cloud
+    logger and the deprecation warning its ``_pytree`` raises on torch 2.13 print on every run, about nothing the
+    user can change: dropped.
+    """
+    if logging.getLogger().hasHandlers():
+        lightning_log = logging.getLogger("lightning")
+        for handler in list(lightning_log.handlers):
+            lightning_log.removeHandler(handler)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero_log.filters):
+        rank_zero_log.addFilter(_NoLitLoggerTip())
+
+
+class _NoLitLoggerTip(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
+
+
 def _quiet_other_ranks(rank: int) -> None:
-    """Print warnings once: ranks other than zero drop Python warnings and this package's log records below
-    ERROR (every rank would repeat rank zero's)."""
+    """Print warnings once: ranks other than zero drop Python warnings and this package's and Lightning's log
+    records below ERROR (every rank would repeat rank zero's)."""
     if rank != 0:
         warnings.simplefilter("ignore")
         logging.getLogger("lightning_vescale").setLevel(logging.ERROR)
+        for name in ("lightning", "lightning.fabric", "lightning.pytorch"):  # each sets its own level
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _hf_model_type(config: TrainConfig, resume: Optional[Resume]) -> Optional[str]:
@@ -307,6 +339,8 @@ def trainer_precision(strategy: Strategy, precision: str) -> dict[str, Any]:
     Under ``VeScaleStrategy`` the engine's precision plugin is passed directly: given ``precision="bf16-mixed"``,
     Lightning would announce "Automatic Mixed Precision (AMP)", which the engine does not use.
     """
+    from lightning_vescale.lightning import VeScalePrecision, VeScaleStrategy
+
     if isinstance(strategy, VeScaleStrategy):
         return {"plugins": [VeScalePrecision(precision)]}
     return {"precision": precision}
@@ -314,6 +348,9 @@ def trainer_precision(strategy: Strategy, precision: str) -> dict[str, Any]:
 
 def precision_line(strategy: Strategy, precision: str) -> str:
     """What ``precision`` runs as under ``strategy``, for the start-up log."""
+    from lightning_vescale.lightning import VeScaleStrategy
+    from lightning_vescale.lightning._common import describe_precision
+
     if isinstance(strategy, VeScaleStrategy):
         return f"{precision} ({describe_precision(precision)})"
     if precision == "bf16-mixed":
@@ -331,6 +368,25 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     Raises:
         SystemExit: code 143 when SIGTERM stopped the run (after saving it if ``trainer.save_on_signal``).
     """
+    from lightning.fabric.utilities.rank_zero import _get_rank
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_vescale.recipe.callbacks import (
+        LineProgress,
+        NonFiniteError,
+        NonFiniteGuard,
+        PlanReport,
+        RecipeProgressBar,
+        RunSummary,
+        StepCheckpoint,
+        StepStats,
+        StopOnSignal,
+    )
+    from lightning_vescale.recipe.module import CausalLMModule
+    from lightning_vescale.recipe.quant import AdapterExport
+
+    _tidy_lightning_output()
     _quiet_other_ranks(_get_rank() or 0)
     checked = preflight(cfg, run_dir=_run_dir_if_known())
     config, resume = checked.config, checked.resume
@@ -407,12 +463,14 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     _quiet_other_ranks(trainer.global_rank)
     if trainer.is_global_zero:
         logger.info(
-            "training %s (%.2fM parameters) with %s on %d process(es), precision %s; %s; writing to %s",
-            extra["model"], total_params / 1e6, extra["strategy"], trainer.world_size,
+            "training %s (%s parameters) with %s on %d process(es), precision %s; %s; writing to %s",
+            extra["model"], format_count(total_params), extra["strategy"], trainer.world_size,
             precision_line(strategy, t.precision),
             f"resuming from {ckpt_path}" if ckpt_path else "from scratch" if init_state is None else
             f"from {extra['init_from']}", run_dir,
         )
+        if resume is not None:
+            logger.info("%s", resume.reason)
         for note in resume.notes if resume is not None else []:
             logger.warning("resume: %s", note)
         if t.accelerator == "cpu" and t.precision.startswith("bf16"):

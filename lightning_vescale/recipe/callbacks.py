@@ -39,11 +39,13 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_vescale.collectives import comm_stats
 from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
 from lightning_vescale.memory.ledger import memory_stats
+from lightning_vescale.recipe.numbers import format_bytes, format_loss
 
 __all__ = [
     "LineProgress",
@@ -60,16 +62,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``1536`` -> ``"1.5 KB"`` (powers of 1024)."""
-    value = float(num_bytes)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(value) < 1024 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
@@ -177,7 +169,7 @@ _TIER_NAMES = {"device": "dev", "host": "host", "disk": "disk"}
 
 def format_ledger(metrics: dict[str, Any]) -> Optional[str]:
     """The ``mem/<class>/<tier>`` (current) and ``.../peak`` metrics (removed from ``metrics``) as one field:
-    ``params dev 0 B/12.6 MB disk 64 MB/64 MB | grads ...`` (current/peak of the step, per tier)."""
+    ``params dev 0 B/12.6 MiB disk 64.0 MiB/64.0 MiB | grads ...`` (current/peak of the step, per tier)."""
     keys = [k for k in metrics if k.startswith("mem/")]
     if not keys:
         return None
@@ -193,10 +185,14 @@ def format_ledger(metrics: dict[str, Any]) -> Optional[str]:
 
 
 def _readable(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The progress metrics as text: losses with four decimals, tokens/s as a whole number, bytes in KiB/MiB."""
     metrics.pop("v_num", None)
     ledger = format_ledger(metrics)
     if ledger is not None:
         metrics["mem"] = ledger
+    for key in ("loss", "val_loss"):
+        if key in metrics:
+            metrics[key] = format_loss(float(metrics[key]))
     if "tok/s" in metrics:
         metrics["tok/s"] = f"{float(metrics['tok/s']):,.0f}"
     if "comm/step" in metrics:
@@ -205,19 +201,52 @@ def _readable(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 class RecipeProgressBar(TQDMProgressBar):
-    """Lightning's TQDM bar: ``loss``, ``tok/s`` (all ranks), ``comm/step`` (bytes this rank sent), ``mem`` (the
-    memory manager's ledger, when it moves state) and ``val_loss``, in readable units, without the logger's
-    version number."""
+    """One TQDM bar over the whole run, in optimizer steps out of ``max_steps`` (not batches of an epoch): ``loss``,
+    ``tok/s`` (all ranks), ``comm/step`` (bytes this rank sent), ``mem`` (the memory manager's ledger, when it
+    moves state) and ``val_loss``, in readable units; closed once, at the end of training. For a terminal."""
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         return _readable(super().get_metrics(trainer, pl_module))
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.train_progress_bar = Tqdm(
+            desc="train", total=trainer.max_steps, initial=trainer.global_step, unit="step",
+            position=2 * self.process_position, disable=self.is_disabled, leave=True, dynamic_ncols=True,
+            file=sys.stdout, smoothing=0, bar_format=self.BAR_FORMAT,
+        )
+
+    def on_train_epoch_start(self, trainer: Trainer, *_: Any) -> None:
+        pass  # the bar counts optimizer steps across epochs
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        bar = self.train_progress_bar
+        step = trainer.global_step
+        if bar.disable or step == bar.n:
+            return  # an accumulation micro-batch: no step ended
+        if self._should_update(step, trainer.max_steps) or step >= trainer.max_steps:
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+        if step >= trainer.max_steps:
+            bar.close()  # its last line stays; what follows (validation, the summary) prints below it
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        pass  # closed once, at the last step
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        bar = self.train_progress_bar
+        if not bar.disable:  # stopped before max_steps (SIGTERM)
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+            bar.close()
 
 
 class LineProgress(ProgressBar):
     """Progress as log lines (rank zero): one every ``every_n_steps`` optimizer steps and at the last step,
     and one after each validation, e.g.::
 
-        step 40/300  loss 2.314  tok/s 61,234  comm/step 562 KB  elapsed 12.3 s
+        step 40/300  loss 2.3140  tok/s 61,234  comm/step 562 KiB  elapsed 12.3 s
 
     The recipes use it when stdout is not a terminal.
     """
@@ -532,7 +561,7 @@ class RunSummary(Callback):
         )
 
         def fmt(x: Optional[float], spec: str = ".4f") -> str:
-            return "n/a" if x is None else format(x, spec)
+            return "n/a" if x is None else format_loss(x) if spec == ".4f" else format(x, spec)
 
         lines = [
             "run summary",

@@ -1,5 +1,5 @@
 """What a recipe checks before its run directory exists: the config, the checkpoint to resume, the weights to
-start from.
+start from, and what the run needs from the machine and its data (GPUs, memory, a usable corpus).
 
 :class:`CheckBeforeRun` is a Hydra callback (``hydra.callbacks`` in ``configs/train.yaml`` and
 ``configs/finetune.yaml``): Hydra calls it after composing the config and before it creates the run
@@ -10,8 +10,11 @@ function (``recipe.run`` calls it again, so a config given programmatically is c
 [Note: what resume compares]
 A run continues only with the settings it was trained with: the model (every architecture field that
 shapes the weights), the optimizer, the learning-rate schedule, ``trainer.precision``, the data (all but
-``num_workers``), the seed and the strategy class. They are compared against the run's saved
-``.hydra/config.yaml`` (and ``model.json``); a difference stops with the list of differing keys (or, with
+``num_workers``), the seed, the strategy (its class and every setting but ``timeout`` and
+``process_group_backend``: an HSDP run is not continued by a plain ``strategy=vescale`` command) and the
+quantization. They are compared against the run's saved ``.hydra/config.yaml`` (and ``model.json``); a difference
+stops with the list of differing keys and the overrides that give them back, naming a group's option where the
+class differs (``strategy=ddp``: ``strategy._target_=...`` alone would keep the other class's fields) (or, with
 ``resume_strict=false``, is logged as a warning). The world size, ``accumulate_grad_batches`` and
 ``max_steps`` may change (sharded checkpoints reshard); the run says so when it starts.
 """
@@ -59,9 +62,18 @@ T = TypeVar("T")
 # Architecture fields that do not change the weights' meaning (sizes of RoPE tables, init, derivations).
 ARCH_FIELDS_IGNORED = frozenset({"init_std", "max_seq_len", "multiple_of", "ffn_dim_multiplier"})
 # Sections compared on resume (flattened keys); keys under these prefixes must be equal.
-_MUST_MATCH_PREFIXES = ("optimizer.", "scheduler.", "data.")
-_MUST_MATCH_KEYS = ("seed", "trainer.precision", "strategy._target_")
-_MAY_CHANGE = frozenset({"data.num_workers"})
+_MUST_MATCH_PREFIXES = ("optimizer.", "scheduler.", "data.", "strategy.", "quant.")
+_MUST_MATCH_KEYS = ("seed", "trainer.precision", "quant")
+_NOT_SET = "(not set)"
+_MAY_CHANGE = frozenset({"data.num_workers", "strategy.timeout", "strategy.process_group_backend"})
+# The option of a group that builds a given class, for a run saved without its Hydra choices.
+_OPTION_OF_TARGET = {
+    "lightning_vescale.lightning.VeScaleStrategy": "vescale",
+    "lightning.pytorch.strategies.DDPStrategy": "ddp",
+    "lightning.pytorch.strategies.ModelParallelStrategy": "fsdp2",
+    "torch.optim.AdamW": "adamw",
+    "lightning_vescale.optim.build_optimizer": "muon",
+}
 
 
 class ConfigError(ValueError):
@@ -81,6 +93,8 @@ class Resume:
     """The optimizer step it was saved at (from its ``step-NNNNNN`` name), if known."""
     notes: list[str] = field(default_factory=list)
     """Settings that changed and may change (world size, ...), for the start-up log."""
+    reason: str = ""
+    """Which run is continued and why (the newest of its name, its settings match), for the start-up log."""
 
 
 @dataclass
@@ -218,7 +232,7 @@ def compare_with_run(config: TrainConfig, run_dir: Path) -> tuple[list[tuple[str
         if key not in flat_saved:
             continue  # a setting newer than the saved run
         if flat_saved[key] != flat_now.get(key):
-            differences.append((key, flat_saved[key], flat_now.get(key, "(not set)")))
+            differences.append((key, flat_saved[key], flat_now.get(key, _NOT_SET)))
     notes = []
     saved_trainer, now_trainer = saved.get("trainer", {}), now["trainer"]
     before, after = _world_size(saved_trainer), _world_size(now_trainer)
@@ -234,6 +248,38 @@ def compare_with_run(config: TrainConfig, run_dir: Path) -> tuple[list[tuple[str
             notes.append(f"trainer.{key} changes from {old} to {new}"
                          + (" (the learning-rate schedule now ends there)" if key == "max_steps" else ""))
     return differences, notes
+
+
+def _saved_choices(run_dir: Optional[Path]) -> dict[str, Any]:
+    """The config-group options the run was composed from (``.hydra/hydra.yaml``), if it kept them."""
+    hydra_file = None if run_dir is None else run_dir / ".hydra" / "hydra.yaml"
+    if hydra_file is None or not hydra_file.is_file():
+        return {}
+    try:
+        choices = OmegaConf.select(OmegaConf.load(hydra_file), "hydra.runtime.choices", default=None)
+    except (OSError, OmegaConfBaseException):
+        return {}
+    return dict(choices) if choices is not None else {}
+
+
+def _fixes(differences: list[tuple[str, Any, Any]], run_dir: Optional[Path]) -> list[str]:
+    """The overrides that give back a run's settings: ``group=option`` where the saved class differs (its
+    ``_target_``, or the model family; setting ``_target_`` alone would keep the other class's fields), then
+    ``key=value`` for the other keys."""
+    choices = _saved_choices(run_dir)
+    fixes, groups = [], set()
+    for key, saved, _ in differences:
+        group = key.split(".")[0]
+        if key == "model" or key.endswith("._target_"):
+            option = choices.get(group) or (_OPTION_OF_TARGET.get(saved) if key.endswith("._target_") else None)
+            if option is not None and group not in groups:
+                fixes.append(f"{group}={option}")
+                groups.add(group)
+    for key, saved, now in differences:
+        if key == "model" or key.endswith("._target_") or (key.split(".")[0] in groups and now == _NOT_SET):
+            continue  # the option brings the fields of its class
+        fixes.append(f"{key}={_cli_value(saved)}")
+    return fixes
 
 
 def _matching_runs(config: TrainConfig, root: Path, exclude: Path) -> list[Path]:
@@ -286,12 +332,20 @@ def resolve_resume(config: TrainConfig, run_dir: Optional[Path] = None) -> Optio
     step = checkpoint_step(checkpoint)
     differences, notes = compare_with_run(config, ckpt_run) if ckpt_run is not None else ([], [])
     where = f"{ckpt_run or checkpoint}" + (f" (checkpoint at step {step})" if step is not None else "")
+    reason = f"{what} continues {where}"
+    if config.resume is True:
+        runs = len(glob.glob(os.path.join(str(root), config.name, "*", "checkpoints", "last.ckpt")))
+        reason += (f": the newest of the {runs} run(s) named {config.name!r} under {str(root)!r} with a "
+                   f"checkpoints/last.ckpt")
+    reason += ("; its settings differ (resume_strict=false)" if differences else
+               "; its settings match this run's" if ckpt_run is not None else "")
+    reason += ". The continued run writes a new run directory"
     if differences and not config.resume_strict:
         notes = [f"{key} differs from the run's: saved {saved!r}, now {now!r} (resume_strict=false)"
                  for key, saved, now in differences] + notes
     elif differences:
         lines = [f"  {key}: saved {saved!r}, now {now!r}" for key, saved, now in differences]
-        fixes = " ".join(f"{key}={_cli_value(saved)}" for key, saved, _ in differences if key != "model")
+        fixes = " ".join(_fixes(differences, ckpt_run))
         others = _matching_runs(config, root, ckpt_run) if config.resume is True else []
         raise ConfigError(
             f"{what} would continue {where}, which was trained with other settings:\n" + "\n".join(lines)
@@ -306,7 +360,7 @@ def resolve_resume(config: TrainConfig, run_dir: Optional[Path] = None) -> Optio
             f"to train. To train further, raise it (e.g. trainer.max_steps={2 * step}; the learning-rate schedule is "
             f"recomputed to end there), or start a new run without resume"
         )
-    return Resume(checkpoint, ckpt_run, step, notes)
+    return Resume(checkpoint, ckpt_run, step, notes, reason)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -341,8 +395,12 @@ def check_same_architecture(theirs: Any, ours: Any, path: Path, chosen: str) -> 
 def _check_initial_weights_config(config: FinetuneConfig) -> None:
     """The chosen model against the config the initial weights carry (files' headers only, no weights)."""
     if isinstance(config.model, CheckpointModelConfig):
-        return  # the model config is the checkpoint's (plus the user's overrides)
+        _check_overrides_keep_the_shapes(config)  # the model config is the checkpoint's, plus the user's overrides
+        return
     path = _absolute(config.init_from)
+    if path.is_file() and path.suffix == ".safetensors":
+        _check_safetensors_shapes(path, config)
+        return
     model = config.model
     chosen = f"model={model.family}_{model.preset}" + (f" with {model.overrides()}" if model.overrides() else "")
     if path.is_dir() and (path / "config.json").is_file():
@@ -391,6 +449,56 @@ def _check_initial_weights_verifiable(config: FinetuneConfig) -> None:
         )
 
 
+def _meta_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    import torch
+
+    from lightning_vescale.models.families import FAMILIES, family_of
+
+    with torch.device("meta"):
+        built = FAMILIES[family_of(model)].model_cls(model)
+    return {k: tuple(v.shape) for k, v in built.state_dict().items()}
+
+
+def _check_overrides_keep_the_shapes(config: FinetuneConfig) -> None:
+    """``model.<field>=...`` on ``model=from_checkpoint`` may change what does not shape the weights (``rope_theta``,
+    ``max_seq_len``, ...), not what does: the checkpoint's tensors would not fit the model."""
+    model = config.model
+    theirs = model._source_arch
+    changed = {k: v for k, v in model.overrides().items() if getattr(theirs, k, v) != v}
+    if not changed:
+        return
+    from lightning_vescale.state_dict_report import mismatch_report
+
+    report = mismatch_report(_meta_shapes(model.build_config()), _meta_shapes(theirs), ours="model",
+                             theirs="checkpoint")
+    if report is None:
+        return
+    fields = ", ".join(f"model.{k}={_cli_value(v)} (the checkpoint's: {_cli_value(getattr(theirs, k))})"
+                       for k, v in changed.items())
+    raise ConfigError(
+        f"{fields} contradicts init_from={config.init_from}: the checkpoint's weights do not fit that model:\n{report}"
+        f"\nDrop the override (model=from_checkpoint takes the checkpoint's config), or start from weights of that "
+        f"shape"
+    )
+
+
+def _check_safetensors_shapes(path: Path, config: FinetuneConfig) -> None:
+    """The tensors' names and shapes of a ``.safetensors`` file (its header) against the chosen model."""
+    from safetensors import safe_open
+
+    from lightning_vescale.state_dict_report import mismatch_report
+
+    with safe_open(str(path), framework="pt") as f:
+        given = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    report = mismatch_report(_meta_shapes(config.model.build_config()), given, ours="model", theirs="checkpoint")
+    if report is not None:
+        model = config.model
+        raise ConfigError(
+            f"init_from={config.init_from!r} does not match model={model.family}_{model.preset}:\n{report}\n"
+            f"Pick the model the weights were saved from (model=...), or override its fields (model.<field>=...)."
+        )
+
+
 # ----------------------------------------------------------------------------------------------------
 # The check, and its Hydra callback
 # ----------------------------------------------------------------------------------------------------
@@ -412,7 +520,108 @@ def preflight(cfg: Union[DictConfig, TrainConfig], run_dir: Optional[Path] = Non
     _check_tokenizer_links(config, resume)
     _check_memory_budget(config)
     _check_disk_room(config)
+    check_machine(config)
+    check_data(config)
+    check_fits_memory(config)
     return Preflight(config, resume)
+
+
+# ----------------------------------------------------------------------------------------------------
+# What the run needs from this machine and its data
+# ----------------------------------------------------------------------------------------------------
+
+
+def check_machine(config: TrainConfig) -> None:
+    """GPUs asked for exist (``trainer=gpu`` on a machine without one would fail in every process after launch),
+    and an HSDP ``strategy.replicate_size`` divides the number of processes."""
+    import torch
+
+    t = config.trainer
+    if t.accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"trainer.accelerator={t.accelerator} (trainer=gpu) but this machine has no CUDA GPU that torch "
+                f"{torch.__version__} can use (built {'with CUDA ' + torch.version.cuda if torch.version.cuda else 'for CPU only'}): "
+                f"train on CPU with trainer=default, or install a CUDA build of torch"
+            )
+        count = torch.cuda.device_count()
+        wanted = len(t.devices) if isinstance(t.devices, list) else t.devices if isinstance(t.devices, int) else None
+        if wanted is not None and wanted > count:
+            raise ConfigError(
+                f"trainer.devices={t.devices} asks for {wanted} GPUs but this machine has {count}: set "
+                f"trainer.devices={count} (or trainer.devices=auto)"
+            )
+    from lightning_vescale.recipe.memory import world_size_of
+
+    r = getattr(config.strategy, "replicate_size", None)
+    world = world_size_of(config)
+    if isinstance(r, int) and world % r != 0:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ConfigError(
+            f"strategy.replicate_size={r} does not divide the {world} processes (trainer.devices={t.devices} x "
+            f"trainer.num_nodes={t.num_nodes}): HSDP needs as many ranks in every replica; pick one of "
+            f"{', '.join(map(str, divisors))}, or strategy.replicate_size=null to shard over every rank"
+        )
+
+
+def check_data(config: TrainConfig) -> None:
+    """The corpus is UTF-8 text (not binary) and long enough for a training and a validation window."""
+    from lightning_vescale.data import check_windows_fit, load_text
+
+    data = config.data
+    path = None if data.path is None else _absolute(data.path)
+    num_bytes = len(load_text(path).encode("utf-8"))
+    source = "the embedded corpus" if path is None else repr(data.path)
+    if data.tokenizer == "byte":
+        check_windows_fit(num_bytes, seq_len=data.seq_len, val_fraction=data.val_fraction, source=source)
+    elif num_bytes < 2 * (data.seq_len + 1):  # BPE gives at most one token per byte
+        check_windows_fit(num_bytes, seq_len=data.seq_len, val_fraction=data.val_fraction, source=source)
+
+
+_STATE_BYTES_PER_PARAM = {"AdamWConfig": 16, "MuonConfig": 12}
+"""fp32 weight, gradient and optimizer states per parameter (AdamW: m and v; Muon: one momentum)."""
+
+
+def check_fits_memory(config: TrainConfig) -> None:
+    """A model whose training state cannot fit this machine is refused before launch (the real-size presets,
+    ``model=deepseek_v3_671b``, are for the dry run). Checked when everything stays on the device (no ``memory``,
+    ``quant`` or MPMD); the sharded state per rank is compared with this machine's memory per process."""
+    if config.memory is not None or config.quant is not None or config.mpmd is not None:
+        return
+    import torch
+
+    from lightning_vescale.models import num_params
+    from lightning_vescale.recipe.memory import replicate_of, world_size_of
+    from lightning_vescale.recipe.schema import DDPStrategyConfig
+
+    with torch.device("meta"):
+        params = num_params(config.model.build_model())
+    world = world_size_of(config)
+    shards = 1 if isinstance(config.strategy, DDPStrategyConfig) else world // replicate_of(config, world)
+    per_param = _STATE_BYTES_PER_PARAM.get(type(config.optimizer).__name__, 16)
+    if config.trainer.precision == "bf16-true":
+        per_param //= 2
+    need = params * per_param / shards
+    gpu = config.trainer.accelerator in ("gpu", "cuda") and torch.cuda.is_available()
+    if gpu:
+        have, where = torch.cuda.get_device_properties(0).total_memory, "one GPU's memory"
+    else:
+        processes = max(1, world // config.trainer.num_nodes)
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / processes
+        where = f"this machine's memory / {processes} processes"
+    if need <= have:
+        return
+    from lightning_vescale.recipe.numbers import format_bytes, format_count
+
+    model = f"model={config.model.family}_{config.model.preset}"
+    raise ConfigError(
+        f"{model} has {format_count(params)} parameters: training them holds about {format_bytes(need)} per rank "
+        f"({per_param} B of weight, gradient and optimizer state per parameter, sharded over {shards} rank"
+        f"{'s' if shards > 1 else ''}), more than the {format_bytes(have)} a rank has here ({where}). Size it with "
+        f"the dry run (python -m lightning_vescale.plan model={config.model.family}_{config.model.preset} "
+        f"world_size=...), train a small preset here (e.g. model={config.model.family}_tiny), or move state off "
+        f"the device (memory=offload_disk, memory=budget)"
+    )
 
 
 def _check_memory_budget(config: TrainConfig) -> None:
@@ -442,9 +651,12 @@ def _check_disk_room(config: TrainConfig) -> None:
 
 def config_error_message(err: BaseException) -> str:
     """The one-line (or few-line) message of a config problem, without OmegaConf's internals."""
-    missing = re.search(r"Missing mandatory value: (\S+)", str(err))
+    missing = re.search(r"Missing mandatory value: (\S+)", str(err)) or re.search(r"full_key: (\S+)", str(err))
     if isinstance(err, (MissingMandatoryValue, InterpolationToMissingValueError)) and missing:
         key = missing.group(1)
+        if key == "data.path":
+            return ("data=text_file trains on your own text, so it needs data.path: set data.path=/path/to/corpus.txt "
+                    "(a UTF-8 text file), or use data=embedded for the built-in corpus")
         return f"{key} is required (it is ??? in the config): set it, e.g. {key}=..."
     if isinstance(err, OmegaConfBaseException):
         return str(err).split("\n    full_key:")[0].strip()

@@ -800,8 +800,8 @@ class TrainConfig:
     """Seed of model initialization and data order (same on every rank)."""
     resume: Any = False
     """``true``: continue the newest run of this name (its ``checkpoints/last.ckpt``); or a run directory to
-    continue. The model, optimizer, schedule, precision, data and seed must match the run's saved config (the
-    world size may change: checkpoints reshard)."""
+    continue. The model, optimizer, schedule, precision, data, seed and strategy settings must match the run's saved
+    config (the world size may change: checkpoints reshard). The continued run writes a new run directory."""
     ckpt_path: Optional[str] = None
     """Continue from this checkpoint (exclusive with ``resume``; checked against its run's config the same way)."""
     resume_strict: bool = True
@@ -832,7 +832,7 @@ class TrainConfig:
     :mod:`lightning_vescale.recipe.mpmd`); null: the Lightning Trainer with ``strategy``."""
 
     notes: Dict[str, Any] = field(default_factory=dict)
-    """Free-form: anything to keep with the run (``+notes.purpose=lr_sweep``); stored in ``config.yaml`` and
+    """Free-form: anything to keep with the run (``+notes.purpose=lr_sweep``); stored in ``.hydra/config.yaml`` and
     ``summary.json``. The only section that accepts keys the schema does not define."""
 
     def __post_init__(self) -> None:

@@ -27,7 +27,10 @@ from typing import Any, Optional
 import hydra.utils
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-__all__ = ["ALLOWED_CALLABLES", "ALLOWED_KINDS", "DEFAULT_TARGET_MODULES", "check_config_targets", "check_target"]
+__all__ = [
+    "ALLOWED_CALLABLES", "ALLOWED_KINDS", "BUILTIN_TARGETS", "DEFAULT_TARGET_MODULES", "check_config_targets",
+    "check_target",
+]
 
 DEFAULT_TARGET_MODULES = ("torch.optim", "lightning_vescale", "lightning.pytorch.strategies")
 """Modules whose buildable classes and factories (:data:`ALLOWED_KINDS`, :data:`ALLOWED_CALLABLES`) a recipe's
@@ -72,6 +75,14 @@ def _buildable_kind(obj: Any) -> Optional[str]:
     return None
 
 
+BUILTIN_TARGETS = frozenset({
+    "torch.optim.AdamW", "lightning_vescale.optim.build_optimizer", "lightning_vescale.lightning.VeScaleStrategy",
+    "lightning.pytorch.strategies.DDPStrategy", "lightning.pytorch.strategies.ModelParallelStrategy",
+})
+"""The targets of the recipes' own schemas, allowed without importing them (a strategy imports Lightning, which a
+config check should not pay for); a unit test resolves each and checks where it is defined."""
+
+
 def _in_modules(dotted: str, modules: Sequence[str]) -> bool:
     return any(dotted == m or dotted.startswith(m + ".") for m in modules)
 
@@ -92,6 +103,8 @@ def check_target(key: str, target: Any, modules: Sequence[str], trusted: Sequenc
     )
     if not isinstance(target, str) or not _in_modules(target, modules):
         raise ValueError(f"{key}={target!r} is not in an allowed module. {fix}")
+    if target in BUILTIN_TARGETS:
+        return
     try:
         obj = hydra.utils.get_object(target)
     except Exception as err:  # hydra wraps ImportError / AttributeError in its own exception types

@@ -149,5 +149,11 @@ def test_too_short_validation_split_names_the_sizes(tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("x" * 1000, encoding="utf-8")
     dm = TextDataModule(path, seq_len=128, val_fraction=0.05)
-    with pytest.raises(ValueError, match=r"validation split of '.*short.txt' has 50 tokens.*seq_len=128"):
+    with pytest.raises(ValueError, match=r"validation split of '.*short.txt' \(data.val_fraction=0.05: 50 of 1000 "
+                                         r"tokens\) is shorter than one window of data.seq_len=128 .*"
+                                         r"data.val_fraction=0.129 or more"):
         dm.setup("fit")
+    path.write_text("x" * 200, encoding="utf-8")  # no fraction fits two windows: the advice is a longer text
+    with pytest.raises(ValueError, match=r"has 200 tokens, fewer than the 258 .*use a longer text") as info:
+        TextDataModule(path, seq_len=128, val_fraction=0.05).setup("fit")
+    assert "val_fraction" not in str(info.value)

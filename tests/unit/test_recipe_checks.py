@@ -364,3 +364,126 @@ def test_a_disk_tier_too_small_for_the_placement_activations_included_is_refused
             preflight(cfg)  # room for all but the activations: still refused
     with mock.patch("shutil.disk_usage", return_value=usage(0, 0, int(on_disk) + 1)):
         preflight(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What the run needs from the machine, the weights and the data: refused before launch, not in every rank
+
+
+def test_trainer_gpu_on_a_machine_without_a_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"trainer.accelerator=gpu \(trainer=gpu\) but this machine has no CUDA GPU"
+                                          r".*trainer=default"):
+        preflight(compose_cfg("trainer=gpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"trainer.devices=2 asks for 2 GPUs but this machine has 1"):
+        preflight(compose_cfg("trainer=gpu", "trainer.devices=2"))
+
+
+def test_a_replicate_size_that_does_not_divide_the_processes_is_refused():
+    with pytest.raises(ConfigError, match=r"strategy.replicate_size=3 does not divide the 2 processes .*pick one of "
+                                          r"1, 2, or strategy.replicate_size=null"):
+        preflight(compose_cfg("strategy=vescale_hsdp", "strategy.replicate_size=3"))
+    assert preflight(compose_cfg("strategy=vescale_hsdp", "strategy.replicate_size=2")).config.strategy.replicate_size == 2
+
+
+def test_a_model_too_large_for_the_machine_is_refused_naming_the_dry_run(monkeypatch):
+    from lightning_vescale.recipe import checks
+
+    sizes = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 24 * 2**30 // 4096}  # a 24 GiB machine, wherever this runs
+    monkeypatch.setattr(checks.os, "sysconf", lambda name: sizes[name])
+    with pytest.raises(ConfigError, match=r"model=llama_70b has 70.6B parameters: training them holds about 526 GiB "
+                                          r"per rank .* more than the 12.0 GiB a rank has here .*python -m "
+                                          r"lightning_vescale.plan model=llama_70b .*model=llama_tiny"):
+        preflight(compose_cfg("model=llama_70b", "data.seq_len=128"))
+    preflight(compose_cfg("model=llama_1b", "data.seq_len=128"))  # 9.2 GiB per rank: fits
+
+
+def test_a_fine_tune_override_that_changes_the_weights_shapes_is_refused(tmp_path):
+    hf, _ = _hf_llama(tmp_path)
+    with pytest.raises(ConfigError, match=r"model.n_layers=3 \(the checkpoint's: 2\) contradicts init_from=.*\n.*"
+                                          r"missing from the checkpoint .*layers.2"):
+        preflight(compose_cfg(f"init_from={hf}", "model.n_layers=3", config="finetune"))
+    preflight(compose_cfg(f"init_from={hf}", "model.max_seq_len=256", config="finetune"))  # no tensor changes
+    from safetensors.torch import save_file
+
+    save_file(Llama(llama_config("tiny")).state_dict(), str(tmp_path / "w.safetensors"))
+    with pytest.raises(ConfigError, match=r"does not match model=llama_tiny:\n.*unexpected in the checkpoint"):
+        preflight(compose_cfg(f"init_from={tmp_path / 'w.safetensors'}", "model=llama_tiny", "model.n_layers=1",
+                              config="finetune"))
+
+
+def test_data_text_file_without_a_path_says_what_to_set():
+    from omegaconf.errors import MissingMandatoryValue
+
+    from lightning_vescale.recipe.checks import config_error_message
+
+    with pytest.raises(MissingMandatoryValue) as info:
+        preflight(compose_cfg("data=text_file"))
+    assert config_error_message(info.value).startswith(
+        "data=text_file trains on your own text, so it needs data.path: set data.path=/path/to/corpus.txt")
+
+
+def test_a_binary_data_file_is_refused(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 500)
+    with pytest.raises(ValueError, match=r"is not UTF-8 text \(byte 3 is 0xe9\).*iconv -f <its encoding> -t UTF-8"):
+        preflight(compose_cfg("data=text_file", f"data.path={tmp_path / 'latin1.txt'}"))
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02\x03" * 500)
+    with pytest.raises(ValueError, match=r"holds NUL bytes \(the first at byte 0\), so it is a binary file"):
+        preflight(compose_cfg("data=text_file", f"data.path={tmp_path / 'blob.bin'}"))
+
+
+def test_a_text_too_small_for_the_windows_says_what_helps(tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("x" * 200)  # fewer than two windows of 128 (+1): no val_fraction can help
+    with pytest.raises(ValueError,
+                       match=r"has 200 tokens, fewer than the 258 of one training and one validation window of "
+                             r"data.seq_len=128 \(\+1 for the target\): use a longer text, or data.seq_len=99 at most$"):
+        preflight(compose_cfg("data=text_file", f"data.path={small}"))
+    medium = tmp_path / "medium.txt"
+    medium.write_text("x" * 1000)  # two windows fit; 5% (50 tokens) of it cannot hold a validation window
+    with pytest.raises(ValueError, match=r"the validation split .* \(data.val_fraction=0.05: 50 of 1000 tokens\) is "
+                                         r"shorter than one window .*: set data.val_fraction=0.129 or more"):
+        preflight(compose_cfg("data=text_file", f"data.path={medium}"))
+    preflight(compose_cfg("data=text_file", f"data.path={medium}", "data.val_fraction=0.129"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which run resume=true continues, and the overrides its message suggests
+
+
+def test_resume_suggests_the_strategy_option_not_its_target(tmp_path):
+    # strategy._target_=...DDPStrategy alone keeps vescale's fields, which DDPStrategy does not take.
+    run = fake_run(tmp_path, "a", "strategy=ddp", step=100)
+    with pytest.raises(ConfigError) as info:
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+    message = str(info.value)
+    assert "Continue it with its settings (strategy=ddp)" in message, message
+    assert "strategy._target_=" not in message
+    # The run's Hydra choices, where it kept them, name the option it was composed from.
+    (run / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      strategy: my_ddp\n")
+    with pytest.raises(ConfigError, match=r"Continue it with its settings \(strategy=my_ddp\)"):
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+    assert preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "strategy=ddp")).resume.run_dir == run
+
+
+def test_resume_true_refuses_the_newest_run_when_its_strategy_settings_differ(tmp_path):
+    # The README in order: the main job, then a short HSDP run; resume=true with the main job's settings must not
+    # stretch the HSDP run to 300 steps.
+    main_job = fake_run(tmp_path, "a", step=200, mtime=1000)
+    hsdp = fake_run(tmp_path, "b", "strategy=vescale_hsdp", "trainer.max_steps=30", step=30, mtime=2000)
+    with pytest.raises(ConfigError) as info:
+        preflight(compose_cfg(f"output_root={tmp_path}", "resume=true"))
+    message = str(info.value)
+    assert f"resume=true would continue {hsdp} (checkpoint at step 30)" in message
+    assert "strategy.replicate_size: saved 'auto', now None" in message
+    assert "(strategy.replicate_size=auto)" in message and f"matching settings: {main_job}" in message
+    resume = preflight(compose_cfg(f"output_root={tmp_path}", f"resume={main_job}")).resume
+    assert resume.reason == (f"resume={main_job} continues {main_job} (checkpoint at step 200); its settings match "
+                             f"this run's. The continued run writes a new run directory")
+    resume = preflight(compose_cfg(f"output_root={tmp_path}", "resume=true", "strategy=vescale_hsdp",
+                                   "trainer.max_steps=60")).resume
+    assert resume.reason == (f"resume=true continues {hsdp} (checkpoint at step 30): the newest of the 2 run(s) named "
+                             f"'llama_tiny' under {str(tmp_path)!r} with a checkpoints/last.ckpt; its settings match "
+                             f"this run's. The continued run writes a new run directory")

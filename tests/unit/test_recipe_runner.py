@@ -84,3 +84,79 @@ def test_train_loader_in_one_process_resumes_exactly(datamodule):
     torch.manual_seed(7)
     got = iter(restored)
     assert all(torch.equal(next(got)[0], want) for want in expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a run prints
+
+
+def _fit_with_bar(capsys, *, max_steps: int, batches_per_epoch: int) -> str:
+    from lightning.pytorch import LightningModule
+
+    from lightning_vescale.recipe.callbacks import RecipeProgressBar
+
+    class Module(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.layer(batch[0]).pow(2).mean()
+            self.log("loss", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            data = torch.utils.data.TensorDataset(torch.randn(batches_per_epoch * 2, 2))
+            return torch.utils.data.DataLoader(data, batch_size=2)
+
+    capsys.readouterr()
+    Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False,
+            max_steps=max_steps, limit_val_batches=0, callbacks=[RecipeProgressBar()]).fit(Module())
+    return capsys.readouterr().out
+
+
+def test_the_progress_bar_counts_optimizer_steps_of_max_steps_and_prints_its_end_once(capsys):
+    out = _fit_with_bar(capsys, max_steps=7, batches_per_epoch=3)  # three epochs
+    states = [s.strip() for s in out.replace("\n", "\r").split("\r") if s.strip().startswith("train:")]
+    assert states and all("/7 [" in s for s in states), states  # never an epoch's 3 batches
+    assert "Epoch" not in out
+    assert [int(s.split("|")[2].split("/")[0]) for s in states] == sorted(
+        int(s.split("|")[2].split("/")[0]) for s in states)  # it never goes back to 0 at an epoch
+    assert "7/7" in states[-1] and "loss=" in states[-1]
+    assert out.count("\n") == 1  # the bar's last line, once
+    loss = states[-1].split("loss=")[1].split(",")[0].split("]")[0]
+    assert len(loss.split(".")[1]) == 4  # four decimals, always
+
+
+def test_lightnings_cloud_logger_tip_and_pytree_deprecation_are_not_printed():
+    import warnings
+
+    from lightning.pytorch.utilities._pytree import _tree_flatten
+
+    from lightning_vescale.recipe import _tidy_lightning_output
+
+    tip = logging.LogRecord("lightning.pytorch.utilities.rank_zero", logging.INFO, __file__, 1,
+                            "💡 Tip: For seamless cloud logging, try installing [litlogger](...)", None, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _tree_flatten(1.0)
+        if not any("LeafSpec" in str(w.message) for w in caught):
+            pytest.skip("this torch does not deprecate LeafSpec (torch 2.13 does, and Lightning 2.6 uses it)")
+        caught.clear()
+        _tidy_lightning_output()
+        _tree_flatten(1.0)
+        assert not any("LeafSpec" in str(w.message) for w in caught)
+    assert not logging.getLogger("lightning.pytorch.utilities.rank_zero").filter(tip)
+
+
+def test_numbers_are_printed_in_readable_units():
+    from lightning_vescale.recipe.numbers import format_bytes, format_count, format_loss
+
+    assert format_bytes(1_024_620) == "0.977 MiB" and format_bytes(575_488) == "562 KiB"
+    assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.50 KiB" and format_bytes(517 * 2**20) == "517 MiB"
+    assert format_count(671_026_404_352) == "671B" and format_count(1_235_814_400) == "1.24B"
+    assert format_count(1_240_000) == "1.24M" and format_count(106_816) == "107K" and format_count(999) == "999"
+    assert format_loss(6.08) == "6.0800" and format_loss(0.49231) == "0.4923"
