@@ -229,6 +229,8 @@ def _run_dir(config: TrainConfig) -> Path:
 
         return Path(HydraConfig.get().runtime.output_dir)
     path = Path(config.output_root) / config.name / time.strftime("%Y-%m-%d_%H-%M-%S")
+    from lightning.fabric.utilities.rank_zero import _get_rank
+
     if _get_rank() is not None:
         return path  # a process a launcher started (see lightning_vescale.recipe.run_dir)
     from lightning_vescale.recipe.run_dir import claim_new_folder
