@@ -43,6 +43,11 @@ def model_ranks(model: nn.Module) -> Optional[list[int]]:
             ranks.update(int(r) for r in state.mesh.mesh.flatten().tolist())
     for g in _known_groups(model):
         ranks.update(dist.get_process_group_ranks(g))
+    from lightning_vescale.tensor import is_ragged
+
+    for p in model.parameters():  # a tensor-parallel parameter's (dp, tp) mesh: every rank of it holds the model
+        if is_ragged(p) and p.layout_info.outer is not None and p.layout_info.mesh is not None:
+            ranks.update(int(r) for r in p.layout_info.mesh.mesh.flatten().tolist())
     return sorted(ranks) if ranks else None
 
 

@@ -22,13 +22,15 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_vescale import collectives
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.dbuffer import BufferState, DBuffer
 from lightning_vescale.group_plan import ParamEntry, buffer_kind_of, plan_group_buffers
 from lightning_vescale.planner import BufferPlan
-from lightning_vescale.tensor import RaggedLayout, RaggedTensor
+from lightning_vescale.tensor import OuterShard, RaggedLayout, RaggedTensor, _contiguous_strides, piece_of
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class _ManagedParam:
     fqn: str
     uses: list  # [(module, attr_name)] — more than one for tied parameters
     key: tuple  # (dtype, requires_grad)
+    outer: Optional[OuterShard] = None  # tensor parallelism: the parameter was a DTensor on another mesh
     index: int = -1
     layout: Optional[RaggedLayout] = None
     sharded: Optional[nn.Parameter] = None
@@ -65,6 +68,12 @@ class _ManagedParam:
 SHARDED_ORIGINALS: "weakref.WeakKeyDictionary[torch.Tensor, str]" = weakref.WeakKeyDictionary()
 """Every parameter ``fully_shard`` has replaced, with where it went: another group that meets it again (a tie
 across groups) is refused by name instead of silently untying the copies."""
+
+
+def _piece_of_other_mesh(param: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel DTensor's local tensor (what fully_shard shards, see [Note: tensor-parallel parameters]),
+    else the parameter itself."""
+    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
@@ -110,8 +119,10 @@ class ParamGroup:
         reshard_after_forward: bool,
         gradient_divide_factor: Optional[float] = None,
         norm_group: Optional[dist.ProcessGroup] = None,
+        mesh: Optional[DeviceMesh] = None,
     ) -> None:
         self.module = module
+        self.mesh = mesh  # what the sharded parameters report as their device_mesh (with its shard dim)
         self.shard_group = shard_group
         self.replicate_group = replicate_group
         self.gradient_divide_factor = gradient_divide_factor
@@ -152,15 +163,20 @@ class ParamGroup:
         entries = []
         for fqn, param, uses in params:
             originals[fqn] = param
-            entries.append(ParamEntry(fqn, tuple(param.shape), param.dtype, param.requires_grad,
+            entries.append(ParamEntry(fqn, tuple(_piece_of_other_mesh(param).shape), param.dtype, param.requires_grad,
                                       granularity_fn(fqn, param), buffer_kind_of(fqn, param)))
         try:
             planned = plan_group_buffers(entries, self.world_size, self.mp_policy)
         except ValueError as e:
             raise ValueError(f"cannot shard the parameters of {type(self.module).__name__}: {e}") from None
+        for e, (fqn, param, _) in zip(entries, params):
+            if e.kind is not None and isinstance(param, DTensor):
+                raise ValueError(f"parameter {fqn} is declared block-quantized and is a tensor-parallel DTensor: "
+                                 f"block quantization with tensor parallelism is not supported yet; quantize the "
+                                 f"weights of modules without tensor parallelism only")
         key_of = {name: gb.key for gb in planned for name in gb.names}
-        for fqn, _, uses in params:
-            self.managed.append(_ManagedParam(fqn, uses, key_of[fqn]))
+        for fqn, param, uses in params:
+            self.managed.append(_ManagedParam(fqn, uses, key_of[fqn], outer=self._outer_shard(fqn, param)))
         kinds = {}
         for gb in planned:
             kwargs = dict(
@@ -189,13 +205,14 @@ class ParamGroup:
             else:
                 start, end = buf.plan.piece(mp.index, buf.rank)
                 with torch.no_grad():
-                    local.view(-1).copy_(orig.detach().reshape(-1)[start:end])
+                    local.view(-1).copy_(_piece_of_other_mesh(orig).detach().reshape(-1)[start:end])
             mp.layout = layouts[mp.fqn]
             mp.sharded = nn.Parameter(RaggedTensor(local, mp.layout), requires_grad=orig.requires_grad)
             for attr, value in vars(orig).items():  # user declarations such as _vescale_expert_stack
                 if attr.startswith("_vescale_"):
                     setattr(mp.sharded, attr, value)
-            mp.unsharded = nn.Parameter(buf.unsharded_view(mp.index), requires_grad=orig.requires_grad)
+            mp.unsharded = nn.Parameter(self._on_other_mesh(mp, buf.unsharded_view(mp.index)),
+                                        requires_grad=orig.requires_grad)
             mp.requires_grad = orig.requires_grad
             if mp.unsharded.requires_grad:
                 self._hook(mp)
@@ -218,8 +235,10 @@ class ParamGroup:
                 continue  # a storage of its own (quantized codes and scales) carries its own layouts
             extent = getattr(originals[mp.fqn], "_vescale_global_extent", None)
             if extent is None:
-                shape = tuple(originals[mp.fqn].shape)
-                layouts[mp.fqn] = RaggedLayout(shape, tuple(buf.plan.pieces(mp.index)), buf.group, buf.rank)
+                shape = tuple(_piece_of_other_mesh(originals[mp.fqn]).shape)
+                mesh, dim = self._reported_mesh(mp)
+                layouts[mp.fqn] = RaggedLayout(shape, tuple(buf.plan.pieces(mp.index)), buf.group, buf.rank, mesh, dim,
+                                               mp.outer)
             else:
                 blocks.append((mp, extent))
         if not blocks:
@@ -252,6 +271,60 @@ class ParamGroup:
                     f"block must be held by exactly one rank of norm_group"
                 ) from None
         return layouts
+
+    # [Note: tensor-parallel parameters]
+    # A parameter that is a DTensor on another mesh (``parallelize_module`` over ``mesh["tp"]`` before ``fully_shard``
+    # over ``mesh["dp"]``, as with FSDP2) is sharded as its local piece: the planner, the DBuffer and the
+    # collectives see only that piece, the sharded parameter reports the whole tensor on the 2-D ``(dp, tp)`` mesh
+    # with placements ``(RaggedShard, <its tp placement>)`` (an :class:`OuterShard` in its layout), and forward uses
+    # a DTensor on the tp mesh whose local tensor is the gathered piece, so tensor parallelism's own hooks and
+    # collectives run as they would without sharding. Gradients accumulate into the DBuffer through it.
+    def _outer_shard(self, fqn: str, param: torch.Tensor) -> Optional[OuterShard]:
+        if not isinstance(param, DTensor):
+            return None
+        other = param.device_mesh
+        if other.ndim != 1 or len(param.placements) != 1:
+            raise ValueError(f"parameter {fqn} is a DTensor on a {other.ndim}-D mesh with placements {param.placements}: "
+                             f"fully_shard takes DTensors of tensor parallelism on a 1-D mesh (mesh['tp'])")
+        if param.is_meta:
+            raise ValueError(f"parameter {fqn} is a meta-device DTensor: initialize the model's weights before tensor "
+                             f"parallelism and fully_shard (or build it on the device)")
+        placement = param.placements[0]
+        if not (placement.is_shard() or placement.is_replicate()):
+            raise ValueError(f"parameter {fqn} has placement {placement} on the tensor-parallel mesh; fully_shard takes "
+                             f"Shard(dim) or Replicate() there")
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(param.shape, other, param.placements)
+        return OuterShard(other, placement, tuple(param.shape), tuple(offset))
+
+    def _reported_mesh(self, mp: _ManagedParam) -> tuple[Optional[DeviceMesh], int]:
+        """The mesh a sharded parameter reports and its shard dim: the fully_shard mesh (HSDP: dim 1), or for a
+        tensor-parallel parameter the 2-D mesh both meshes are slices of."""
+        if self.mesh is None:
+            return None, 0
+        if mp.outer is None:
+            return self.mesh, self.mesh.ndim - 1
+        root = self.mesh._get_root_mesh()
+        names = root.mesh_dim_names or ()
+        mine, theirs = self.mesh.mesh_dim_names or (), mp.outer.mesh.mesh_dim_names or ()
+        if (self.mesh.ndim != 1 or root is not mp.outer.mesh._get_root_mesh() or root.ndim != 2 or len(mine) != 1
+                or len(theirs) != 1 or mine[0] not in names or theirs[0] not in names):
+            raise ValueError(
+                f"parameter {mp.fqn} is a DTensor on the mesh {mp.outer.mesh}, which is not the other dimension of the "
+                f"mesh fully_shard shards over ({self.mesh}): make both slices of one 2-D mesh, e.g. mesh = "
+                f"init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); parallelize_module(..., mesh['tp']); "
+                f"fully_shard(..., mesh=mesh['dp'])")
+        return root, names.index(mine[0])
+
+    def _on_other_mesh(self, mp: _ManagedParam, view: torch.Tensor) -> torch.Tensor:
+        """``view`` (a gathered piece or its gradient) as the DTensor forward uses for a tensor-parallel parameter."""
+        if mp.outer is None:
+            return view
+        with torch.no_grad():
+            return DTensor.from_local(view, mp.outer.mesh, [mp.outer.placement], run_check=False,
+                                      shape=torch.Size(mp.outer.global_shape),
+                                      stride=_contiguous_strides(mp.outer.global_shape))
 
     @property
     def plans(self) -> list[BufferPlan]:
@@ -403,7 +476,7 @@ class ParamGroup:
             buf.alloc_grad()
         for mp in self.managed:
             if mp.unsharded.requires_grad:
-                mp.unsharded.grad = self.buffers[mp.key].unsharded_grad_view(mp.index)
+                mp.unsharded.grad = self._on_other_mesh(mp, self.buffers[mp.key].unsharded_grad_view(mp.index))
         self._grads_bound = True
 
     def _on_grad_accumulated(self, _param: torch.Tensor) -> None:
@@ -503,8 +576,7 @@ class ParamGroup:
                 if g is None:
                     view.zero_()
                 elif g is not mp.grad:  # the user set .grad: take its piece
-                    view.view(-1).copy_(g._local_tensor.reshape(-1) if isinstance(g, RaggedTensor) else g.reshape(-1)[
-                        slice(*mp.layout.local_range)])
+                    view.view(-1).copy_(piece_of(g, mp.layout))
         return True
 
     def finalize_grads(self) -> None:

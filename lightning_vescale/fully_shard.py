@@ -760,7 +760,7 @@ def fully_shard(
             module, params, shard_group=shard_group, replicate_group=replicate_group, device=device,
             mp_policy=mp_policy, granularity_fn=granularity_fn,
             reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,
-            norm_group=norm_group,
+            norm_group=norm_group, mesh=mesh,
         )
     # Buffers are replicated: move the ones this module owns directly to the mesh's device.
     for sub in module.modules():

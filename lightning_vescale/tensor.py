@@ -71,7 +71,7 @@ from lightning_vescale import collectives
 from lightning_vescale.placement import RaggedShard, flat_range_to_boxes
 
 __all__ = [
-    "GlobalExtent", "RaggedLayout", "RaggedTensor", "UnsupportedRaggedOp", "block_layout", "is_ragged", "is_sharded_param",
+    "GlobalExtent", "OuterShard", "RaggedLayout", "RaggedTensor", "UnsupportedRaggedOp", "block_layout", "is_ragged", "is_sharded_param",
     "RaggedPiece", "local_tensor", "piece_of",
     "local_piece_shape",
 ]
@@ -89,6 +89,43 @@ def local_piece_shape(shape: Sequence[int], start: int, end: int) -> tuple[int, 
 
 
 @dataclass(frozen=True, eq=False)
+class OuterShard:
+    """The tensor a layout shards over its group is this rank's piece of a larger DTensor on another mesh (tensor
+    parallelism: ``fully_shard`` over ``mesh["dp"]`` of a weight ``ColwiseParallel`` made ``Shard(0)`` on
+    ``mesh["tp"]``). The sharded tensor then reports the larger tensor's shape; reductions, ``full_tensor()``,
+    checkpoint chunks and full-tensor copies go over both meshes."""
+
+    mesh: DeviceMesh
+    """The other (1-D) mesh, e.g. ``mesh["tp"]``."""
+    placement: Placement
+    """How the larger tensor lies on it: ``Shard(dim)`` or ``Replicate()``."""
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    """Where this rank's piece starts in the larger tensor (nonzero only along a ``Shard`` dim)."""
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group()
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether the ranks of ``mesh`` hold different parts (``Shard``), not copies (``Replicate``)."""
+        return self.placement.is_shard()
+
+    def local_slice(self, full: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """This rank's piece (of ``shape``) of ``full``, a tensor of ``global_shape``."""
+        index = tuple(slice(o, o + n) for o, n in zip(self.offset, shape))
+        return full[index]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OuterShard) and (self.mesh, self.placement, self.global_shape, self.offset) == (
+            other.mesh, other.placement, other.global_shape, other.offset)
+
+    def __hash__(self) -> int:
+        return hash((self.placement, self.global_shape, self.offset))
+
+
+@dataclass(frozen=True, eq=False)
 class RaggedLayout:
     """Where the pieces of a sharded tensor live.
 
@@ -100,7 +137,7 @@ class RaggedLayout:
     """
 
     shape: tuple[int, ...]
-    """The global shape."""
+    """The shape of the tensor the ranges cut: the global shape, or with ``outer`` this rank's piece of it."""
     ranges: tuple[FlatRange, ...]
     """Flat range of every rank of ``group``, in group rank order (empty ranges as ``(s, s)``)."""
     group: Optional[dist.ProcessGroup]
@@ -111,7 +148,10 @@ class RaggedLayout:
     """The mesh the tensor reports as a DTensor (``device_mesh``), whose dim ``mesh_dim`` holds the ranks of
     ``group``: a 2-D (replicate, shard) mesh for HSDP. None: a 1-D mesh of ``group`` (none for one process)."""
     mesh_dim: int = 0
-    """The dim of ``mesh`` the pieces are spread over; every other dim holds replicas (``Replicate()``)."""
+    """The dim of ``mesh`` the pieces are spread over; every other dim holds replicas (``Replicate()``), or with
+    ``outer`` the other mesh's placement."""
+    outer: Optional[OuterShard] = None
+    """Tensor parallelism: ``shape`` is this rank's piece of a larger DTensor laid out on another mesh."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_specs", {})
@@ -124,6 +164,33 @@ class RaggedLayout:
             cursor = end
         if cursor != numel:
             raise ValueError(f"the pieces of a {self.shape} tensor must tile [0, {numel}); got {self.ranges}")
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The shape the tensor reports (its ``DTensor`` shape)."""
+        return self.outer.global_shape if self.outer is not None else self.shape
+
+    @property
+    def reduce_groups(self) -> list[dist.ProcessGroup]:
+        """The groups a full reduction all-reduces over: ``group``, and the other mesh's when it holds different parts."""
+        groups = [self.group] if self.group is not None and self.world_size > 1 else []
+        if self.outer is not None and self.outer.is_sharded and self.outer.mesh.size() > 1:
+            groups.append(self.outer.group)
+        return groups
+
+    def global_boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """:meth:`boxes` in the coordinates of the global tensor."""
+        if self.outer is None:
+            return self.boxes()
+        shift = self.outer.offset
+        return [(tuple(o + s for o, s in zip(offsets, shift)), sizes) for offsets, sizes in self.boxes()]
+
+    def take_piece(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's flat piece of ``full``, a tensor of :attr:`global_shape` (a view where possible)."""
+        if self.outer is not None:
+            full = self.outer.local_slice(full, self.shape)
+        start, end = self.local_range
+        return full.reshape(-1)[start:end]
 
     @property
     def local_range(self) -> FlatRange:
@@ -168,9 +235,11 @@ class RaggedLayout:
         return mesh
 
     def placements(self, mesh: Optional[DeviceMesh]) -> tuple[Placement, ...]:
-        """The DTensor placements on ``mesh``: :attr:`placement` on ``mesh_dim``, ``Replicate()`` elsewhere."""
+        """The DTensor placements on ``mesh``: :attr:`placement` on ``mesh_dim``, ``Replicate()`` elsewhere (the
+        other mesh's placement on the other dim with ``outer``)."""
         ndim = 1 if mesh is None else mesh.ndim
-        return tuple(self.placement if d == self.mesh_dim else Replicate() for d in range(ndim))
+        other = self.outer.placement if self.outer is not None else Replicate()
+        return tuple(self.placement if d == self.mesh_dim else other for d in range(ndim))
 
     def spec(self, dtype: torch.dtype, device: torch.device) -> DTensorSpec:
         """The DTensor spec of a tensor of this layout (one per dtype and device type, made once)."""
@@ -178,7 +247,7 @@ class RaggedLayout:
         spec = self._specs.get(key)  # type: ignore[attr-defined]
         if spec is None:
             mesh = self.device_mesh(device.type)
-            meta = TensorMeta(torch.Size(self.shape), _contiguous_strides(self.shape), dtype)
+            meta = TensorMeta(torch.Size(self.global_shape), _contiguous_strides(self.global_shape), dtype)
             # A RaggedShard is a Shard of dim 0 but not equal to Shard(0): leave the spec's shard order to be derived when
             # asked for, as for _StridedShard, instead of checking it against Shard(0) here.
             spec = self._specs[key] = DTensorSpec(  # type: ignore[attr-defined]
@@ -190,12 +259,12 @@ class RaggedLayout:
             return True
         if not isinstance(other, RaggedLayout):
             return NotImplemented
-        return (self.shape, self.ranges, self.rank) == (other.shape, other.ranges, other.rank) and (
+        return (self.shape, self.ranges, self.rank, self.outer) == (other.shape, other.ranges, other.rank, other.outer) and (
             self.group is other.group
         )
 
     def __hash__(self) -> int:
-        return hash((self.shape, self.ranges, self.rank, id(self.group)))
+        return hash((self.shape, self.ranges, self.rank, id(self.group), self.outer))
 
     def __repr__(self) -> str:
         return f"RaggedLayout(shape={self.shape}, local_range={self.local_range}, rank={self.rank}/{self.world_size})"
@@ -255,7 +324,7 @@ def is_sharded_param(t: Any) -> bool:
 
 
 class RaggedTensor(DTensor):
-    """A tensor of global shape ``layout.shape`` of which this rank holds the piece ``to_local()``.
+    """A tensor of global shape ``layout.global_shape`` of which this rank holds the piece ``to_local()``.
 
     Made by ``fully_shard`` for every sharded parameter (and its ``.grad``), and by elementwise ops on
     those (optimizer states). See the module note for what runs on it. It is a
@@ -323,7 +392,7 @@ class RaggedTensor(DTensor):
         """The whole tensor on every rank of the layout's group (an all-gather; every rank must call it).
 
         Not differentiable (see :meth:`to_local`); ``grad_placements`` has no effect."""
-        return gather_pieces(self._local_tensor, self._layout)
+        return gather_full(self._local_tensor, self._layout)
 
     def redistribute(
         self,
@@ -370,11 +439,10 @@ class RaggedTensor(DTensor):
 
     @classmethod
     def from_full(cls, full: torch.Tensor, layout: RaggedLayout) -> "RaggedTensor":
-        """A RaggedTensor holding this rank's piece (a copy) of ``full``, a tensor of ``layout.shape``."""
-        if tuple(full.shape) != layout.shape:
-            raise ValueError(f"from_full: the tensor has shape {tuple(full.shape)}, the layout {layout.shape}")
-        start, end = layout.local_range
-        return cls(full.detach().reshape(-1)[start:end].clone().view(layout.local_shape), layout)
+        """A RaggedTensor holding this rank's piece (a copy) of ``full``, a tensor of ``layout.global_shape``."""
+        if tuple(full.shape) != layout.global_shape:
+            raise ValueError(f"from_full: the tensor has shape {tuple(full.shape)}, the layout {layout.global_shape}")
+        return cls(layout.take_piece(full.detach()).clone().view(layout.local_shape), layout)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (
@@ -419,7 +487,7 @@ class RaggedTensor(DTensor):
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
                     properties=props,
-                    size=torch.Size(self._layout.shape),
+                    size=torch.Size(self._layout.global_shape),
                 ),
             )
             for offsets, sizes in self._chunks()
@@ -441,10 +509,11 @@ class RaggedTensor(DTensor):
         raise ValueError(f"{index.fqn}: no piece at offsets {tuple(index.offset)} on this rank ({self._layout})")
 
     def _chunks(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        if math.prod(self._layout.shape) == 0:
+        shape = self._layout.global_shape
+        if math.prod(shape) == 0:
             # Nothing to write, but the checkpoint must still know the tensor: one rank lists an empty chunk.
-            return [((0,) * len(self._layout.shape), self._layout.shape)] if self._layout.rank == 0 else []
-        return self._layout.boxes()
+            return [((0,) * len(shape), shape)] if self._layout.rank == 0 else []
+        return self._layout.global_boxes()
 
     # -- dispatch -----------------------------------------------------------------------------------------
     @classmethod
@@ -499,6 +568,16 @@ def gather_pieces(local: torch.Tensor, layout: RaggedLayout) -> torch.Tensor:
     for q, (s, e) in enumerate(layout.ranges):
         out[s:e].copy_(flat_recv[q * padded : q * padded + (e - s)])
     return full
+
+
+def gather_full(local: torch.Tensor, layout: RaggedLayout) -> torch.Tensor:
+    """The whole tensor of ``layout.global_shape``: :func:`gather_pieces`, then over the other mesh with ``outer``."""
+    full = gather_pieces(local, layout)
+    outer = layout.outer
+    if outer is None or not outer.is_sharded or outer.mesh.size() == 1:
+        return full
+    return DTensor.from_local(full, outer.mesh, [outer.placement], run_check=False, shape=torch.Size(outer.global_shape),
+                              stride=_contiguous_strides(outer.global_shape)).full_tensor()
 
 
 def _wire_view(t: torch.Tensor) -> torch.Tensor:
@@ -738,8 +817,8 @@ def piece_of(src: torch.Tensor, layout: RaggedLayout) -> torch.Tensor:
     """This rank's piece of ``layout`` taken from ``src``, a tensor of the layout's global shape: a RaggedTensor
     (of any layout), another DTensor (``Shard``, ``Replicate`` ...: gathered first, a collective over its mesh), or
     a plain full tensor. The result is flat (``layout``'s local range), on ``src``'s device."""
-    if tuple(src.shape) != layout.shape:
-        raise ValueError(f"a {tuple(src.shape)} tensor cannot give a piece of a {layout.shape} tensor")
+    if tuple(src.shape) != layout.global_shape:
+        raise ValueError(f"a {tuple(src.shape)} tensor cannot give a piece of a {layout.global_shape} tensor")
     if isinstance(src, RaggedTensor):
         if src._layout == layout:
             return src._local_tensor.reshape(-1)
@@ -748,8 +827,7 @@ def piece_of(src: torch.Tensor, layout: RaggedLayout) -> torch.Tensor:
         full = src.full_tensor()
     else:
         full = src
-    start, end = layout.local_range
-    return full.detach().reshape(-1)[start:end]
+    return layout.take_piece(full.detach())
 
 
 def _copy(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -797,10 +875,9 @@ def _random_fill(func: Any, args: tuple, kwargs: dict) -> Any:
     others = _flat_tensors((args[1:], kwargs))
     if not isinstance(self, RaggedTensor) or any(isinstance(a, RaggedTensor) for a in others):
         return _unsupported(func, args, kwargs)
-    full = torch.empty(self._layout.shape, dtype=self.dtype, device=self.device)
+    full = torch.empty(self._layout.global_shape, dtype=self.dtype, device=self.device)
     func(full, *args[1:], **kwargs)
-    start, end = self._layout.local_range
-    self._local_tensor.view(-1).copy_(full.view(-1)[start:end])
+    self._local_tensor.view(-1).copy_(self._layout.take_piece(full))
     return self
 
 
@@ -808,8 +885,8 @@ def _random_fill(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _all_reduce(value: torch.Tensor, layout: RaggedLayout, op: Any) -> torch.Tensor:
-    if layout.group is not None and layout.world_size > 1:
-        collectives.all_reduce(value, layout.group, op=op, kind="all_reduce_ragged")
+    for group in layout.reduce_groups:
+        collectives.all_reduce(value, group, op=op, kind="all_reduce_ragged")
     return value
 
 
@@ -935,8 +1012,8 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list:
     out: list = [None] * len(tensors)
     by_group: dict = {}
     for i, t in enumerate(tensors):
-        if isinstance(t, RaggedTensor):
-            by_group.setdefault(t._layout.group, []).append(i)
+        if isinstance(t, RaggedTensor):  # one all-reduce per set of groups (tensor-parallel shards: two)
+            by_group.setdefault(tuple(id(g) for g in t._layout.reduce_groups), []).append(i)
         else:  # a plain tensor is whole on this rank: its norm is local (each output is one tensor's norm)
             out[i] = torch.linalg.vector_norm(t, p, dtype=dtype)
     for group, idx in by_group.items():

@@ -318,6 +318,13 @@ class Muon(Optimizer):
         if group["mode"] not in _MODES:
             raise ValueError(f"Muon mode must be one of {_MODES}, got {group['mode']!r}")
         for p, name in zip(group["params"], self._names(group)):
+            if is_ragged(p) and p.layout_info.outer is not None and p.layout_info.outer.is_sharded:
+                raise ValueError(
+                    f"Muon cannot step {name}: tensor parallelism splits it over {p.layout_info.outer.mesh} "
+                    f"({p.layout_info.outer.placement}), and orthogonalizing a piece is not orthogonalizing the matrix. "
+                    f"Give tensor-parallel weights to AdamW (lightning_vescale.optim.build_optimizer(..., "
+                    f"adamw_patterns=[...])), or train without tensor parallelism."
+                )
             for start, shape in self._matrix_shapes(name, p):  # raises on 1-D / undeclared 3-D tensors
                 if group["mode"] == "local" and _is_sharded(p):
                     ranges = _matrix_ranges(p, start, shape[0] * shape[1])
