@@ -395,7 +395,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     _limit_cpu_threads(config)
     run_dir = _run_dir(config)
     if config.mpmd is not None:
-        from lightning_vescale.recipe.mpmd import run_mpmd
+        from lightning_vescale.recipe.mpmd_run import run_mpmd
 
         return run_mpmd(config, run_dir)
     datamodule = build_datamodule(config.data, seed=config.seed)
