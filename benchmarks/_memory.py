@@ -169,7 +169,7 @@ class _StagingTracker:
 
         return original, staged
 
-    def __enter__(self) -> "_StagingTracker":
+    def __enter__(self) -> _StagingTracker:
         replace = {}
         for name, (kind, position) in _STAGED.items():
             original, staged = self._wrap(name, kind, position)
@@ -304,7 +304,7 @@ class MemoryLedger(TorchDispatchMode):
         storages = _unique_storages(tensors)
         return sum(s.nbytes() for s in storages.values()), storages
 
-    def __enter__(self) -> "MemoryLedger":
+    def __enter__(self) -> MemoryLedger:
         self._staging.__enter__()
         return super().__enter__()
 

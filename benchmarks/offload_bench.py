@@ -337,7 +337,7 @@ def capacity(args) -> None:
             return r["peak_rss_mb"] <= budget, {"n_layers": layers, "params": n_params[layers], **r}
         return fits
 
-    lines += ["## (b) Largest model (blocks of `%s`, batch 2x128 tokens per rank)" % args.model, "",
+    lines += [f"## (b) Largest model (blocks of `{args.model}`, batch 2x128 tokens per rank)", "",
               "| placement | largest that fits (blocks) | parameters | trials (blocks: peak MiB) |", "|---|---|---|---|"]
     result["model"] = {}
     for name, spec in CAPACITY["model"].items():

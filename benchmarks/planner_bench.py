@@ -72,6 +72,10 @@ MIXTRAL_8X22B = MoEConfig(
 )
 
 
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
 def meta_layer(model_cls: type, config) -> list[tuple[str, tuple]]:
     """(name, shape) of the last decoder layer of ``model_cls(config)`` built on the meta device."""
     with torch.device("meta"):
@@ -207,7 +211,7 @@ def chunked_options(specs: list[TensorSpec], N: int, a: int, lb: int) -> list[di
             names = {s.name for s in chunked}
             rest = [s for s in specs if s.name not in names]
             # Each rank's even share of whole granules, reserved at the start of its shard.
-            reserve = sum(_align(-(-(-(-s.numel // s.granularity)) // N) * s.granularity, a) for s in chunked)
+            reserve = sum(_align(_ceil(_ceil(s.numel, s.granularity), N) * s.granularity, a) for s in chunked)
             S = reserve + (plan_buffer(rest, N, alignment=a).shard_size if rest else 0)
             options.append({
                 "chunked": [s.name for s in chunked],

@@ -462,7 +462,7 @@ def weight_error_records() -> list[dict]:
     from lightning_vescale.quant import BlockFormat
     from lightning_vescale.quant.blocks import dequantize_band_piece, quantize_band_piece
 
-    def rel(w: torch.Tensor, fmt: "BlockFormat | None") -> float:
+    def rel(w: torch.Tensor, fmt: BlockFormat | None) -> float:
         flat = w.reshape(-1)
         if fmt is None:
             back = flat.to(torch.bfloat16)

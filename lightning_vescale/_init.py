@@ -43,7 +43,7 @@ def _owning_groups(root: nn.Module) -> dict[int, ParamGroup]:
     return owner
 
 
-def _record_first_owner(module: nn.Module, name: str, param: "nn.Parameter | None") -> None:
+def _record_first_owner(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
     # Read by init_sharded_weights (see [Note: tied parameters at init]); fully_shard copies it to the sharded one.
     if param is not None and param.is_meta and not hasattr(param, "_vescale_first_owner"):
         param._vescale_first_owner = weakref.ref(module)

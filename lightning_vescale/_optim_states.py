@@ -25,7 +25,7 @@ from lightning_vescale.tensor import RaggedTensor, is_ragged
 
 __all__ = ["lay_out_like_params"]
 
-_SEEN: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_SEEN: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def _foreign(value: Any, p: RaggedTensor, full_tensors: bool) -> bool:

@@ -65,7 +65,7 @@ class _ManagedParam:
     original: Optional[weakref.ref] = None  # the parameter before sharding, to detect ties across groups
 
 
-SHARDED_ORIGINALS: "weakref.WeakKeyDictionary[torch.Tensor, str]" = weakref.WeakKeyDictionary()
+SHARDED_ORIGINALS: weakref.WeakKeyDictionary[torch.Tensor, str] = weakref.WeakKeyDictionary()
 """Every parameter ``fully_shard`` has replaced, with where it went: another group that meets it again (a tie
 across groups) is refused by name instead of silently untying the copies."""
 
@@ -161,7 +161,7 @@ class ParamGroup:
     def _build(self, params, granularity_fn: GranularityFn) -> None:
         originals: dict[str, nn.Parameter] = {}
         entries = []
-        for fqn, param, uses in params:
+        for fqn, param, _ in params:
             originals[fqn] = param
             entries.append(ParamEntry(fqn, tuple(_piece_of_other_mesh(param).shape), param.dtype, param.requires_grad,
                                       granularity_fn(fqn, param), buffer_kind_of(fqn, param)))

@@ -9,7 +9,7 @@ import torch
 
 __all__ = ["GRADIENT_TIERS", "clip_grad_norm_", "local_grads_finite"]
 
-GRADIENT_TIERS: "weakref.WeakSet" = weakref.WeakSet()
+GRADIENT_TIERS: weakref.WeakSet = weakref.WeakSet()
 """What keeps some parameters' gradient pieces off the device (the memory manager's offloads register here): each has
 ``owns(param) -> bool``, ``clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)`` and
 ``each_resident(params, fn) -> list`` (``fn`` on chunks of ``params`` whose pieces are brought in, one buffer at a

@@ -395,7 +395,7 @@ class _VeScaleState:
                 state.group.release_unused_grads()
 
     @staticmethod
-    def _next_in(order: list, state: "_VeScaleState", count: int) -> list["_VeScaleState"]:
+    def _next_in(order: list, state: _VeScaleState, count: int) -> list[_VeScaleState]:
         try:
             i = order.index(state)
         except ValueError:
@@ -747,12 +747,11 @@ def fully_shard(
     device = _mesh_device(mesh)
     params = _collect_params(module)
     for fqn, param, _ in params:
-        if not param.is_meta and param.device.type != device.type:
-            if param.device.type != "cpu":
-                raise ValueError(
-                    f"parameter {fqn} is on {param.device} but the mesh is on {mesh.device_type}: move the module "
-                    f"to the mesh's device type (or to CPU / meta) before fully_shard"
-                )
+        if not param.is_meta and param.device.type not in (device.type, "cpu"):
+            raise ValueError(
+                f"parameter {fqn} is on {param.device} but the mesh is on {mesh.device_type}: move the module "
+                f"to the mesh's device type (or to CPU / meta) before fully_shard"
+            )
     group = None
     granularity_fn = _granularity_fn(granularity)
     if params:

@@ -49,7 +49,7 @@ class BufferKind(Protocol):
         """What the planner lays out for these parameters, and its alignment (the engine's ``specs`` and
         ``alignment``, 16 bytes' worth of elements, are what a DBuffer of master pieces needs)."""
 
-    def make_buffer(self, plan: BufferPlan, buffer: "GroupBuffer", **kwargs: Any) -> Any:
+    def make_buffer(self, plan: BufferPlan, buffer: GroupBuffer, **kwargs: Any) -> Any:
         """The buffer (a DBuffer for master pieces); ``kwargs`` are DBuffer's (group, device, dtypes ...)."""
 
     def make_parameters(self, group: Any, managed: Any, buffer: Any, original: torch.Tensor) -> None:

@@ -676,7 +676,7 @@ class _ValidSizes:
             S = _align_up(S, self.a)
             k = bisect.bisect_right(self.thresholds, S)  # tensors k.. are forced at S
             S2 = _align_up(S, self.suffix_lcm[k])
-            if k < len(self.thresholds) and S2 >= self.thresholds[k]:
+            if k < len(self.thresholds) and self.thresholds[k] <= S2:
                 S = self.thresholds[k]  # the forced set shrinks there
                 continue
             S = S2
@@ -825,19 +825,19 @@ def _search_shard_size(search: _Search, items: list[_Item], N: int, a: int) -> t
     # Other candidates round-robin over the moduli (the first multiple of each, then the second, ...),
     # so that a small modulus cannot use up the budget just above the bound.
     others: dict[int, tuple[int, int]] = {}
-    moduli = sorted({L for _, L in big if L > a} | {total_lcm})
+    moduli = sorted({L for _, L in big if a < L} | {total_lcm})
     if (best_S - lb) // a <= _LINEAR_STEPS:
         moduli = [a] + moduli
     for m in moduli:
         S = lb
         for rank in range(_LINEAR_STEPS if m == a else _MULTIPLES_PER_MODULUS):
             S = valid.next(_align_up(S + 1, m))
-            if S >= best_S:
+            if best_S <= S:
                 break
             others[S] = min(others.get(S, (rank, S)), (rank, S))
     queue = sorted(structural - tried) + sorted(set(others) - structural - tried, key=lambda S: others[S])
     for S in queue:
-        if S >= best_S or search.work >= _WORK_BUDGET:
+        if best_S <= S or search.work >= _WORK_BUDGET:
             continue
         found, _ = search.evaluate(S, need_end=False)
         if found is not None:

@@ -336,7 +336,7 @@ class RaggedTensor(DTensor):
     __slots__ = ("_layout",)
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, layout: RaggedLayout, *, requires_grad: bool = False) -> "RaggedTensor":
+    def __new__(cls, local: torch.Tensor, layout: RaggedLayout, *, requires_grad: bool = False) -> RaggedTensor:
         if local.numel() != layout.local_range[1] - layout.local_range[0]:
             raise ValueError(
                 f"the local piece has {local.numel()} elements but the layout gives this rank "
@@ -438,7 +438,7 @@ class RaggedTensor(DTensor):
         return distribute_tensor(full, mesh, placements, src_data_rank=None)
 
     @classmethod
-    def from_full(cls, full: torch.Tensor, layout: RaggedLayout) -> "RaggedTensor":
+    def from_full(cls, full: torch.Tensor, layout: RaggedLayout) -> RaggedTensor:
         """A RaggedTensor holding this rank's piece (a copy) of ``full``, a tensor of ``layout.global_shape``."""
         if tuple(full.shape) != layout.global_shape:
             raise ValueError(f"from_full: the tensor has shape {tuple(full.shape)}, the layout {layout.global_shape}")
@@ -451,7 +451,7 @@ class RaggedTensor(DTensor):
             f"local={self._local_tensor!r})"
         )
 
-    def __deepcopy__(self, memo: dict) -> "RaggedTensor":
+    def __deepcopy__(self, memo: dict) -> RaggedTensor:
         if id(self) in memo:
             return memo[id(self)]
         out = RaggedTensor(self._local_tensor.detach().clone(), self._layout, requires_grad=self.requires_grad)
@@ -685,7 +685,7 @@ directly (under no_grad, between RaggedTensors of one layout and Python scalars)
 dispatch path does, without its cost."""
 
 
-def _pieces_of_one_layout(args: tuple) -> tuple[Optional["RaggedLayout"], list]:
+def _pieces_of_one_layout(args: tuple) -> tuple[Optional[RaggedLayout], list]:
     """``(layout, pieces)`` when the tensor arguments are RaggedTensors of one layout object and the rest Python
     scalars (the fast paths; the single-tensor optimizer step runs ~8 ops per parameter); ``(None, [])`` else."""
     layout = None
@@ -704,7 +704,7 @@ def _pieces_of_one_layout(args: tuple) -> tuple[Optional["RaggedLayout"], list]:
     return layout, local_args
 
 
-def _wrap_piece(out: torch.Tensor, layout: "RaggedLayout") -> "RaggedTensor":
+def _wrap_piece(out: torch.Tensor, layout: RaggedLayout) -> RaggedTensor:
     return _wrap(out, layout)
 
 
@@ -776,7 +776,7 @@ class RaggedPiece(torch.Tensor):
     _ragged_layout: RaggedLayout
 
     @staticmethod
-    def of(local: torch.Tensor, layout: RaggedLayout) -> "RaggedPiece":
+    def of(local: torch.Tensor, layout: RaggedLayout) -> RaggedPiece:
         piece = local.as_subclass(RaggedPiece)
         piece._ragged_layout = layout
         return piece
@@ -896,7 +896,7 @@ def _is_full_reduction(self: torch.Tensor, dims: Any, keepdim: bool) -> bool:
     return dims in (None, [], ()) or sorted(d % self.dim() for d in dims) == list(range(self.dim()))
 
 
-def _reduction_input(func: Any, args: tuple, kwargs: dict) -> "RaggedTensor":
+def _reduction_input(func: Any, args: tuple, kwargs: dict) -> RaggedTensor:
     """The RaggedTensor of a reduction over all of it; a reduction over some dims is refused."""
     self = args[0]
     dims = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -1016,7 +1016,7 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list:
             by_group.setdefault(tuple(id(g) for g in t._layout.reduce_groups), []).append(i)
         else:  # a plain tensor is whole on this rank: its norm is local (each output is one tensor's norm)
             out[i] = torch.linalg.vector_norm(t, p, dtype=dtype)
-    for group, idx in by_group.items():
+    for idx in by_group.values():
         powers = torch.stack([_local_norm_power(tensors[i]._local_tensor, p) for i in idx])
         _all_reduce(powers, tensors[idx[0]]._layout, _norm_op(p))
         for k, i in enumerate(idx):

@@ -29,7 +29,7 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the parent re-raises it
         errors.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def run_distributed(

@@ -62,7 +62,7 @@ def _is_committed(directory: str) -> bool:
     return is_complete(directory) and os.path.isfile(os.path.join(directory, CHECKSUM_FILE))
 
 
-def resolve_checkpoint_dir(path: "os.PathLike | str") -> str:
+def resolve_checkpoint_dir(path: os.PathLike | str) -> str:
     """The directory to load ``path`` from: ``path``, or ``path.old`` left by a save that crashed mid-commit."""
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -185,7 +185,7 @@ def _metadata_crc(directory: str) -> int:
 
 
 @contextlib.contextmanager
-def pinned(path: "os.PathLike | str") -> Iterator[tuple[str, str]]:
+def pinned(path: os.PathLike | str) -> Iterator[tuple[str, str]]:
     """Collective over the checkpoint's ranks: ``(read_path, real_path)`` of the checkpoint ``path`` names, opened
     once (see [Note: consistent reads]); read every file under ``read_path`` inside the block. ``real_path``
     names it in messages (the storage functions show it for ``read_path`` too).

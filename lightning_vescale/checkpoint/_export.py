@@ -142,7 +142,7 @@ def _unshared(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 @_dist.over_model
-def save_full(path: "os.PathLike | str", model: nn.Module, *, format: str = "safetensors") -> None:
+def save_full(path: os.PathLike | str, model: nn.Module, *, format: str = "safetensors") -> None:
     """Gather the full state dict onto rank 0 and write it as one ordinary file, atomically.
 
     Collective. The file loads without this library: ``safetensors.torch.load_file(path)`` or
@@ -195,7 +195,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
         apply_model_state(model, state_dict, dedupe=False, strict=strict, what="full state dict")
 
 
-def read_state_file(path: "os.PathLike | str") -> dict[str, Any]:
+def read_state_file(path: os.PathLike | str) -> dict[str, Any]:
     """A single-file checkpoint as written without this library: ``torch.save`` of a state dict or of a Lightning
     checkpoint (read with ``torch.load(weights_only=True)``: tensors and plain values, never unpickled code), or a
     ``.safetensors`` file. Tensors stay on the CPU (memory-mapped where the format allows).
@@ -234,7 +234,7 @@ def load_full_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict:
 
 
 @_dist.over_model
-def save_pretrained(model: nn.Module, save_directory: "os.PathLike | str", **kwargs: Any) -> None:
+def save_pretrained(model: nn.Module, save_directory: os.PathLike | str, **kwargs: Any) -> None:
     """Write a Hugging Face directory (config, safetensors weights) of a sharded ``transformers`` model.
 
     Collective: every rank calls it. The full state dict is gathered to the model group's first rank, which calls

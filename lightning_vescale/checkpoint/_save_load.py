@@ -252,7 +252,7 @@ def _split_optimizer_state(optim: dict) -> tuple[dict, dict]:
 
 @_dist.over_model
 def save(
-    path: "os.PathLike | str",
+    path: os.PathLike | str,
     model: nn.Module,
     optimizer: Optimizers = None,
     *,
@@ -504,7 +504,7 @@ def _warn_replaced_hyperparameters(optimizer: torch.optim.Optimizer, saved_group
 
 @_dist.over_model
 def load(
-    path: "os.PathLike | str",
+    path: os.PathLike | str,
     model: nn.Module,
     optimizer: Optimizers = None,
     *,
@@ -674,7 +674,7 @@ def _load(directory: str, model: nn.Module, optimizers: list[torch.optim.Optimiz
     return dict(values.get("extra", {}))
 
 
-def read_full_checkpoint(path: "os.PathLike | str", *, allow_unverified: bool = False
+def read_full_checkpoint(path: os.PathLike | str, *, allow_unverified: bool = False
                          ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(state_dict, extra)`` of a checkpoint directory written by :func:`save`, whole, in this process.
 
@@ -697,7 +697,7 @@ def read_full_checkpoint(path: "os.PathLike | str", *, allow_unverified: bool = 
     return state_dict, dict(values.get("extra", {}))
 
 
-def read_full_tensors(path: "os.PathLike | str", prefix: str = "model.", *,
+def read_full_tensors(path: os.PathLike | str, prefix: str = "model.", *,
                       allow_unverified: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory whose key starts with ``prefix``, whole, in this process.
 

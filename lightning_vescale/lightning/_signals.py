@@ -39,7 +39,7 @@ __all__ = ["agree_on_sigterm", "install_deferred_sigterm"]
 class _DeferredSigtermConnector(_SignalConnector):
     """Lightning's signal connector, with a SIGTERM handler that only records the signal."""
 
-    def __init__(self, trainer: "pl.Trainer") -> None:
+    def __init__(self, trainer: pl.Trainer) -> None:
         super().__init__(trainer)
         self.pending = False
         self._agreed_batch: Optional[int] = None
@@ -79,13 +79,13 @@ class _DeferredSigtermConnector(_SignalConnector):
         return stop
 
 
-def install_deferred_sigterm(trainer: "pl.Trainer") -> None:
+def install_deferred_sigterm(trainer: pl.Trainer) -> None:
     """Replace the Trainer's signal connector before it registers its handlers (in ``setup``; idempotent)."""
     if not isinstance(trainer._signal_connector, _DeferredSigtermConnector):
         trainer._signal_connector = _DeferredSigtermConnector(trainer)
 
 
-def agree_on_sigterm(trainer: "pl.Trainer") -> bool:
+def agree_on_sigterm(trainer: pl.Trainer) -> bool:
     """At the start of a training batch, on every rank: agree whether to stop after this optimizer step.
 
     Only batches that end an optimizer step take part, so a run never stops between the micro-batches of

@@ -220,7 +220,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
 
     # -- topology -----------------------------------------------------------------------------------------
     @property
-    def device_mesh(self) -> "DeviceMesh":
+    def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
             raise RuntimeError("the device mesh exists once the processes are set up (fabric.launch())")
         return self._device_mesh

@@ -194,7 +194,7 @@ class VeScaleStrategy(ParallelStrategy):
         timeout: Union[None, float, timedelta] = None,
         memory: Optional[MemoryPolicy] = None,
         restore_rng_states: bool = False,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -283,18 +283,18 @@ class VeScaleStrategy(ParallelStrategy):
 
     @property
     @override
-    def accelerator(self) -> Optional["pl.accelerators.Accelerator"]:
+    def accelerator(self) -> Optional[pl.accelerators.Accelerator]:
         return self._accelerator
 
     @accelerator.setter
     @override
-    def accelerator(self, accelerator: Optional["pl.accelerators.Accelerator"]) -> None:
+    def accelerator(self, accelerator: Optional[pl.accelerators.Accelerator]) -> None:
         check_accelerator(accelerator)
         self._accelerator = accelerator
 
     # -- topology -----------------------------------------------------------------------------------------
     @property
-    def device_mesh(self) -> "DeviceMesh":
+    def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
             raise RuntimeError("the device mesh exists once the processes are set up (setup_environment)")
         return self._device_mesh
@@ -419,7 +419,7 @@ class VeScaleStrategy(ParallelStrategy):
             yield
 
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
         install_deferred_sigterm(trainer)  # before the Trainer registers its handlers: see _signals.py
@@ -464,7 +464,7 @@ class VeScaleStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
-    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # Optimizers from an earlier stage may point at stale parameters; build them again on the local pieces.
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)

@@ -45,7 +45,7 @@ class TierPlacement:
     from_plan: bool = False
     """Whether the plan placed anything."""
 
-    def state_tier(self, p: "torch.Tensor") -> str:
+    def state_tier(self, p: torch.Tensor) -> str:
         return self.states.get(id(p), self.default_states)
 
     def states_tier_of(self, optimizer: torch.optim.Optimizer, device: torch.device) -> str:

@@ -97,7 +97,7 @@ def measure_disk_bandwidth(directory: str, nbytes: int = 64 * 2**20) -> float:
     return 2 * nbytes / max(elapsed, 1e-9)
 
 
-def choose_placement(estimate: MemoryEstimate, budget: "int | str", *, disk_bandwidth: float,
+def choose_placement(estimate: MemoryEstimate, budget: int | str, *, disk_bandwidth: float,
                      allow: tuple[str, ...] = ("optimizer_states", "params", "grads", "activations_disk",
                                                "checkpoint")) -> Placement:
     """The cheapest placement of ``estimate`` within ``budget`` bytes per rank (see [Note: choosing placements])."""

@@ -75,7 +75,7 @@ def _advise_huge_pages(address: int, nbytes: int) -> None:
         libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _libc() -> Optional[ctypes.CDLL]:
     """The C library, once (Linux only: ``madvise`` with transparent huge pages)."""
     if not sys.platform.startswith("linux"):

@@ -75,7 +75,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["StateOffload", "offload_optimizer_states", "resident_states"]
 
-_OFFLOADS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, StateOffload]" = weakref.WeakKeyDictionary()
+_OFFLOADS: weakref.WeakKeyDictionary[torch.optim.Optimizer, StateOffload] = weakref.WeakKeyDictionary()
 
 
 def _storage_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -156,7 +156,7 @@ class _Piece:
 class BufferOffload:
     """The tier moves of one DBuffer's pieces, called from the buffer's hooks (``DBuffer.offload``)."""
 
-    def __init__(self, owner: "PieceOffload", index: int, buf: DBuffer, params_io: Optional[_TierIO],
+    def __init__(self, owner: PieceOffload, index: int, buf: DBuffer, params_io: Optional[_TierIO],
                  grads_io: Optional[_TierIO]) -> None:
         self.owner, self.index, self.buf = owner, index, buf
         self.params = _Piece(params_io, f"b{index}_params", "params", owner.lock) if params_io else None

@@ -106,7 +106,7 @@ def _check_writable(directory: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"MemoryPolicy.disk_dir={directory!r} cannot be created ({e}); pick a writable directory")
+        raise ValueError(f"MemoryPolicy.disk_dir={directory!r} cannot be created ({e}); pick a writable directory") from None
     if not os.path.isdir(directory):
         raise ValueError(f"MemoryPolicy.disk_dir={directory!r} is not a directory; pick a directory on a local disk")
     if not os.access(directory, os.W_OK | os.X_OK):

@@ -217,7 +217,7 @@ def _read_headers(files: list[Path]) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         with _open_safetensors(file) as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safetensors' safe_open is not iterable
                 info = f.get_slice(key)
                 dtype = _SAFETENSORS_DTYPES.get(info.get_dtype())
                 if dtype is None:
@@ -232,7 +232,7 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         with _open_safetensors(file) as f:
-            state.update({key: f.get_tensor(key) for key in f.keys()})
+            state.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 - safe_open is not iterable
     return state
 
 

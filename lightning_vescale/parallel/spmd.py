@@ -234,7 +234,7 @@ def _is_expert_parallel(mesh: DeviceMesh) -> bool:
     return mesh.ndim == 2 and set(mesh.mesh_dim_names or ()) == {"dp", "ep"}
 
 
-_RESOLVED: "weakref.WeakKeyDictionary[nn.Module, ResolvedPlan]" = weakref.WeakKeyDictionary()
+_RESOLVED: weakref.WeakKeyDictionary[nn.Module, ResolvedPlan] = weakref.WeakKeyDictionary()
 
 
 def resolved_plan_of(model: nn.Module) -> Optional[ResolvedPlan]:

@@ -31,7 +31,7 @@ def _rows_to_text(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def format_table(resolved: "ResolvedPlan", world_size: Optional[int] = None, *, params: bool = False) -> str:
+def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, params: bool = False) -> str:
     from lightning_vescale.plan._layout import group_layouts
 
     name = resolved.plan.name or "unnamed"

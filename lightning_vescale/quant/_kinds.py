@@ -104,7 +104,7 @@ class BlockQuantization:
     def format_of(self, param: torch.Tensor) -> BlockFormat:
         return self.fmt if self.fmt is not None else param.fmt  # type: ignore[attr-defined]
 
-    def kind_for(self, name: str, param: torch.Tensor) -> "QuantizedStorageKind | QuantizedGatherKind":
+    def kind_for(self, name: str, param: torch.Tensor) -> QuantizedStorageKind | QuantizedGatherKind:
         """Frozen (or a QuantizedTensor): codes + scales storage; trained: a quantized AllGather. Raises for what
         the engine cannot honour."""
         if param.dim() not in (2, 3):

@@ -489,7 +489,7 @@ def _check_safetensors_shapes(path: Path, config: FinetuneConfig) -> None:
     from lightning_vescale.state_dict_report import mismatch_report
 
     with safe_open(str(path), framework="pt") as f:
-        given = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        given = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
     report = mismatch_report(_meta_shapes(config.model.build_config()), given, ours="model", theirs="checkpoint")
     if report is not None:
         model = config.model
@@ -572,9 +572,7 @@ def check_data(config: TrainConfig) -> None:
     path = None if data.path is None else _absolute(data.path)
     num_bytes = len(load_text(path).encode("utf-8"))
     source = "the embedded corpus" if path is None else repr(data.path)
-    if data.tokenizer == "byte":
-        check_windows_fit(num_bytes, seq_len=data.seq_len, val_fraction=data.val_fraction, source=source)
-    elif num_bytes < 2 * (data.seq_len + 1):  # BPE gives at most one token per byte
+    if data.tokenizer == "byte" or num_bytes < 2 * (data.seq_len + 1):
         check_windows_fit(num_bytes, seq_len=data.seq_len, val_fraction=data.val_fraction, source=source)
 
 

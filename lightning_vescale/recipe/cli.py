@@ -104,7 +104,7 @@ def _keys_at(parent: str, config_dir: str, config_name: str, overrides: Sequence
     except Exception:  # noqa: BLE001 - no suggestions then
         return _groups(config_dir) if not parent else []
     node = cfg if not parent else OmegaConf.select(cfg, parent)
-    keys = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    keys = [str(k) for k in node] if isinstance(node, DictConfig) else []
     return sorted(set(keys) | (set(_groups(config_dir)) if not parent else set()))
 
 

@@ -30,7 +30,7 @@ import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Optional, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -333,7 +333,7 @@ class AdamWConfig(OptimizerConfig):
     """Import path of the optimizer class."""
     lr: float = 3e-3
     """Peak learning rate."""
-    betas: Tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = (0.9, 0.95)
     """Adam's moment decay rates."""
     eps: float = 1e-8
     """Adam's epsilon."""
@@ -364,7 +364,7 @@ class MuonConfig(OptimizerConfig):
     """Decoupled weight decay of the Muon part (and of AdamW unless ``adamw_weight_decay`` is set)."""
     adamw_weight_decay: Optional[float] = None
     """Weight decay of the AdamW part; ``None``: ``weight_decay``."""
-    adamw_betas: Tuple[float, float] = (0.9, 0.95)
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW's moment decay rates."""
     momentum: float = 0.95
     """Muon's momentum."""
@@ -550,7 +550,7 @@ class MemoryConfig:
     AllGather); ``host`` only on CPU-only machines, where it is the device's memory."""
     activations: str = "device"
     """``device``, ``host``, ``disk`` or ``checkpoint`` (recompute the blocks' forward in backward)."""
-    activation_blocks: List[str] = field(default_factory=lambda: ["*layers.*"])
+    activation_blocks: list[str] = field(default_factory=lambda: ["*layers.*"])
     """Globs on module names (the recipe's LightningModule's: ``model.layers.0``) of the blocks ``activations`` acts on."""
     budget: Optional[str] = None
     """Bytes per rank (``6GiB``): choose ``params``, ``grads``, ``optimizer_states`` and ``activations`` by the cost
@@ -717,16 +717,16 @@ class QuantConfig:
     """``fp8_e4m3`` (scale = amax / 448, as DeepSeek-V3) or ``int8`` (symmetric absmax)."""
     block_size: int = 128
     """One fp32 scale per ``block_size x block_size`` tile (e.g. 64 or 128)."""
-    targets: List[str] = field(default_factory=lambda: ["*"])
+    targets: list[str] = field(default_factory=lambda: ["*"])
     """Globs over parameter names: the 2-D / 3-D weights to quantize (1-D tensors never are)."""
-    exclude: List[str] = field(default_factory=lambda: ["tok_embeddings.*", "output.*", "*.router.*"])
+    exclude: list[str] = field(default_factory=lambda: ["tok_embeddings.*", "output.*", "*.router.*"])
     """Globs over parameter names left unquantized (embeddings, the head and MoE routers by default, as
     DeepSeek-V3's FP8 checkpoints keep them)."""
     lora_rank: int = 8
     """``qlora``: rank of each adapter."""
     lora_alpha: float = 16.0
     """``qlora``: adapter outputs are scaled by ``lora_alpha / lora_rank``."""
-    lora_targets: List[str] = field(default_factory=lambda: ["*attention.w*", "*feed_forward.w*"])
+    lora_targets: list[str] = field(default_factory=lambda: ["*attention.w*", "*feed_forward.w*"])
     """``qlora``: globs over module names of the ``nn.Linear`` layers that get adapters (each must match one)."""
 
     def __post_init__(self) -> None:
@@ -814,7 +814,7 @@ class TrainConfig:
     ``configs/plan/``, fields overridable as ``plan.fallback.prefetch=2``); names as the recipe's LightningModule
     sees them (``model.layers.0``; ``**.layers.*`` matches them). ``null``: the strategy's default plan (every
     transformer block a group). Checked against the model before the run starts."""
-    trusted_target_modules: List[str] = field(default_factory=list)
+    trusted_target_modules: list[str] = field(default_factory=list)
     """Your own packages whose classes and functions ``_target_`` may name (next to ``torch.optim``,
     ``lightning_vescale`` and Lightning's strategies); see :mod:`lightning_vescale.recipe.targets`."""
     allow_any_target: bool = False
@@ -831,7 +831,7 @@ class TrainConfig:
     """Sub-models on different groups of ranks, pipelined (``experiment=vlm_mpmd``; see
     :mod:`lightning_vescale.recipe.mpmd`); null: the Lightning Trainer with ``strategy``."""
 
-    notes: Dict[str, Any] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
     """Free-form: anything to keep with the run (``+notes.purpose=lr_sweep``); stored in ``.hydra/config.yaml`` and
     ``summary.json``. The only section that accepts keys the schema does not define."""
 

@@ -71,7 +71,7 @@ def test_a_save_that_replaces_the_checkpoint_during_a_load_never_mixes_two_saves
     try:
         extra = ckpt.load(path, reader)
     except ckpt.CheckpointError as err:  # the save it opened was deleted under it: refused, nothing changed
-        assert "nothing was loaded" in str(err) and weights_step(reader) == {0.0}
+        assert "nothing was loaded" in str(err) and weights_step(reader) == {0.0}  # noqa: PT017 - either outcome is checked
     else:
         assert weights_step(reader) == {float(extra["step"])}, "the step counter and the weights are of two saves"
     assert replaced

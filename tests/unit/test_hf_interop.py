@@ -28,7 +28,7 @@ LLAMA31_ROPE_KWARGS = (
 )
 
 
-def _hf_configs() -> dict[str, "transformers.PretrainedConfig"]:
+def _hf_configs() -> dict[str, transformers.PretrainedConfig]:
     return {
         "llama": transformers.LlamaConfig(**COMMON, intermediate_size=96, tie_word_embeddings=False),
         "llama-tied-llama31-rope": transformers.LlamaConfig(
@@ -76,7 +76,6 @@ def _tokens() -> torch.Tensor:
 def _quiet_transformers():
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    yield
 
 
 @pytest.mark.parametrize("name", CASES)

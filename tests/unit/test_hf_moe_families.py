@@ -40,7 +40,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         "beta_fast": 32.0, "beta_slow": 1.0}
 
 
-def _hf_configs() -> dict[str, "transformers.PretrainedConfig"]:
+def _hf_configs() -> dict[str, transformers.PretrainedConfig]:
     qwen3 = dict(COMMON, num_key_value_heads=2, head_dim=24, intermediate_size=80, moe_intermediate_size=32,
                  num_experts=16, num_experts_per_tok=4)
     deepseek = dict(COMMON, num_key_value_heads=4, intermediate_size=80, moe_intermediate_size=32, n_routed_experts=16,
@@ -96,7 +96,6 @@ def _tokens() -> torch.Tensor:
 def _quiet_transformers():
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    yield
 
 
 @pytest.mark.parametrize("name", CASES)

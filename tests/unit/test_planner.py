@@ -31,6 +31,10 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], der
 
 
 # -- helpers ----------------------------------------------------------------------------------------
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
 def make_spec(name: str, shape: tuple, granularity, cost: float = 0.0) -> TensorSpec:
     return TensorSpec.from_granularity(name, shape, granularity, cost)
 
@@ -76,12 +80,12 @@ def check_plan(plan: BufferPlan, specs: list[TensorSpec], world_size: int, align
     """Every invariant of DESIGN.md's planner problem, recomputed from the public lookups."""
     plan.validate()
     N, S = plan.world_size, plan.shard_size
-    assert N == world_size and plan.alignment == alignment
+    assert world_size == N and plan.alignment == alignment
     assert sorted(plan.specs, key=lambda s: s.name) == sorted(specs, key=lambda s: s.name)
     assert S % alignment == 0 and S >= 0
     total = sum(s.numel for s in specs)
     assert plan.total_numel == total and plan.padding == N * S - total >= 0
-    assert S >= -(-total // N)
+    assert -(-total // N) <= S
     spans = []
     for i, spec in enumerate(plan.specs):
         assert plan.index_of(spec.name) == i
@@ -89,7 +93,7 @@ def check_plan(plan: BufferPlan, specs: list[TensorSpec], world_size: int, align
         if e == 0:
             assert all(plan.piece(i, r) == (0, 0) for r in range(N))
             continue
-        assert off % alignment == 0 and 0 <= off and off + e <= N * S
+        assert off % alignment == 0 and off >= 0 and off + e <= N * S
         spans.append((off, off + e))
         # The nonempty pieces, in rank order, tile [0, e) exactly once; inner cuts are granule edges.
         cursor = 0
@@ -100,7 +104,7 @@ def check_plan(plan: BufferPlan, specs: list[TensorSpec], world_size: int, align
             assert is_edge(spec, lo), f"{spec.name}: rank {r} starts inside a granule at {lo}"
             # The piece sits in rank r's shard, at local_offset.
             local = plan.local_offset(i, r)
-            assert off + lo == r * S + local and 0 <= local and local + (hi - lo) <= S
+            assert off + lo == r * S + local and local >= 0 and local + (hi - lo) <= S
             cursor = hi
         assert cursor == e, (spec.name, cursor, e)
     spans.sort()
@@ -139,7 +143,7 @@ def brute_force_shard_size(specs: list[TensorSpec], N: int, a: int) -> int:
     items = [(s.numel, s.granularity, s.period) for s in specs if s.numel]
     if not items:
         return 0
-    S = max(a, -(-(-(-sum(e for e, _, _ in items) // N)) // a) * a)
+    S = max(a, _ceil_div(_ceil_div(sum(e for e, _, _ in items), N), a) * a)
     orders = sorted(set(itertools.permutations(items)))
     while not any(_fits_in_order(o, S, N, a) for o in orders):
         S += a

@@ -51,7 +51,7 @@ def test_boxes_tile_the_flat_range_in_order(shape, data):
     for offs, sizes in boxes:
         assert len(offs) == len(sizes) == len(shape)
         assert all(s > 0 for s in sizes)
-        assert all(0 <= o and o + s <= d for o, s, d in zip(offs, sizes, shape))
+        assert all(o >= 0 and o + s <= d for o, s, d in zip(offs, sizes, shape))
 
 
 @SETTINGS
