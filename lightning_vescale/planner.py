@@ -102,8 +102,8 @@ def granule(shape: Sequence[int], granularity: Granularity) -> tuple[int, int]:
     numel = math.prod(shape)
     if granularity == "element" or granularity == "tensor":
         return (max(numel, 1) if granularity == "tensor" else 1), numel
-    is_rows = isinstance(granularity, int) and not isinstance(granularity, bool)
-    if not (granularity in ("row", "matrix") or (is_rows and granularity > 0)):
+    is_rows = isinstance(granularity, int) and not isinstance(granularity, bool) and granularity > 0
+    if not (granularity in ("row", "matrix") or is_rows):
         raise ValueError(
             f"unknown granularity {granularity!r}: expected one of {', '.join(map(repr, GRANULARITY_NAMES))} or a "
             f"positive int number of rows"
@@ -193,7 +193,7 @@ class BufferPlan:
     alignment: int = 1
     strategy: str = field(default="", compare=False)
     """Which order produced the plan (informational; not part of :meth:`fingerprint`)."""
-    _index: dict = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
+    _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", {s.name: i for i, s in enumerate(self.specs)})
@@ -502,7 +502,8 @@ class _Search:
 
     # -- one order at one S -------------------------------------------------------------------------
     def place_fixed(self, order: list[_Item], S: int, stop: float) -> tuple[Optional[list], float]:
-        a, c, out = self.a, 0, []
+        a, c = self.a, 0
+        out: list[tuple[_Item, int]] = []
         for it in order:
             l = _earliest_offset(c, it.e, it.g, it.L, S, a, it.P)
             if l is None or l > stop:
@@ -630,7 +631,8 @@ class _Search:
 
     def most_balanced(self, S: int) -> tuple[str, list]:
         """Among every strategy feasible at ``S`` (plus LPT on cost), the lowest maximum rank cost."""
-        limit, feasible = self.N * S, []
+        limit = self.N * S
+        feasible: list[tuple[float, int, str, list]] = []
         runs = [(name, self.place_fixed(order, S, limit)) for name, order in self.fixed]
         runs += [(name, self.place_greedy(order, S, limit, budgeted)) for name, order, budgeted in self.greedy]
         runs += [(name, self.place_fixed(order, S, limit)) for name, order in self.exhaustive]
@@ -778,6 +780,7 @@ def plan_buffer(specs: Sequence[TensorSpec], world_size: int, *, alignment: int 
     search = _Search(items, N, a)
     if N == 1:
         out, end = search.place_fixed(items, _align_up(sum(it.e for it in items) + len(items) * a, a), _INF)
+        assert out is not None, "one rank holds every tensor: module order always fits"
         return build("module", out, _align_up(int(end), a))
 
     S, (name, out) = _search_shard_size(search, items, N, a)
