@@ -18,7 +18,7 @@ that first module's writes are kept, the others' go to a scratch tensor.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -106,6 +106,10 @@ def init_sharded_weights(model: nn.Module, init_fn: Optional[Callable[[nn.Module
     discarded = _discarded_writes(owner)
     any_device = next((g.device for g in owner.values()), torch.device("cpu"))
 
+    # Tensor-parallel parameters: the buffer holds only this rank's tp piece, but init draws the whole tensor
+    # (as the unsharded model would), and the piece is copied in when the group closes.
+    tp_pieces: dict[int, list[tuple[torch.Tensor, torch.Tensor, Any]]] = {}
+
     def open_group(group: ParamGroup) -> None:
         if id(group) in open_buffers:
             return
@@ -113,12 +117,18 @@ def init_sharded_weights(model: nn.Module, init_fn: Optional[Callable[[nn.Module
         for mp in group.managed:
             # The buffer's own layout of its full values (row-major weights a quantized storage quantizes on close).
             full_view = group.buffers[mp.key].init_view(fulls[mp.key], mp.index)
+            if mp.outer is not None:
+                whole = torch.empty(mp.outer.global_shape, dtype=full_view.dtype, device=full_view.device)
+                tp_pieces.setdefault(id(group), []).append((full_view, whole, mp.outer))
+                full_view = whole
             tmp = nn.Parameter(full_view, requires_grad=mp.sharded.requires_grad)
             for user, name in mp.uses:
                 _set_param(user, name, tmp)
         open_buffers[id(group)] = fulls
 
     def close_group(group: ParamGroup) -> None:
+        for piece, whole, outer in tp_pieces.pop(id(group), []):
+            piece.copy_(outer.local_slice(whole, piece.shape))
         fulls = open_buffers.pop(id(group))
         for key, buf in group.buffers.items():
             buf.finish_init(fulls[key], {mp.index: mp.sharded for mp in group.managed if mp.key == key})

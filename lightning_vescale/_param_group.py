@@ -286,9 +286,6 @@ class ParamGroup:
         if other.ndim != 1 or len(param.placements) != 1:
             raise ValueError(f"parameter {fqn} is a DTensor on a {other.ndim}-D mesh with placements {param.placements}: "
                              f"fully_shard takes DTensors of tensor parallelism on a 1-D mesh (mesh['tp'])")
-        if param.is_meta:
-            raise ValueError(f"parameter {fqn} is a meta-device DTensor: initialize the model's weights before tensor "
-                             f"parallelism and fully_shard (or build it on the device)")
         placement = param.placements[0]
         if not (placement.is_shard() or placement.is_replicate()):
             raise ValueError(f"parameter {fqn} has placement {placement} on the tensor-parallel mesh; fully_shard takes "

@@ -38,8 +38,10 @@ from lightning_vescale.parallelize import (  # noqa: F401 - the strategies' name
     broadcast_module_states,
     build_expert_parallel_mesh,
     build_mesh,
+    build_tensor_parallel_mesh,
     check_expert_parallel_ready,
     check_expert_parallel_size,
+    check_tensor_parallel_size,
     describe_precision,
     has_experts,
     is_sharded,
@@ -193,6 +195,60 @@ def warn_if_policy_ignored(module: nn.Module, precision: str) -> None:
             "precision='bf16-mixed' has no effect on a model you sharded yourself in configure_model() without an "
             "mp_policy: pass mp_policy=lightning_vescale.MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
             "reduce_dtype=torch.float32) to fully_shard there, or let the strategy shard the model."
+        )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Tensor parallelism (both strategies)
+
+
+def check_tensor_parallel_args(tensor_parallel_size: Any, replicate_size: Any, expert_parallel_size: int,
+                               who: str) -> int:
+    """``tensor_parallel_size`` as an int >= 1, or a ValueError naming the combination that is not supported."""
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"{who}: tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+    if tensor_parallel_size > 1 and replicate_size is not None:
+        raise ValueError(f"{who}: tensor_parallel_size={tensor_parallel_size} with replicate_size={replicate_size!r} "
+                         f"(HSDP) is not supported yet: use one of them")
+    if tensor_parallel_size > 1 and expert_parallel_size > 1:
+        raise ValueError(f"{who}: tensor_parallel_size={tensor_parallel_size} with expert_parallel_size="
+                         f"{expert_parallel_size} is not supported yet: use one of them")
+    return tensor_parallel_size
+
+
+def tensor_parallel_sampler_kwargs(world_size: int, global_rank: int, tensor_parallel_size: int) -> dict[str, int]:
+    """The data-parallel replicas and this rank's index among them: the ranks of one tensor-parallel group
+    (consecutive ranks of the ``("data_parallel", "tensor_parallel")`` mesh) read the same batch."""
+    return {"num_replicas": world_size // tensor_parallel_size, "rank": global_rank // tensor_parallel_size}
+
+
+def check_tensor_parallel_plan(module: nn.Module, resolved: Any, tensor_parallel_size: int, who: str) -> None:
+    """Before any process group: the plan must split something over tp, and tp must divide what it splits."""
+    from lightning_vescale.parallel.tensor_parallel import check_tensor_parallel
+
+    if tensor_parallel_size <= 1:
+        return
+    styles = dict(resolved.tensor_parallel)
+    if not any(style != "replicate" for style in styles.values()):
+        raise ValueError(
+            f"{who}: tensor_parallel_size={tensor_parallel_size}, but the plan {resolved.plan.name or ''!r} splits no "
+            f"module over tp: give a plan with tp rules (e.g. plan='llama', or rules like {{match: '**.wq', tp: "
+            f"colwise}}), or split the model yourself in configure_model() with parallelize_module(..., "
+            f"self.device_mesh['tensor_parallel'], ...)"
+        )
+    check_tensor_parallel(module, styles, tensor_parallel_size)
+
+
+def check_tensor_parallel_applied(module: nn.Module, tensor_parallel_size: int, who: str) -> None:
+    """After sharding: with tp > 1 some parameter must be split over tp (otherwise every tp rank computes the same
+    thing: correct, and tp times the work)."""
+    if tensor_parallel_size <= 1:
+        return
+    if not any(getattr(p, "device_mesh", None) is not None and p.device_mesh.ndim == 2 for p in module.parameters()):
+        raise ValueError(
+            f"{who}: tensor_parallel_size={tensor_parallel_size}, but no parameter of {type(module).__name__} is split "
+            f"over the 'tensor_parallel' mesh dimension: give a plan with tp rules (e.g. plan='llama'), or call "
+            f"parallelize_module(..., self.device_mesh['tensor_parallel'], ...) in configure_model()"
         )
 
 

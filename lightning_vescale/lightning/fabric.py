@@ -38,6 +38,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -51,8 +52,12 @@ from lightning_vescale.lightning._common import (
     ProcessGroupEnvironment,
     _VeScalePrecisionMixin,
     check_accelerator,
+    check_tensor_parallel_applied,
+    check_tensor_parallel_args,
+    check_tensor_parallel_plan,
     precision_with_mp_policy,
     register_vescale_names,
+    tensor_parallel_sampler_kwargs,
 )
 from lightning_vescale.memory import (
     MemoryHandles,
@@ -65,6 +70,8 @@ from lightning_vescale.parallelize import (
     AutoWrapPolicy,
     PlanLike,
     build_mesh,
+    build_tensor_parallel_mesh,
+    check_tensor_parallel_size,
     is_sharded,
     materialize,
     no_gradient_sync,
@@ -72,6 +79,7 @@ from lightning_vescale.parallelize import (
     param_mapping,
     process_group_timeout,
     remap_optimizer,
+    resolve_for,
 )
 from lightning_vescale.plan import ResolvedPlan, load_plan
 from lightning_vescale.tensor import is_sharded_param
@@ -109,7 +117,10 @@ class VeScaleFabricStrategy(ParallelStrategy):
     """ZeRO-3 sharded data parallelism on RaggedShard placements for Fabric.
 
     Args: as :class:`~lightning_vescale.lightning.VeScaleStrategy` (``plan``, ``auto_wrap_policy``,
-    ``reshard_after_forward``, ``mp_policy``, ``granularity``, ``replicate_size``, ``sync_module_states``,
+    ``reshard_after_forward``, ``mp_policy``, ``granularity``, ``replicate_size``, ``tensor_parallel_size``
+    (a ``("data_parallel", "tensor_parallel")`` mesh: the plan's ``tp`` rules split modules over tp, or split them
+    yourself with ``parallelize_module(..., fabric.strategy.device_mesh["tensor_parallel"], ...)`` before
+    ``fabric.setup``; the ranks of one tp group read the same batches), ``sync_module_states``,
     ``process_group_backend``, ``timeout``, ``memory``: where weights, gradients, optimizer states and
     activations live, applied when the model is set up and to each optimizer set up with or after it;
     ``restore_rng_states``: ``fabric.load`` of a sharded checkpoint sets every rank's RNG states to the saved ones,
@@ -128,6 +139,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         granularity: GranularityArg = None,
         replicate_size: Union[None, int, Literal["auto"]] = None,
+        tensor_parallel_size: int = 1,
         sync_module_states: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Union[None, float, timedelta] = None,
@@ -143,6 +155,8 @@ class VeScaleFabricStrategy(ParallelStrategy):
             raise TypeError(f"mp_policy must be a lightning_vescale.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
         if not (replicate_size is None or replicate_size == "auto" or (isinstance(replicate_size, int) and replicate_size >= 1)):
             raise ValueError(f"replicate_size must be None, 'auto' or a positive int, got {replicate_size!r}")
+        self._tensor_parallel_size = check_tensor_parallel_args(tensor_parallel_size, replicate_size, 1,
+                                                                "VeScaleFabricStrategy")
         if plan is not None and auto_wrap_policy is not None:
             raise ValueError("VeScaleFabricStrategy got both plan= and auto_wrap_policy=: the plan's group rules "
                              "decide the groups; drop one of them")
@@ -246,11 +260,20 @@ class VeScaleFabricStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        world = self.num_nodes * self.num_processes
+        if self._tensor_parallel_size > 1:
+            return tensor_parallel_sampler_kwargs(world, self.global_rank, self._tensor_parallel_size)
+        return {"num_replicas": world, "rank": self.global_rank}
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._tensor_parallel_size
 
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        if self._tensor_parallel_size > 1 and self.num_processes > 0:
+            check_tensor_parallel_size(self._tensor_parallel_size, self.num_nodes * self.num_processes)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -273,7 +296,13 @@ class VeScaleFabricStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        if self._tensor_parallel_size > 1:
+            check_tensor_parallel_size(self._tensor_parallel_size, self.world_size)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if self._tensor_parallel_size > 1:
+            self._device_mesh = build_tensor_parallel_mesh(self.root_device, self.world_size,
+                                                           self._tensor_parallel_size, timeout=timeout)
+            return
         replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
         self._device_mesh = build_mesh(self.root_device, self.world_size, replicate, timeout=timeout)
 
@@ -283,6 +312,10 @@ class VeScaleFabricStrategy(ParallelStrategy):
         if not all(is_sharded_param(p) for p in module.parameters()):
             precision = self.precision
             assert isinstance(precision, VeScaleFabricPrecision)
+            if self._tensor_parallel_size > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
+                resolved = resolve_for(module, self._plan, roots=[module], granularity=self._granularity,
+                                       auto_wrap_policy=self._auto_wrap_policy)
+                check_tensor_parallel_plan(module, resolved, self._tensor_parallel_size, type(self).__name__)
             parallelize(
                 module, self._plan, self.device_mesh, roots=[module], mp_policy=self._mp_policy or precision.mp_policy,
                 defaults={"reshard_after_forward": self._reshard_after_forward}, granularity=self._granularity,
@@ -290,6 +323,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
             )
         else:
             materialize(module)  # sharded on the meta device by the user
+        check_tensor_parallel_applied(module, self._tensor_parallel_size, type(self).__name__)
         if module not in self._sharded_modules:
             self._sharded_modules.append(module)
         if id(module) not in self._memory:  # the policy's placement, and the plan's tiers (none: nothing moves)

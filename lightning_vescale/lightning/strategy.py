@@ -52,8 +52,12 @@ from lightning_vescale.lightning._common import (
     ProcessGroupEnvironment,
     _VeScalePrecisionMixin,
     check_accelerator,
+    check_tensor_parallel_applied,
+    check_tensor_parallel_args,
+    check_tensor_parallel_plan,
     precision_with_mp_policy,
     register_vescale_names,
+    tensor_parallel_sampler_kwargs,
     warn_if_policy_ignored,
 )
 from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
@@ -69,7 +73,9 @@ from lightning_vescale.parallelize import (
     PlanLike,
     build_expert_parallel_mesh,
     build_mesh,
+    build_tensor_parallel_mesh,
     check_expert_parallel_size,
+    check_tensor_parallel_size,
     describe_precision,
     is_sharded,
     materialize,
@@ -149,6 +155,14 @@ class VeScaleStrategy(ParallelStrategy):
             sharded over all ranks. It must divide the world size, the model must contain ``GroupedExperts``, and
             it cannot be combined with ``replicate_size`` (HSDP) yet. The model is built with real weights (not on
             the meta device) so every rank splits the same experts.
+        tensor_parallel_size: ``1`` (default): no tensor parallelism. An int ``tp > 1`` builds a 2-D
+            ``("data_parallel", "tensor_parallel")`` mesh of ``world_size // tp`` by ``tp`` ranks, as Lightning's
+            ``ModelParallelStrategy``: the plan's ``tp`` rules split modules over ``"tensor_parallel"`` (e.g.
+            ``plan="llama"``), or ``configure_model()`` splits them with ``parallelize_module(...,
+            self.device_mesh["tensor_parallel"], ...)``; groups are then sharded over ``"data_parallel"``, and the
+            ranks of one tensor-parallel group read the same batches. It must divide the world size and the split
+            shapes (heads included), checked before any process group; not combined with HSDP or expert
+            parallelism yet.
         sync_module_states: broadcast rank 0's weights before sharding (as DDP does), so every rank cuts the
             same model even if the ranks were seeded differently. Meta-device weights are initialized with rank
             0's RNG state instead.
@@ -188,6 +202,7 @@ class VeScaleStrategy(ParallelStrategy):
         granularity: GranularityArg = None,
         replicate_size: Union[None, int, Literal["auto"]] = None,
         expert_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
         sync_module_states: bool = True,
         meta_init: bool = True,
         process_group_backend: Optional[str] = None,
@@ -211,6 +226,8 @@ class VeScaleStrategy(ParallelStrategy):
                 f"expert_parallel_size={expert_parallel_size} with replicate_size={replicate_size!r} (HSDP) is not "
                 f"supported yet: use one of them"
             )
+        self._tensor_parallel_size = check_tensor_parallel_args(
+            tensor_parallel_size, replicate_size, expert_parallel_size, "VeScaleStrategy")
         if plan is not None and auto_wrap_policy is not None:
             raise ValueError("VeScaleStrategy got both plan= and auto_wrap_policy=: the plan's group rules decide the "
                              "groups; drop one of them")
@@ -312,8 +329,11 @@ class VeScaleStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is a data-parallel rank, HSDP included.
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        # Every rank is a data-parallel rank, HSDP included; with tensor parallelism each tp group is one.
+        world = self.num_nodes * self.num_processes
+        if self._tensor_parallel_size > 1:
+            return tensor_parallel_sampler_kwargs(world, self.global_rank, self._tensor_parallel_size)
+        return {"num_replicas": world, "rank": self.global_rank}
 
     @property
     def is_distributed(self) -> bool:
@@ -339,6 +359,10 @@ class VeScaleStrategy(ParallelStrategy):
         return self._expert_parallel_size
 
     @property
+    def tensor_parallel_size(self) -> int:
+        return self._tensor_parallel_size
+
+    @property
     def resolved_plan(self) -> Optional[ResolvedPlan]:
         """The plan the LightningModule was sharded with (after ``setup``): ``.table()``, ``.to_yaml()``."""
         return resolved_plan_of(self.lightning_module) if self.lightning_module is not None else None
@@ -349,6 +373,8 @@ class VeScaleStrategy(ParallelStrategy):
         if self._expert_parallel_size > 1 and self.num_processes > 0:
             # Before any process is launched: the Trainer's constructor stops with the message.
             check_expert_parallel_size(self._expert_parallel_size, self.num_nodes * self.num_processes)
+        if self._tensor_parallel_size > 1 and self.num_processes > 0:
+            check_tensor_parallel_size(self._tensor_parallel_size, self.num_nodes * self.num_processes)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _PlanCheckingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -359,14 +385,16 @@ class VeScaleStrategy(ParallelStrategy):
         ``configure_model``, or were sharded by hand: ``setup`` resolves the plan then."""
         check_plan_tiers(self._plan, self._memory_policy, "VeScaleStrategy")  # a disk tier needs memory.disk_dir
         module = self.lightning_module
-        if self._plan_checked or self._plan is None or module is None:
+        tp = self._tensor_parallel_size
+        if self._plan_checked or (self._plan is None and tp == 1) or module is None:
             return
         from lightning.pytorch import LightningModule
 
         if is_overridden("configure_model", module, parent=LightningModule) or is_sharded(module):
             return
-        resolve_for(module, self._plan, roots=top_level_roots(module), granularity=self._granularity,
-                    expert_parallel=self._expert_parallel_size > 1)
+        resolved = resolve_for(module, self._plan, roots=top_level_roots(module), granularity=self._granularity,
+                               expert_parallel=self._expert_parallel_size > 1)
+        check_tensor_parallel_plan(module, resolved, tp, "VeScaleStrategy")
         self._plan_checked = True
 
     def set_world_ranks(self) -> None:
@@ -390,11 +418,17 @@ class VeScaleStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         if self._expert_parallel_size > 1:
             check_expert_parallel_size(self._expert_parallel_size, self.world_size)
+        if self._tensor_parallel_size > 1:
+            check_tensor_parallel_size(self._tensor_parallel_size, self.world_size)
         self.check_plan()  # launched externally (torchrun, SLURM): still before the process group
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._expert_parallel_size > 1:
             self._device_mesh = build_expert_parallel_mesh(
                 self.root_device, self.world_size, self._expert_parallel_size, timeout=timeout
+            )
+        elif self._tensor_parallel_size > 1:
+            self._device_mesh = build_tensor_parallel_mesh(
+                self.root_device, self.world_size, self._tensor_parallel_size, timeout=timeout
             )
         else:
             replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
@@ -446,6 +480,11 @@ class VeScaleStrategy(ParallelStrategy):
                 )
         else:
             materialize(module)  # sharded on the meta device by the user
+        check_tensor_parallel_applied(module, self._tensor_parallel_size, type(self).__name__)
+        if self._tensor_parallel_size > 1:
+            mesh = self.device_mesh
+            rank_zero_info(f"{type(self).__name__}: tensor parallel over ('data_parallel', 'tensor_parallel') = "
+                           f"({mesh['data_parallel'].size()}, {mesh['tensor_parallel'].size()})")
         if user_sharded:
             warn_if_policy_ignored(module, precision.precision)
         log.debug("%s: %d sharded groups, precision %s", type(self).__name__, len(sharded_groups(module)), precision.precision)

@@ -460,9 +460,10 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q_BTHK = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim)
-        k_BTGK = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
-        v_BTGK = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        # -1, not n_heads: under tensor parallelism each rank's projections hold only its heads.
+        q_BTHK = self.wq(x_BTD).view(B, T, -1, self.head_dim)
+        k_BTGK = self.wk(x_BTD).view(B, T, -1, self.head_dim)
+        v_BTGK = self.wv(x_BTD).view(B, T, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         q_BTHK = apply_rope(q_BTHK, cos_TK, sin_TK)
@@ -473,7 +474,7 @@ class Attention(nn.Module):
         out_BHTK = F.scaled_dot_product_attention(
             q_BTHK.transpose(1, 2), k_BTHK.transpose(1, 2), v_BTHK.transpose(1, 2), is_causal=True
         )
-        out_BTD = out_BHTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        out_BTD = out_BHTK.transpose(1, 2).reshape(B, T, -1)
         return self.wo(out_BTD)
 
 

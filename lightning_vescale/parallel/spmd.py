@@ -29,6 +29,7 @@ from lightning_vescale.fully_shard import (
     get_state,
     sharded_groups,
 )
+from lightning_vescale.parallel.tensor_parallel import apply_tensor_parallel, split_tensor_parallel_mesh
 from lightning_vescale.plan import (
     PlanError,
     ResolvedPlan,
@@ -230,6 +231,27 @@ def build_expert_parallel_mesh(
     return _mesh(device, (world_size // expert_parallel_size, expert_parallel_size), ("dp", "ep"), timeout)
 
 
+def check_tensor_parallel_size(tensor_parallel_size: int, world_size: int) -> None:
+    """``tensor_parallel_size`` must divide the world size (the tp mesh is ``world // tp`` by ``tp``)."""
+    if world_size % tensor_parallel_size != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world_size} (devices * "
+            f"num_nodes): the ('data_parallel', 'tensor_parallel') mesh is world_size // tp by tp ranks; use one of "
+            f"{', '.join(map(str, divisors))}"
+        )
+
+
+def build_tensor_parallel_mesh(
+    device: torch.device, world_size: int, tensor_parallel_size: int, *, timeout: Optional[timedelta] = None
+) -> DeviceMesh:
+    """A 2-D ``("data_parallel", "tensor_parallel")`` mesh, as Lightning's ``ModelParallelStrategy`` builds it:
+    modules are split over ``"tensor_parallel"`` (consecutive ranks) and groups sharded over ``"data_parallel"``."""
+    check_tensor_parallel_size(tensor_parallel_size, world_size)
+    return _mesh(device, (world_size // tensor_parallel_size, tensor_parallel_size),
+                 ("data_parallel", "tensor_parallel"), timeout)
+
+
 def _is_expert_parallel(mesh: DeviceMesh) -> bool:
     return mesh.ndim == 2 and set(mesh.mesh_dim_names or ()) == {"dp", "ep"}
 
@@ -291,8 +313,9 @@ def parallelize_spmd(
         model: the model (unsharded, on CPU, the mesh's device or the meta device; parts already sharded by
             ``fully_shard`` are kept).
         plan: see :data:`PlanLike`. ``None``: every element of an ``nn.ModuleList`` of identical blocks is a group.
-        mesh: a 1-D mesh, a 2-D ``(replicate, shard)`` mesh (HSDP) or a 2-D ``("dp", "ep")`` mesh (expert
-            parallel). Default: every rank of the default process group.
+        mesh: a 1-D mesh, a 2-D ``(replicate, shard)`` mesh (HSDP), a 2-D ``("dp", "ep")`` mesh (expert
+            parallel) or a 2-D ``("dp", "tp")`` / ``("data_parallel", "tensor_parallel")`` mesh (the plan's ``tp``
+            rules split modules over tp, groups are sharded over dp). Default: every rank of the default process group.
         roots: the outermost groups (default ``[model]``); a LightningModule's are its children with
             parameters (:func:`top_level_roots`). Parameters under no root go to ``model``'s own group.
         mp_policy: mixed precision where the plan sets no dtypes (its ``output_dtype`` and
@@ -336,6 +359,11 @@ def parallelize_spmd(
     _declare_quantization(model, policies)
     shard_kwargs: dict[int, dict[str, Any]] = {}
     dense_mesh = mesh
+    tp_split = split_tensor_parallel_mesh(mesh)
+    if tp_split is not None:
+        # Tensor parallelism first (the plan's tp rules), then the groups are sharded over the dp dimension.
+        dense_mesh, tp_mesh = tp_split
+        apply_tensor_parallel(model, resolved.tensor_parallel, tp_mesh)
     if expert_parallel:
         from lightning_vescale.models.moe import GroupedExperts
         from lightning_vescale.parallel.expert_parallel import ExpertParallelGroupedExperts, apply_expert_parallel

@@ -169,6 +169,9 @@ class ResolvedPlan:
     model_type: str
     groups: tuple[GroupPolicy, ...]
     params: Mapping[str, ParamPolicy]
+    tensor_parallel: Mapping[str, str] = field(default_factory=dict)
+    """Module name -> tensor-parallel style (``colwise``, ``rowwise``, ``sequence``, ``replicate``) from the plan's
+    ``tp`` rules; applied only on a mesh with a ``tp`` dimension."""
 
     def group(self, name: str) -> GroupPolicy:
         for g in self.groups:
@@ -193,6 +196,7 @@ class ResolvedPlan:
             "plan": self.plan.to_dict(),
             "groups": {g.label: g.to_dict() for g in self.groups},
             "params": {n: p.to_dict() for n, p in self.params.items()},
+            "tensor_parallel": dict(self.tensor_parallel),
         }
 
     def to_yaml(self) -> str:
@@ -488,6 +492,8 @@ def resolve_plan(
                 f"({sorted(mods)[:3]}): match a group's module, or make them groups (group: true)"
             )
 
+    tensor_parallel = _tensor_parallel_styles(plan, module_names, modules_by_name, rules_for, rule_modules, chooser)
+
     # Routing first: "granularity: muon" depends on it.
     param_values: dict[int, dict[str, tuple[Any, str]]] = {}
     for pid, names in param_names.items():
@@ -613,7 +619,39 @@ def resolve_plan(
             param_dtype=values["param_dtype"][0], reduce_dtype=values["reduce_dtype"][0],
             sources={k: values[k][1] for k in GROUP_FIELDS[1:]},
         ))
-    return ResolvedPlan(plan=plan, model_type=type(model).__name__, groups=tuple(groups), params=params)
+    return ResolvedPlan(plan=plan, model_type=type(model).__name__, groups=tuple(groups), params=params,
+                        tensor_parallel=tensor_parallel)
+
+
+_TP_MODULE_TYPES = {"colwise": (nn.Linear, nn.Embedding), "rowwise": (nn.Linear, nn.Embedding)}
+
+
+def _tensor_parallel_styles(plan: Plan, module_names: Mapping[int, list[str]], modules_by_name: Mapping[str, nn.Module],
+                            rules_for: Callable[..., list[Rule]], rule_modules: Mapping[int, set[str]],
+                            chooser: _Chooser) -> dict[str, str]:
+    """Module name -> tp style for every module a ``tp`` rule matches (``replicate`` included), in module order."""
+    for rule in plan.rules:
+        if rule.tp is not None and not rule_modules.get(rule.index):
+            chooser.problems.append(
+                f"{rule.describe()} sets tp (per module) but matches only parameters: match the module to split "
+                f"(e.g. '**.attention.wq', not '**.attention.wq.weight')"
+            )
+    styles: dict[str, str] = {}
+    for names in module_names.values():
+        rules = [r for r in rules_for(names, by_module=True) if r.tp is not None]
+        if not rules:
+            continue
+        style = chooser.choose("module", names[0], [_PartialRule(r, ("tp",)) for r in rules])["tp"][0]
+        module = modules_by_name[names[0]]
+        allowed = _TP_MODULE_TYPES.get(style)
+        if allowed is not None and not isinstance(module, allowed):
+            chooser.problems.append(
+                f"module {names[0]} ({type(module).__name__}) gets tp: {style}, which splits an nn.Linear or "
+                f"nn.Embedding: match its Linear children instead (e.g. '{names[0]}.*')"
+            )
+            continue
+        styles[names[0]] = style
+    return styles
 
 
 def _tier_source(sources: Mapping[str, str]) -> str:

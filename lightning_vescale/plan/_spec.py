@@ -33,6 +33,18 @@ share one DBuffer per dtype, so every parameter of a buffer must get the same ``
 (a conflict names the rules and the group); optimizer states are placed per parameter. The ``disk`` tier's
 directory is the policy's ``disk_dir``: a plan never holds a machine's paths, and one that puts anything on
 disk without a ``disk_dir`` is an error before any process group exists.
+
+[Note: tensor parallelism in a plan]
+``tp`` sets a module's tensor-parallel style, applied with ``torch.distributed.tensor.parallel.parallelize_module``
+over the mesh's ``tp`` dimension (``("dp", "tp")`` or Lightning's ``("data_parallel", "tensor_parallel")``)
+before the groups are sharded over the data-parallel dimension: ``colwise`` (``ColwiseParallel``: an
+``nn.Linear``'s output features or an ``nn.Embedding``'s columns split, the output stays split),
+``rowwise`` (``RowwiseParallel``: input features split, outputs summed over tp), ``sequence``
+(``SequenceParallel``: a norm's input and output split on the sequence dimension; its neighbours must
+produce and take sequence-split activations) and ``replicate`` (no split: stops a broader rule). A rule
+setting ``tp`` matches modules; on a mesh without a ``tp`` dimension the styles are not applied, so one
+plan serves ``tp=1`` and ``tp>1``. Shapes are checked against the tp size before any process group
+exists (:func:`~lightning_vescale.parallel.check_tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -49,8 +61,10 @@ from lightning_vescale.plan._glob import compile_glob
 
 __all__ = [
     "GROUP_FIELDS",
+    "MODULE_FIELDS",
     "PARAM_FIELDS",
     "TIER_CLASSES",
+    "TP_STYLES",
     "Plan",
     "PlanError",
     "Rule",
@@ -66,12 +80,16 @@ GROUP_FIELDS = ("group", "reshard_after_forward", "prefetch", "param_dtype", "re
 """Fields that configure a group (one ``fully_shard`` call)."""
 PARAM_FIELDS = ("granularity", "optimizer", "quantization", "tier")
 """Fields that configure a parameter."""
-FIELDS = GROUP_FIELDS + PARAM_FIELDS
+MODULE_FIELDS = ("tp",)
+"""Fields that configure a module itself (not a group): its tensor-parallel style."""
+FIELDS = GROUP_FIELDS + PARAM_FIELDS + MODULE_FIELDS
 
 GRANULARITY_WORDS = ("element", "row", "matrix", "tensor", "muon")
 OPTIMIZER_ROUTES = ("auto", "muon", "adamw")
 QUANTIZATION_FORMATS = ("none", "fp8_block", "int8_block")
 """``none``, or block quantization with 128x128 blocks."""
+TP_STYLES = ("colwise", "rowwise", "sequence", "replicate")
+"""How a module is split over the ``tp`` mesh dimension (see [Note: tensor parallelism in a plan])."""
 TIERS = ("device", "host", "disk")
 """Where a parameter's persistent state lives (see [Note: tiers in a plan])."""
 TIER_CLASSES = ("params", "grads", "optimizer_states")
@@ -135,6 +153,10 @@ def _check_value(name: str, value: Any, what: str) -> Any:
         return value
     if name == "tier":
         return _check_tier(value, what)
+    if name == "tp":
+        if value not in TP_STYLES:
+            raise PlanError(f"{what}: tp must be one of {', '.join(TP_STYLES)}, got {value!r}")
+        return value
     if value not in QUANTIZATION_FORMATS:
         raise PlanError(f"{what}: {name} must be one of {', '.join(QUANTIZATION_FORMATS)}, got {value!r}")
     return value
@@ -199,6 +221,9 @@ class Rule:
     tier: Optional[Union[str, dict[str, str]]] = None
     """``device``, ``host``, ``disk``, or a mapping per class (``{optimizer_states: disk}``); see
     [Note: tiers in a plan]."""
+    tp: Optional[str] = None
+    """``colwise``, ``rowwise``, ``sequence`` or ``replicate``: how the matched modules are split over the mesh's
+    ``tp`` dimension; see [Note: tensor parallelism in a plan]."""
     override: bool = False
     """Replace values that earlier rules set for the same names; otherwise a different value is a conflict."""
     index: int = field(default=-1, compare=False)
@@ -235,7 +260,7 @@ class Rule:
 
 _PLAN_KEYS = ("version", "name", "description", "fallback", "rules", "require")
 _RULE_KEYS = ("match",) + FIELDS + ("override",)
-_FALLBACK_KEYS = tuple(f for f in FIELDS if f != "group")
+_FALLBACK_KEYS = tuple(f for f in FIELDS if f not in ("group", "tp"))
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,9 @@ def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, pa
     tiered = any(p.tier for p in resolved.params.values())
     if tiered:
         header.append("tier")  # what the plan places; "-": the memory policy's
+    tp_by_group = _tp_styles_by_group(resolved)
+    if tp_by_group:
+        header.append("tp")  # tensor-parallel styles of the group's modules (applied on a mesh with a tp dim)
     if world_size:
         header += ["shard/rank", "padding"]
     rows = []
@@ -64,6 +67,9 @@ def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, pa
         if tiered:
             labels = Counter(p.tier_label for p in members)
             row.append(", ".join(f"{k} x{c}" if len(labels) > 1 else k for k, c in labels.most_common()) or "-")
+        if tp_by_group:
+            styles = tp_by_group.get(g.name, Counter())
+            row.append(", ".join(f"{k} x{c}" for k, c in styles.most_common()) or "-")
         if world_size:
             layouts = group_layouts(resolved, g, world_size)
             shard = sum(lay.shard_bytes for lay in layouts)
@@ -87,6 +93,16 @@ def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, pa
         lines.append(_rows_to_text(
             ["parameter", "shape", "dtype", "group", "granularity", "optimizer", "quant", "tier", "set by"], prow))
     return "\n".join(lines)
+
+
+def _tp_styles_by_group(resolved: ResolvedPlan) -> dict[str, Counter]:
+    """Group name -> counts of the tp styles of the modules it holds (a module belongs to its innermost group)."""
+    names = sorted((g.name for g in resolved.groups), key=len, reverse=True)
+    out: dict[str, Counter] = {}
+    for module, style in resolved.tensor_parallel.items():
+        owner = next((n for n in names if n == "" or module == n or module.startswith(n + ".")), "")
+        out.setdefault(owner, Counter())[style] += 1
+    return out
 
 
 def _itemsize(dtype_name: str) -> int:

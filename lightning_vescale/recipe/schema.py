@@ -456,6 +456,11 @@ class VeScaleStrategyConfig(StrategyConfig):
     """``1``: no expert parallelism. ``ep > 1``: split the MoE experts over ``ep`` ranks and shard them over
     ``world_size // ep`` (a ``("dp", "ep")`` mesh); must divide ``devices * num_nodes``, needs an MoE model
     and ``replicate_size: null``."""
+    tensor_parallel_size: int = 1
+    """``1``: no tensor parallelism. ``tp > 1``: split the modules the plan's ``tp`` rules name over ``tp``
+    consecutive ranks and shard the groups over ``world_size // tp`` (a ``("data_parallel", "tensor_parallel")``
+    mesh); must divide ``devices * num_nodes`` and the model's heads and hidden sizes, needs a plan with tp rules
+    (``plan=llama``)."""
     sync_module_states: bool = True
     """Start every rank from rank 0's weights (meta-device init replays rank 0's RNG)."""
     meta_init: bool = True
@@ -482,6 +487,16 @@ class VeScaleStrategyConfig(StrategyConfig):
             ep == 1 or r is None,
             f"strategy.expert_parallel_size={ep} with strategy.replicate_size={r!r} (HSDP) is not supported yet: "
             f"set one of them",
+        )
+        tp = self.tensor_parallel_size
+        _check(
+            isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
+            f"strategy.tensor_parallel_size must be a positive int, got {tp!r}",
+        )
+        _check(
+            tp == 1 or (r is None and ep == 1),
+            f"strategy.tensor_parallel_size={tp} with strategy.replicate_size={r!r} / expert_parallel_size={ep} is not "
+            f"supported yet: use tensor parallelism alone",
         )
         g = self.granularity
         _check(
@@ -880,6 +895,7 @@ class TrainConfig:
                 arch.num_experts % ep == 0,
                 f"strategy.expert_parallel_size={ep} does not divide the {arch.num_experts} experts of {where}",
             )
+        self._check_tensor_parallel(arch, where)
         _check(bool(self.name) and not any(c in self.name for c in "/\\\0") and self.name not in (".", ".."),
                f"name must be a directory name (not empty, '.' or '..', without '/'), so the run stays under "
                f"output_root/<name>/; got {self.name!r}")
@@ -907,6 +923,29 @@ class TrainConfig:
             _check(isinstance(self.strategy, VeScaleStrategyConfig),
                    f"memory=... needs strategy=vescale (its engine owns the buffers that move between tiers), got "
                    f"{type(self.strategy).__name__}")
+
+    def _check_tensor_parallel(self, arch: Any, where: str) -> None:
+        """``strategy.tensor_parallel_size``: divides the world size and the model's heads, and a plan splits it."""
+        tp = getattr(self.strategy, "tensor_parallel_size", 1)
+        if tp == 1:
+            return
+        devices = self.trainer.devices
+        per_node = len(devices) if isinstance(devices, list) else devices if isinstance(devices, int) else None
+        if per_node is not None:
+            world = per_node * self.trainer.num_nodes
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            _check(world % tp == 0, f"strategy.tensor_parallel_size={tp} does not divide the world size {world} "
+                   f"(trainer.devices={devices} * trainer.num_nodes={self.trainer.num_nodes}); use one of "
+                   f"{', '.join(map(str, divisors))}")
+        for attr in ("n_heads", "n_kv_heads"):
+            heads = getattr(arch, attr, None)
+            _check(heads is None or heads % tp == 0,
+                   f"strategy.tensor_parallel_size={tp} does not divide {where}'s {attr}={heads}: each tensor-parallel "
+                   f"rank holds whole attention heads; use a tp size dividing {attr}")
+        _check(self.plan is not None, f"strategy.tensor_parallel_size={tp} needs a plan whose tp rules say which modules "
+               f"to split: add plan=llama (or a plan of your own with tp rules)")
+        _check(self.mpmd is None, f"strategy.tensor_parallel_size={tp} is not applied to MPMD runs yet: set mpmd=null "
+               f"or strategy.tensor_parallel_size=1")
 
 
 @dataclass

@@ -1,0 +1,118 @@
+"""Tensor parallelism from a plan's ``tp`` rules: torch's ``parallelize_module`` over the mesh's tp dimension.
+
+The styles are torch's (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``); this module maps the
+plan's words onto them, finds the tp dimension of a mesh, and checks shapes against the tp size before any
+process group exists, naming the module and the fix. ``fully_shard`` then shards the resulting DTensors over
+the data-parallel dimension (see [Note: RaggedTensor as a DTensor] in :mod:`lightning_vescale.tensor`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Optional
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "TENSOR_PARALLEL_DIM_NAMES",
+    "apply_tensor_parallel",
+    "check_tensor_parallel",
+    "split_tensor_parallel_mesh",
+    "tensor_parallel_style",
+]
+
+TENSOR_PARALLEL_DIM_NAMES = (("dp", "tp"), ("data_parallel", "tensor_parallel"))
+"""2-D meshes whose second dimension is tensor parallel: torchtitan's names and Lightning's ModelParallelStrategy's."""
+
+
+def split_tensor_parallel_mesh(mesh: Optional[DeviceMesh]) -> Optional[tuple[DeviceMesh, DeviceMesh]]:
+    """``(dp_mesh, tp_mesh)`` of a 2-D ``("dp", "tp")`` / ``("data_parallel", "tensor_parallel")`` mesh, else None."""
+    if mesh is None or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) not in TENSOR_PARALLEL_DIM_NAMES:
+        return None
+    dp, tp = mesh.mesh_dim_names  # type: ignore[misc]  # checked above: two names
+    return mesh[dp], mesh[tp]
+
+
+def tensor_parallel_style(style: str):  # -> ParallelStyle (torch.distributed.tensor.parallel)
+    """The torch ``ParallelStyle`` for a plan's ``tp`` word (None for ``replicate``: nothing is split)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+    if style == "replicate":
+        return None
+    if style not in styles:
+        raise ValueError(f"unknown tensor-parallel style {style!r}: expected colwise, rowwise, sequence or replicate")
+    return styles[style]()
+
+
+def _split_size(module: nn.Module, style: str) -> Optional[tuple[str, int]]:
+    """(what is split, its size) for a colwise / rowwise Linear or Embedding."""
+    if isinstance(module, nn.Linear):
+        return ("out_features", module.out_features) if style == "colwise" else ("in_features", module.in_features)
+    if isinstance(module, nn.Embedding):
+        return ("embedding_dim", module.embedding_dim) if style == "colwise" else ("num_embeddings", module.num_embeddings)
+    return None
+
+
+def check_tensor_parallel(model: nn.Module, styles: Mapping[str, str], tp_size: int) -> None:
+    """Raise ``ValueError`` listing every module whose shapes ``tp_size`` does not divide: a colwise / rowwise
+    split dimension, and the head counts (``n_heads``, ``n_kv_heads``) of a module whose projections are split
+    (attention reshapes its output into heads: each tp rank must hold whole heads). Runs on a meta model."""
+    if tp_size <= 1:
+        return
+    modules = dict(model.named_modules())
+    problems = []
+    split_parents = set()
+    for name, style in styles.items():
+        module = modules.get(name)
+        if module is None or style in ("replicate", "sequence"):
+            continue
+        split = _split_size(module, style)
+        if split is not None and split[1] % tp_size != 0:
+            problems.append(f"{name} ({type(module).__name__}, tp: {style}) has {split[0]}={split[1]}, not divisible "
+                            f"by tp={tp_size}")
+        split_parents.add(name.rpartition(".")[0])
+    for parent in sorted(split_parents):
+        module = modules.get(parent)
+        for attr in ("n_heads", "n_kv_heads"):
+            heads = getattr(module, attr, None)
+            if isinstance(heads, int) and heads % tp_size != 0:
+                problems.append(f"{parent or '<model>'} ({type(module).__name__}) has {attr}={heads}, not divisible by "
+                                f"tp={tp_size}: each tensor-parallel rank must hold whole heads")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; ... ({len(problems)} in all)" if len(problems) > 5 else "")
+        raise ValueError(f"tensor parallelism over {tp_size} ranks cannot split this model: {shown}. Choose a "
+                         f"tensor-parallel size that divides them (strategy.tp_size / tensor_parallel_size), or mark "
+                         f"those modules tp: replicate in the plan")
+
+
+def _tied_across(model: nn.Module, names: set[str]) -> list[str]:
+    """Parameters of split modules that another module also holds (splitting one copy would break the tie)."""
+    owners: dict[int, list[str]] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for pname, p in m.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
+    tied = []
+    for users in owners.values():
+        split = [u for u in users if u.rpartition(".")[0] in names]
+        if split and len(users) > 1:
+            tied.append(f"{split[0]} (also {', '.join(u for u in users if u != split[0])})")
+    return tied
+
+
+def apply_tensor_parallel(model: nn.Module, styles: Mapping[str, str], tp_mesh: DeviceMesh) -> int:
+    """Split the modules ``styles`` names over ``tp_mesh`` (``parallelize_module``); returns how many were split.
+    Modules on the meta device are split too (their DTensors stay meta until ``materialize``)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = {name: tensor_parallel_style(style) for name, style in styles.items() if style != "replicate"}
+    if not plan:
+        return 0
+    check_tensor_parallel(model, styles, tp_mesh.size())
+    tied = _tied_across(model, set(plan))
+    if tied:
+        raise ValueError(f"tensor parallelism would split tied parameters {tied[:3]}: untie them or mark those "
+                         f"modules tp: replicate")
+    parallelize_module(model, tp_mesh, plan)  # type: ignore[arg-type]  # every value is a ParallelStyle
+    return len(plan)
