@@ -1,0 +1,45 @@
+"""``recipes/train.py strategy.tensor_parallel_size=2 plan=llama`` on 4 CPU processes (dp2 x tp2) against the same
+recipe on 2 processes without tensor parallelism (dp2): the same global batches, so the same losses and weights
+(fp32; 1e-5, reductions run in other orders). The tp run's checkpoint reads whole and exports to Hugging Face.
+A tp size that does not divide the processes stops before anything is launched (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from lightning_vescale.export import export_hf, read_model_state
+from tests.distributed.test_recipes import run_recipe
+
+
+def test_tensor_parallel_recipe_equals_data_parallel_and_exports(tmp_path):
+    common = ("plan=llama", "trainer.max_steps=6", "trainer.val_every_n_steps=6", "trainer.checkpoint_every_n_steps=6",
+              f"output_root={tmp_path}")
+    tp_run, dp_run = tmp_path / "tp", tmp_path / "dp"
+    proc = run_recipe("train.py", *common, "trainer.devices=4", "strategy.tensor_parallel_size=2",
+                      f"hydra.run.dir={tp_run}", timeout=400)
+    assert "tensor parallel over ('data_parallel', 'tensor_parallel') = (2, 2)" in proc.stdout + proc.stderr
+    run_recipe("train.py", *common, "trainer.devices=2", f"hydra.run.dir={dp_run}", timeout=300)
+    tp, dp = (json.loads((run / "summary.json").read_text()) for run in (tp_run, dp_run))
+    assert tp["world_size"] == 4 and dp["world_size"] == 2
+    tp_losses, dp_losses = ([r["loss"] for r in s["losses"]] for s in (tp, dp))
+    assert len(tp_losses) == len(dp_losses) == 6
+    assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(tp_losses, dp_losses)), (tp_losses, dp_losses)
+    assert abs(tp["val_loss"] - dp["val_loss"]) <= 1e-5 * max(1.0, dp["val_loss"])
+
+    tp_state, dp_state = read_model_state(tp_run), read_model_state(dp_run)
+    assert tp_state.keys() == dp_state.keys()
+    worst = max((tp_state[n] - dp_state[n]).abs().max().item() for n in dp_state)
+    assert worst <= 1e-5, f"the tp run's weights differ from the dp run's by {worst}"
+    exported = load_file(str(export_hf(tp_run, tmp_path / "hf") / "model.safetensors"))
+    wq = exported["model.layers.0.self_attn.q_proj.weight"]
+    assert wq.shape == tp_state["layers.0.attention.wq.weight"].shape == (64, 64)
+    assert torch.isfinite(wq).all() and len(exported) >= len(tp_state)
+
+
+def test_tensor_parallel_size_not_dividing_the_processes_stops_before_launch(tmp_path):
+    proc = run_recipe("train.py", "plan=llama", "trainer.devices=2", "strategy.tensor_parallel_size=4",
+                      f"output_root={tmp_path}", returncode=2, timeout=120)
+    assert "strategy.tensor_parallel_size=4 does not divide the world size 2" in proc.stdout + proc.stderr

@@ -1,0 +1,123 @@
+"""Tensor parallelism declared in plans (``tp:`` rules) and the checks that run before any process group:
+resolution, the table, bad styles and shapes, the strategies' arguments and the recipe's settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from lightning_vescale.lightning import VeScaleStrategy
+from lightning_vescale.lightning._common import tensor_parallel_sampler_kwargs
+from lightning_vescale.models import Llama, llama_config
+from lightning_vescale.parallel.tensor_parallel import check_tensor_parallel
+from lightning_vescale.plan import PlanError, load_plan, resolve_plan
+from lightning_vescale.recipe.schema import validate
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _llama(**overrides) -> Llama:
+    config = llama_config("tiny")
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    with torch.device("meta"):
+        return Llama(config)
+
+
+def _plan(*rules: dict) -> dict:
+    return {"rules": [{"match": "layers.*", "group": True}, *rules]}
+
+
+def test_llama_plan_splits_attention_and_mlp_projections():
+    resolved = resolve_plan(_llama(), load_plan("llama"))
+    tp = resolved.tensor_parallel
+    assert tp["layers.0.attention.wq"] == "colwise" and tp["layers.0.attention.wo"] == "rowwise"
+    assert tp["layers.1.feed_forward.w3"] == "colwise" and tp["layers.1.feed_forward.w2"] == "rowwise"
+    assert len(tp) == 2 * 7 and "tok_embeddings" not in tp and "output" not in tp
+    assert resolved.to_dict()["tensor_parallel"] == dict(tp)
+
+
+def test_table_shows_each_groups_tp_styles():
+    table = resolve_plan(_llama(), load_plan("llama")).table()
+    header, _, first = table.splitlines()[1:4]
+    assert header.split()[-1] == "tp" and first.startswith("layers.1")
+    assert "colwise x5, rowwise x2" in first
+
+
+def test_unknown_tp_style_is_refused():
+    with pytest.raises(PlanError, match=r"tp must be one of colwise, rowwise, sequence, replicate, got 'column'"):
+        load_plan(_plan({"match": "**.wq", "tp": "column"}))
+
+
+def test_tp_on_a_parameter_names_the_module_to_match():
+    with pytest.raises(PlanError, match=r"sets tp \(per module\) but matches only parameters"):
+        resolve_plan(_llama(), _plan({"match": "**.attention.wq.weight", "tp": "colwise"}))
+
+
+def test_colwise_on_a_block_is_refused():
+    with pytest.raises(PlanError, match=r"module layers.0 \(TransformerBlock\) gets tp: colwise"):
+        resolve_plan(_llama(), _plan({"match": "layers.0", "tp": "colwise"}))
+
+
+def test_conflicting_tp_styles_need_override():
+    conflict = _plan({"match": "**.attention.w*", "tp": "colwise"}, {"match": "**.attention.wo", "tp": "rowwise"})
+    with pytest.raises(PlanError, match=r"conflict on module 'layers.0.attention.wo'.*tp='colwise'"):
+        resolve_plan(_llama(), conflict)
+    conflict["rules"][-1]["override"] = True
+    assert resolve_plan(_llama(), conflict).tensor_parallel["layers.0.attention.wo"] == "rowwise"
+
+
+def test_tp_is_no_fallback_field():
+    with pytest.raises(PlanError, match=r"fallback: unknown key\(s\) 'tp'"):
+        load_plan({"fallback": {"tp": "colwise"}, "rules": [{"match": "layers.*", "group": True}]})
+
+
+def test_heads_not_divisible_by_tp_name_the_module_and_fix():
+    model = _llama()
+    styles = resolve_plan(model, load_plan("llama")).tensor_parallel
+    check_tensor_parallel(model, styles, 2)  # 4 heads, 2 kv heads, dim 64, ffn 128
+    with pytest.raises(ValueError, match=r"layers.0.attention \(Attention\) has n_kv_heads=2, not divisible by tp=4"):
+        check_tensor_parallel(model, styles, 4)
+    with pytest.raises(ValueError, match=r"layers.0.attention.wq \(Linear, tp: colwise\) has out_features=64, not "
+                                         r"divisible by tp=3.*Choose a tensor-parallel size that divides them"):
+        check_tensor_parallel(model, styles, 3)
+
+
+def test_sampler_gives_one_tp_group_one_shard_of_the_data():
+    shards = [tensor_parallel_sampler_kwargs(8, rank, 2) for rank in range(8)]
+    assert [s["rank"] for s in shards] == [0, 0, 1, 1, 2, 2, 3, 3] and {s["num_replicas"] for s in shards} == {4}
+
+
+def test_strategy_refuses_tensor_parallel_with_hsdp():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with replicate_size=2 \(HSDP\) is not supported"):
+        VeScaleStrategy(tensor_parallel_size=2, replicate_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int, got 0"):
+        VeScaleStrategy(tensor_parallel_size=0)
+
+
+@pytest.fixture(scope="module")
+def hydra_configs():
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        yield
+
+
+@pytest.mark.usefixtures("hydra_configs")
+def test_recipe_takes_a_tensor_parallel_size():
+    cfg = validate(compose("train", overrides=["trainer.devices=4", "strategy.tensor_parallel_size=2", "plan=llama"]))
+    assert cfg.strategy.tensor_parallel_size == 2
+
+
+@pytest.mark.usefixtures("hydra_configs")
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["trainer.devices=4", "strategy.tensor_parallel_size=3", "plan=llama"],
+     r"strategy.tensor_parallel_size=3 does not divide the world size 4 .*use one of 1, 2, 4"),
+    (["trainer.devices=4", "strategy.tensor_parallel_size=4", "plan=llama"],
+     r"does not divide model=llama_tiny's n_kv_heads=2"),
+    (["trainer.devices=4", "strategy.tensor_parallel_size=2"], r"needs a plan whose tp rules .*add plan=llama"),
+])
+def test_recipe_refuses_bad_tensor_parallel_settings(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate(compose("train", overrides=overrides))
