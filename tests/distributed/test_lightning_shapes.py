@@ -101,7 +101,9 @@ class DecayByNdim(Recorder):
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": 0.5}, {"params": no_decay, "weight_decay": 0.0}]
-        return self.optimizer(groups, lr=0.05)
+        # A small enough step that no optimizer diverges (RMSprop at 0.05 reached losses of 1e9, where reduction
+        # order alone moves the 5th digit): the 1e-5 comparison then measures the engine, not chaos.
+        return self.optimizer(groups, lr=0.01)
 
 
 class Finetune(Recorder):
@@ -145,6 +147,7 @@ def _weight_decay_by_ndim(rank: int, world: int) -> None:
         mine, _ = fit(make, "vescale", max_steps=4, enable_model_summary=False)
         assert all(is_ragged(p) for p in mine.parameters())
         close(mine.losses, ref.losses, f"{optimizer.__name__}: vescale vs ddp")
+        assert max(ref.losses) < 10 * ref.losses[0], f"{optimizer.__name__} diverged: {ref.losses}"
         if optimizer is OPTIMIZERS[0]:
             theirs, ours = ModelSummary(ref, max_depth=2), ModelSummary(mine, max_depth=2)
             assert ours.total_parameters == theirs.total_parameters == sum(p.numel() for p in MLP().parameters())
