@@ -7,8 +7,8 @@ Block-quantized parameters (a plan's ``quantization: fp8_block | int8_block``, d
 engine's buffer kinds (:mod:`lightning_vescale.quant._kinds`):
 
 * a trained one a :class:`~lightning_vescale.quant._gather.QuantizedGatherBuffer`: fp32 master pieces as usual,
-  cut between row bands, gathered as one byte of code per element plus one fp32 scale per band tile (two
-  AllGathers);
+  cut only between bands of ``b`` rows of each matrix (every ``b x b`` tile whole on one rank), gathered as one
+  byte of code per element plus one fp32 scale per tile (two AllGathers);
 * a frozen one a :class:`~lightning_vescale.quant._storage.QuantizedStorage`: ``b x b`` tiles of codes and one
   fp32 scale per tile on each rank, gathered as they are, dequantized into the compute dtype.
 
@@ -29,9 +29,9 @@ if TYPE_CHECKING:  # the resolved plan prints its table through this module
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.group_plan import BufferKind, ParamEntry, plan_group_buffers
 from lightning_vescale.plan._spec import parse_dtype
-from lightning_vescale.planner import BufferPlan
+from lightning_vescale.planner import BufferPlan, shard_size_lower_bound
 from lightning_vescale.quant._kinds import GATHER, STORAGE, BlockQuantization
-from lightning_vescale.quant.blocks import band_scale_count
+from lightning_vescale.quant.blocks import band_scale_counts
 from lightning_vescale.quant.formats import BlockFormat, parse_format
 
 __all__ = ["BufferLayout", "group_layouts", "quantized_gather_scales_per_rank"]
@@ -115,22 +115,18 @@ class BufferLayout:
 
 def quantized_gather_scales_per_rank(plan: BufferPlan, fmt: BlockFormat) -> int:
     """``QuantizedGatherBuffer.scales_per_rank`` without building one: the most scales a rank's pieces have
-    (:func:`~lightning_vescale.quant.blocks.band_scale_count` per piece), in O(tensors) rather than
-    O(tensors x ranks) (ranks strictly inside a tensor all hold one shard of it)."""
+    (:func:`~lightning_vescale.quant.blocks.band_scale_count` per piece), in O(tensors + ranks) rather than
+    O(tensors x ranks): each tensor counts only the ranks it spans."""
     N, S = plan.world_size, plan.shard_size
-    diff = torch.zeros(N + 1, dtype=torch.int64)
-    ends = torch.zeros(N, dtype=torch.int64)
-    for i, (off, spec) in enumerate(zip(plan.offsets, plan.specs)):
+    counts = torch.zeros(N, dtype=torch.int64)
+    for off, spec in zip(plan.offsets, plan.specs):
         if not spec.numel:
             continue
-        first, last = off // S, (off + spec.numel - 1) // S
-        for q in {first, last}:
-            ends[q] += band_scale_count(spec.shape, *plan.piece(i, q), fmt)
-        if last > first + 1:
-            whole = band_scale_count(spec.shape, 0, S, fmt)
-            diff[first + 1] += whole
-            diff[last] -= whole
-    return int((torch.cumsum(diff, 0)[:N] + ends).max()) if N else 0
+        ranks = torch.arange(off // S, (off + spec.numel - 1) // S + 1)
+        starts = (ranks * S - off).clamp(0, spec.numel)
+        ends = ((ranks + 1) * S - off).clamp(0, spec.numel)
+        counts.index_add_(0, ranks, band_scale_counts(spec.shape, starts, ends, fmt))
+    return int(counts.max()) if N else 0
 
 
 def _kind(name: str, p: ParamPolicy, dtype: torch.dtype) -> Optional[BufferKind]:
