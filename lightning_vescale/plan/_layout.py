@@ -34,7 +34,12 @@ from lightning_vescale.quant._kinds import GATHER, STORAGE, BlockQuantization
 from lightning_vescale.quant.blocks import band_scale_counts
 from lightning_vescale.quant.formats import BlockFormat, parse_format
 
-__all__ = ["BufferLayout", "group_layouts", "quantized_gather_scales_per_rank"]
+__all__ = ["BLOCK_PADDING_WARNING", "BufferLayout", "block_padding_warnings", "group_layouts",
+           "quantized_gather_scales_per_rank"]
+
+BLOCK_PADDING_WARNING = 0.03
+"""Padding above which the plan table and the dry run warn that keeping a quantized AllGather's ``b x b`` blocks whole
+is expensive (the veScale-FSDP paper's bar for row granularity: < 3%)."""
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool,
@@ -86,6 +91,27 @@ class BufferLayout:
             return self.plan.world_size * self.plan.shard_size * self.fmt.tile_numel - self.real_numel
         return self.plan.padding
 
+    @property
+    def lower_bound_padding_elements(self) -> int:
+        """Padding at the planner's lower bound on the shard size (:func:`~lightning_vescale.planner.shard_size_lower_bound`):
+        what no order of these tensors can avoid at their granularity."""
+        lb = _lower_bound(self.plan)
+        if self.quant == STORAGE:
+            return self.plan.world_size * lb * self.fmt.tile_numel - self.real_numel
+        return self.plan.world_size * lb - self.plan.total_numel
+
+    @property
+    def gather_vs_bf16(self) -> float:
+        """Bytes one unshard gathers, relative to a bf16 AllGather of the same elements without padding."""
+        N, S = self.plan.world_size, self.plan.shard_size
+        if self.quant == GATHER:
+            nbytes = N * (S * self.fmt.code_dtype.itemsize + 4 * self.scales_per_rank)
+        elif self.quant == STORAGE:
+            nbytes = N * S * (self.fmt.tile_numel * self.dtype.itemsize + 4)
+        else:
+            nbytes = N * S * self.param_dtype.itemsize
+        return nbytes / max(2 * self.real_numel, 1)
+
     def all_gather_bytes(self) -> dict[str, int]:
         """Bytes this rank sends per unshard, by ``comm_stats`` kind (nothing on one rank)."""
         N, S = self.plan.world_size, self.plan.shard_size
@@ -136,6 +162,41 @@ def _kind(name: str, p: ParamPolicy, dtype: torch.dtype) -> Optional[BufferKind]
         return None
     stand_in = torch.empty(p.shape, dtype=dtype, device="meta", requires_grad=p.requires_grad)
     return BlockQuantization(parse_format(p.quantization)).kind_for(name, stand_in)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lower_bound(plan: BufferPlan) -> int:
+    return shard_size_lower_bound(plan.specs, plan.world_size, alignment=plan.alignment)
+
+
+def block_padding_warnings(groups: list[tuple[str, list[BufferLayout]]]) -> list[str]:
+    """Lines saying where a quantized AllGather cannot keep its blocks whole without much padding (more than
+    :data:`BLOCK_PADDING_WARNING`), for ``(group label, layouts)`` pairs; groups with the same finding share a line.
+    The format is kept (every ``b x b`` tile whole on one rank), never changed."""
+    found: dict[str, list[str]] = {}
+    for label, layouts in groups:
+        for lay in layouts:
+            if lay.quant != GATHER or lay.plan.world_size == 1:
+                continue
+            pad = lay.padding_elements / max(lay.real_numel, 1)
+            if pad <= BLOCK_PADDING_WARNING:
+                continue
+            lb = lay.lower_bound_padding_elements / max(lay.real_numel, 1)
+            b = lay.fmt.block_size
+            finding = (
+                f"keeping the {b}x{b} blocks of its trained {lay.fmt.kind} weights whole (cuts only between {b}-row "
+                f"bands) costs {pad:.2%} padding on {lay.plan.world_size} ranks (the planner's lower bound at this "
+                f"granularity: {lb:.2%}); the quantized AllGather gathers {lay.gather_vs_bf16:.3f}x the bytes of an "
+                f"unpadded bf16 one. The format is kept; fewer ranks per group, larger groups or quantization: none "
+                f"for these weights avoid the padding."
+            )
+            found.setdefault(finding, []).append(label)
+    out = []
+    for finding, labels in found.items():
+        who = f"group {labels[0]}" if len(labels) == 1 else (
+            f"groups {', '.join(labels[:3])}" + (f" and {len(labels) - 3} more" if len(labels) > 3 else ""))
+        out.append(f"warning: {who}: {finding}")
+    return out
 
 
 @functools.lru_cache(maxsize=4096)

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 from lightning_vescale import MixedPrecisionPolicy, comm_stats, fully_shard
 from lightning_vescale.models import Llama, LlamaConfig
-from lightning_vescale.quant import BlockFormat, quantize_all_gather
-from lightning_vescale.quant import dequantize_block_major, quantize_block_major
+from lightning_vescale.quant import BlockFormat, dequantize_block_major, quantize_all_gather, quantize_block_major
 from tests.dist_utils import run_distributed
 
 # Rows not multiples of the block (wk/wv: 32 rows, vocab 96): the last tile row of a matrix holds what remains.
