@@ -42,8 +42,9 @@ class BufferKind(Protocol):
     """True: the buffer keeps each rank's master pieces (a :class:`DBuffer`, the engine makes the parameters);
     False: it keeps a storage of its own and :meth:`make_parameters` makes them."""
 
-    def granule(self, name: str, shape: tuple[int, ...], granule_numel: int) -> int:
-        """The cut granularity (elements) of a parameter whose requested granule is ``granule_numel``."""
+    def granule(self, name: str, shape: tuple[int, ...], requested: tuple[int, int]) -> tuple[int, int]:
+        """The cut granule ``(granule_numel, period)`` (as :func:`~lightning_vescale.planner.granule` gives them) of a
+        parameter whose requested granularity has the granule ``requested``."""
 
     def planner_specs(self, specs: list[TensorSpec], alignment: int) -> tuple[list[TensorSpec], int]:
         """What the planner lays out for these parameters, and its alignment (the engine's ``specs`` and
@@ -129,9 +130,7 @@ def plan_group_buffers(entries: list[ParamEntry], world_size: int, mp_policy: Mi
         except ValueError as err:
             raise ValueError(f"parameter {e.name}: {err}") from None
         if e.kind is not None:
-            adjusted = e.kind.granule(e.name, e.shape, g_numel)
-            if adjusted != g_numel:
-                g_numel, period = adjusted, 0  # uniform over the tensor
+            g_numel, period = e.kind.granule(e.name, e.shape, (g_numel, period))
         key = (e.dtype, e.requires_grad, *(e.kind.key if e.kind is not None else ()))
         by_key.setdefault(key, []).append((e, TensorSpec(e.name, e.shape, g_numel, owner_cost(e.shape, g_numel), period)))
     out = []

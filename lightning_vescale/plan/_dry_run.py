@@ -46,7 +46,7 @@ import torch.nn as nn
 from lightning_vescale._param_group import backward_reads_params
 from lightning_vescale.plan._activations import activation_profile
 from lightning_vescale.plan._hardware import HardwareProfile
-from lightning_vescale.plan._layout import BufferLayout, group_layouts
+from lightning_vescale.plan._layout import BufferLayout, block_padding_warnings, group_layouts
 from lightning_vescale.plan._resolve import GroupPolicy, ResolvedPlan
 from lightning_vescale.plan._spec import PlanError
 
@@ -477,10 +477,12 @@ def dry_run(
     ag_calls: dict[str, int] = {}
     rs_calls = ar_calls = 0
     quantized: dict[str, int] = {}
+    group_buffers: list[tuple[str, list[BufferLayout]]] = []
     early = _roots_done_early(model, groups)
     modules = dict(model.named_modules(remove_duplicate=False))
     for g in groups:
         layouts = group_layouts(resolved, g, N, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
+        group_buffers.append((g.label, layouts))
         # A group of embeddings is not gathered for backward (it reads no weight): lightning-vescale frees it after
         # forward, and FSDP2, which would gather it again, is sized keeping it instead (one AllGather each).
         reads = backward_reads_params([modules[n.rpartition(".")[0]] for p in g.params
@@ -607,7 +609,9 @@ def dry_run(
         fs_last_reduce = ft_rs or fs_last_reduce
         out.groups.append({
             "group": g.label, "params": len(g.params), "elements": int(real), "shard_bytes": shard,
-            "gathered_bytes": gathered, "padding": pad / max(real, 1), "all_gather_bytes": ag,
+            "gathered_bytes": gathered, "padding": pad / max(real, 1),
+            "padding_lower_bound": sum(lay.lower_bound_padding_elements for lay in layouts) / max(real, 1),
+            "all_gather_bytes": ag,
             "reduce_scatter_bytes": rs, "all_reduce_replicate_bytes": ar,
             "quantization": sorted({resolved.params[n].quantization for n in g.params} - {"none"}),
             "fsdp2_padding": (f_elems - f_real) / max(f_real, 1),
@@ -665,6 +669,7 @@ def dry_run(
                  f"as codes + scales" for k, n in sorted(quantized.items())]
         out.notes.append("block quantization: " + "; ".join(parts) + " (FSDP2 is sized without it: it has no "
                          "block-quantized gather or storage)")
+    out.notes += block_padding_warnings(group_buffers)
     return out
 
 

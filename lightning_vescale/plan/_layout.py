@@ -7,8 +7,8 @@ Block-quantized parameters (a plan's ``quantization: fp8_block | int8_block``, d
 engine's buffer kinds (:mod:`lightning_vescale.quant._kinds`):
 
 * a trained one a :class:`~lightning_vescale.quant._gather.QuantizedGatherBuffer`: fp32 master pieces as usual,
-  cut between row bands, gathered as one byte of code per element plus one fp32 scale per band tile (two
-  AllGathers);
+  cut only between bands of ``b`` rows of each matrix (every ``b x b`` tile whole on one rank), gathered as one
+  byte of code per element plus one fp32 scale per tile (two AllGathers);
 * a frozen one a :class:`~lightning_vescale.quant._storage.QuantizedStorage`: ``b x b`` tiles of codes and one
   fp32 scale per tile on each rank, gathered as they are, dequantized into the compute dtype.
 
@@ -29,12 +29,17 @@ if TYPE_CHECKING:  # the resolved plan prints its table through this module
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.group_plan import BufferKind, ParamEntry, plan_group_buffers
 from lightning_vescale.plan._spec import parse_dtype
-from lightning_vescale.planner import BufferPlan
+from lightning_vescale.planner import BufferPlan, shard_size_lower_bound
 from lightning_vescale.quant._kinds import GATHER, STORAGE, BlockQuantization
-from lightning_vescale.quant.blocks import band_scale_count
+from lightning_vescale.quant.blocks import band_scale_counts
 from lightning_vescale.quant.formats import BlockFormat, parse_format
 
-__all__ = ["BufferLayout", "group_layouts", "quantized_gather_scales_per_rank"]
+__all__ = ["BLOCK_PADDING_WARNING", "BufferLayout", "block_padding_warnings", "group_layouts",
+           "quantized_gather_scales_per_rank"]
+
+BLOCK_PADDING_WARNING = 0.03
+"""Padding above which the plan table and the dry run warn that keeping a quantized AllGather's ``b x b`` blocks whole
+is expensive (the veScale-FSDP paper's bar for row granularity: < 3%)."""
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool,
@@ -86,6 +91,27 @@ class BufferLayout:
             return self.plan.world_size * self.plan.shard_size * self.fmt.tile_numel - self.real_numel
         return self.plan.padding
 
+    @property
+    def lower_bound_padding_elements(self) -> int:
+        """Padding at the planner's lower bound on the shard size (:func:`~lightning_vescale.planner.shard_size_lower_bound`):
+        what no order of these tensors can avoid at their granularity."""
+        lb = _lower_bound(self.plan)
+        if self.quant == STORAGE:
+            return self.plan.world_size * lb * self.fmt.tile_numel - self.real_numel
+        return self.plan.world_size * lb - self.plan.total_numel
+
+    @property
+    def gather_vs_bf16(self) -> float:
+        """Bytes one unshard gathers, relative to a bf16 AllGather of the same elements without padding."""
+        N, S = self.plan.world_size, self.plan.shard_size
+        if self.quant == GATHER:
+            nbytes = N * (S * self.fmt.code_dtype.itemsize + 4 * self.scales_per_rank)
+        elif self.quant == STORAGE:
+            nbytes = N * S * (self.fmt.tile_numel * self.dtype.itemsize + 4)
+        else:
+            nbytes = N * S * self.param_dtype.itemsize
+        return nbytes / max(2 * self.real_numel, 1)
+
     def all_gather_bytes(self) -> dict[str, int]:
         """Bytes this rank sends per unshard, by ``comm_stats`` kind (nothing on one rank)."""
         N, S = self.plan.world_size, self.plan.shard_size
@@ -115,22 +141,18 @@ class BufferLayout:
 
 def quantized_gather_scales_per_rank(plan: BufferPlan, fmt: BlockFormat) -> int:
     """``QuantizedGatherBuffer.scales_per_rank`` without building one: the most scales a rank's pieces have
-    (:func:`~lightning_vescale.quant.blocks.band_scale_count` per piece), in O(tensors) rather than
-    O(tensors x ranks) (ranks strictly inside a tensor all hold one shard of it)."""
+    (:func:`~lightning_vescale.quant.blocks.band_scale_count` per piece), in O(tensors + ranks) rather than
+    O(tensors x ranks): each tensor counts only the ranks it spans."""
     N, S = plan.world_size, plan.shard_size
-    diff = torch.zeros(N + 1, dtype=torch.int64)
-    ends = torch.zeros(N, dtype=torch.int64)
-    for i, (off, spec) in enumerate(zip(plan.offsets, plan.specs)):
+    counts = torch.zeros(N, dtype=torch.int64)
+    for off, spec in zip(plan.offsets, plan.specs):
         if not spec.numel:
             continue
-        first, last = off // S, (off + spec.numel - 1) // S
-        for q in {first, last}:
-            ends[q] += band_scale_count(spec.shape, *plan.piece(i, q), fmt)
-        if last > first + 1:
-            whole = band_scale_count(spec.shape, 0, S, fmt)
-            diff[first + 1] += whole
-            diff[last] -= whole
-    return int((torch.cumsum(diff, 0)[:N] + ends).max()) if N else 0
+        ranks = torch.arange(off // S, (off + spec.numel - 1) // S + 1)
+        starts = (ranks * S - off).clamp(0, spec.numel)
+        ends = ((ranks + 1) * S - off).clamp(0, spec.numel)
+        counts.index_add_(0, ranks, band_scale_counts(spec.shape, starts, ends, fmt))
+    return int(counts.max()) if N else 0
 
 
 def _kind(name: str, p: ParamPolicy, dtype: torch.dtype) -> Optional[BufferKind]:
@@ -140,6 +162,41 @@ def _kind(name: str, p: ParamPolicy, dtype: torch.dtype) -> Optional[BufferKind]
         return None
     stand_in = torch.empty(p.shape, dtype=dtype, device="meta", requires_grad=p.requires_grad)
     return BlockQuantization(parse_format(p.quantization)).kind_for(name, stand_in)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lower_bound(plan: BufferPlan) -> int:
+    return shard_size_lower_bound(plan.specs, plan.world_size, alignment=plan.alignment)
+
+
+def block_padding_warnings(groups: list[tuple[str, list[BufferLayout]]]) -> list[str]:
+    """Lines saying where a quantized AllGather cannot keep its blocks whole without much padding (more than
+    :data:`BLOCK_PADDING_WARNING`), for ``(group label, layouts)`` pairs; groups with the same finding share a line.
+    The format is kept (every ``b x b`` tile whole on one rank), never changed."""
+    found: dict[str, list[str]] = {}
+    for label, layouts in groups:
+        for lay in layouts:
+            if lay.quant != GATHER or lay.plan.world_size == 1:
+                continue
+            pad = lay.padding_elements / max(lay.real_numel, 1)
+            if pad <= BLOCK_PADDING_WARNING:
+                continue
+            lb = lay.lower_bound_padding_elements / max(lay.real_numel, 1)
+            b = lay.fmt.block_size
+            finding = (
+                f"keeping the {b}x{b} blocks of its trained {lay.fmt.kind} weights whole (cuts only between {b}-row "
+                f"bands) costs {pad:.2%} padding on {lay.plan.world_size} ranks (the planner's lower bound at this "
+                f"granularity: {lb:.2%}); the quantized AllGather gathers {lay.gather_vs_bf16:.3f}x the bytes of an "
+                f"unpadded bf16 one. The format is kept; fewer ranks per group, larger groups or quantization: none "
+                f"for these weights avoid the padding."
+            )
+            found.setdefault(finding, []).append(label)
+    out = []
+    for finding, labels in found.items():
+        who = f"group {labels[0]}" if len(labels) == 1 else (
+            f"groups {', '.join(labels[:3])}" + (f" and {len(labels) - 3} more" if len(labels) > 3 else ""))
+        out.append(f"warning: {who}: {finding}")
+    return out
 
 
 @functools.lru_cache(maxsize=4096)

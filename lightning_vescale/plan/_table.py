@@ -32,7 +32,7 @@ def _rows_to_text(header: list[str], rows: list[list[str]]) -> str:
 
 
 def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, params: bool = False) -> str:
-    from lightning_vescale.plan._layout import group_layouts
+    from lightning_vescale.plan._layout import block_padding_warnings, group_layouts
 
     name = resolved.plan.name or "unnamed"
     lines = [f"plan {name!r} on {resolved.model_type}: {len(resolved.groups)} groups, {len(resolved.params)} parameters"
@@ -48,8 +48,9 @@ def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, pa
     if tp_by_group:
         header.append("tp")  # tensor-parallel styles of the group's modules (applied on a mesh with a tp dim)
     if world_size:
-        header += ["shard/rank", "padding"]
+        header += ["shard/rank", "padding", "lower bound"]
     rows = []
+    warned: list = []
     total = total_bytes = padded = 0
     for g in resolved.groups:
         members = resolved.group_params(g)
@@ -74,14 +75,19 @@ def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, pa
             layouts = group_layouts(resolved, g, world_size)
             shard = sum(lay.shard_bytes for lay in layouts)
             pad = sum(lay.padding_elements for lay in layouts)
+            lower = sum(lay.lower_bound_padding_elements for lay in layouts)
             padded += pad
-            row += [format_bytes(shard), f"{pad / max(numel, 1):.2%}"]
+            flagged = block_padding_warnings([(g.label, layouts)])
+            warned.append((g.label, layouts))
+            row += [format_bytes(shard), f"{pad / max(numel, 1):.2%}" + (" !" if flagged else ""),
+                    f"{lower / max(numel, 1):.2%}"]
         rows.append(row)
     lines.append(_rows_to_text(header, rows))
     summary = f"total: {total:,} elements, {format_bytes(total_bytes)}"
     if world_size:
         summary += f", padding {padded / max(total, 1):.3%} at {world_size} ranks"
     lines.append(summary)
+    lines += block_padding_warnings(warned)
     if params:
         prow = []
         for p in resolved.params.values():

@@ -4,15 +4,19 @@
 Everything about a trained group stays as in :class:`~lightning_vescale.dbuffer.DBuffer` (fp32 master pieces,
 views, gradients, the ReduceScatter in ``reduce_dtype``) except how ``unsharded`` is filled:
 
-1. each rank quantizes its own piece of every weight in row bands (:mod:`~lightning_vescale.quant.blocks`):
-   the planner cut every weight between bands of ``h = gcd(rows, b)`` rows, so no block straddles two ranks
-   and no amax is exchanged;
+1. each rank quantizes its own piece of every weight (:mod:`~lightning_vescale.quant.blocks`, row bands): the
+   planner cut every weight only between bands of ``b`` rows of each matrix (``granularity=b``, the last band of a
+   matrix holding the rows that remain), so every ``b x b`` tile of DeepSeek's ``ceil(R/b) x ceil(C/b)`` grid is
+   whole on one rank, each rank quantizes exactly those tiles (scales over their real elements) and no amax is
+   exchanged;
 2. one AllGather of the codes (a ``uint8`` mirror of the fp32 buffer: 1 byte per element, padding included)
    and one of the scales (each rank's scales padded to the largest count);
 3. each rank dequantizes every piece into ``unsharded`` in ``param_dtype``.
 
-Bytes per element on the wire: ``1 + 4 / (h * b)`` against 2 for a bf16 AllGather. Quantization is
-deterministic, so the gather for backward reproduces forward's weights exactly.
+The gathered weights are therefore bitwise a quantize-dequantize of the whole fp32 master in ``b x b`` tiles, on
+any world size. Bytes per element on the wire: ``(1 + p) + 4 / b^2`` (``p`` the padding the block granularity
+costs, which the plan table shows next to the planner's lower bound) against ``2 (1 + p_bf16)`` for a bf16
+AllGather. Quantization is deterministic, so the gather for backward reproduces forward's weights exactly.
 """
 
 from __future__ import annotations

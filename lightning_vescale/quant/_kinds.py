@@ -9,7 +9,9 @@ asks the declaration for a kind (see [Note: buffer kinds] in :mod:`lightning_ves
 * :class:`QuantizedStorageKind` for a frozen one: a :class:`~lightning_vescale.quant._storage.QuantizedStorage`,
   stored sharded as codes + scales, gathered as codes + scales, dequantized into the compute dtype for forward;
 * :class:`QuantizedGatherKind` for a trained one: a :class:`~lightning_vescale.quant._gather.QuantizedGatherBuffer`,
-  fp32 master pieces as usual, cut between row bands, quantized per rank before the AllGather.
+  fp32 master pieces as usual, cut only between bands of ``block_size`` rows of each matrix (block granularity:
+  every ``b x b`` tile whole on one rank), quantized per rank before the AllGather in exactly the tiles a
+  quantization of the whole weight has.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import torch
 from torch import nn
 
 from lightning_vescale.group_plan import GroupBuffer
-from lightning_vescale.planner import BufferPlan, TensorSpec
+from lightning_vescale.planner import BufferPlan, TensorSpec, granule
 from lightning_vescale.quant._gather import QuantizedGatherBuffer
 from lightning_vescale.quant._storage import QuantizedStorage
-from lightning_vescale.quant.blocks import band_granularity, tile_grid
+from lightning_vescale.quant.blocks import tile_grid
 from lightning_vescale.quant.formats import BlockFormat
 from lightning_vescale.quant.tensor import install_state_dict_hooks, is_quantized
 
@@ -42,8 +44,8 @@ class QuantizedStorageKind:
         self.fmt = fmt
         self.key = (STORAGE, fmt)
 
-    def granule(self, name: str, shape: tuple[int, ...], granule_numel: int) -> int:
-        return granule_numel  # the storage is laid out in whole tiles (planner_specs)
+    def granule(self, name: str, shape: tuple[int, ...], requested: tuple[int, int]) -> tuple[int, int]:
+        return requested  # the storage is laid out in whole tiles (planner_specs)
 
     def planner_specs(self, specs: list[TensorSpec], alignment: int) -> tuple[list[TensorSpec], int]:
         # Every weight has the same granule, one b x b tile of block-major codes: a cut never splits a block.
@@ -73,7 +75,8 @@ class QuantizedStorageKind:
 
 
 class QuantizedGatherKind:
-    """Trained weights whose AllGather moves codes and scales: a :class:`QuantizedGatherBuffer` cut between row bands."""
+    """Trained weights whose AllGather moves codes and scales: a :class:`QuantizedGatherBuffer` cut between bands of
+    ``block_size`` rows of each matrix."""
 
     holds_master_pieces = True
 
@@ -81,8 +84,20 @@ class QuantizedGatherKind:
         self.fmt = fmt
         self.key = (GATHER, fmt)
 
-    def granule(self, name: str, shape: tuple[int, ...], granule_numel: int) -> int:
-        return math.lcm(granule_numel, band_granularity(tuple(shape), self.fmt.block_size))
+    def granule(self, name: str, shape: tuple[int, ...], requested: tuple[int, int]) -> tuple[int, int]:
+        """Cuts where both the requested granularity and the ``b x b`` tiles allow one: bands of ``b`` rows of each
+        matrix (the last holding the rows that remain) for ``"element"`` / ``"row"``, of ``lcm(k, b)`` rows for
+        ``k`` rows, whole matrices or the whole tensor as requested."""
+        shape = tuple(shape)
+        g, period = requested
+        numel, cols, b = math.prod(shape), shape[-1], self.fmt.block_size
+        if g >= numel:
+            return requested  # the whole tensor on one rank
+        if cols % g == 0:  # element or row: any row start
+            return granule(shape, b)
+        if g % cols == 0:  # k rows (k = rows: whole matrices)
+            return granule(shape, math.lcm(g // cols, b))
+        return numel, numel  # no such granularity is named; the whole tensor is always safe
 
     def planner_specs(self, specs: list[TensorSpec], alignment: int) -> tuple[list[TensorSpec], int]:
         return specs, alignment

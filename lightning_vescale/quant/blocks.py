@@ -13,17 +13,19 @@ tiles per column and row of it, ``b`` the block size.
 * **Row-major** (Hugging Face FP8 checkpoints): codes ``(E?, R, C)`` as the weight, scales ``(E?, Tr, Tc)``
   (``weight_scale_inv``). :func:`rowmajor_to_block_major` converts codes and scales without touching a value.
 * **Row bands** (the wire format of a quantized AllGather of trained weights): the fp32 master stays
-  row-major, a rank's piece is whole bands of ``h = gcd(R, b)`` rows, and each band is quantized in ``h x b``
-  tiles (the last one narrower when ``C % b != 0``). Codes keep the piece's row-major order, so the codes of
-  a group are a byte-for-byte mirror of its fp32 buffer.
+  row-major and a rank's piece is whole bands of ``b`` rows of each matrix (the last band of a matrix holding
+  the ``R - (Tr - 1) * b`` rows that remain; the planner cuts at ``granularity=b``). Each band is quantized in
+  its ``b x b`` tiles (the last one narrower when ``C % b != 0``), so the tiles and scales are exactly those of
+  the row-major form of the whole weight, DeepSeek's ``ceil(R/b) x ceil(C/b)`` grid. Codes keep the piece's
+  row-major order, so the codes of a group are a byte-for-byte mirror of its fp32 buffer.
 
 Pieces of any of these must be whole tiles (bands); a piece that cuts one raises :class:`BlockCutError`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +39,9 @@ from lightning_vescale.quant.formats import (
 
 __all__ = [
     "BlockCutError",
-    "band_rows",
+    "band_granule",
     "band_scale_count",
+    "band_scale_counts",
     "block_major_to_rowmajor",
     "check_scales",
     "codes_shape",
@@ -206,71 +209,107 @@ def dequantize_rowmajor(
 # -- row bands (quantized AllGather of trained weights) --------------------------------------------------------
 
 
-def band_rows(shape: Sequence[int], block_size: int) -> int:
-    """Rows ``h`` of one band: ``gcd(R, b)`` for a ``(E?, R, C)`` weight, so bands never straddle two experts."""
-    return math.gcd(int(_matrix_shape(shape)[-2]), block_size)
+def band_granule(shape: Sequence[int], block_size: int) -> tuple[int, int]:
+    """``(granule, period)`` of the bands of a ``(E?, R, C)`` weight (as :func:`lightning_vescale.planner.granule`
+    gives for ``block_size`` rows): ``b * C`` elements, restarting at every matrix (``R * C``), the last band of
+    each matrix holding the ``R - (Tr - 1) * b`` rows that remain."""
+    *_, rows, cols = _matrix_shape(shape)
+    return min(block_size, rows) * cols, rows * cols
 
 
-def band_granularity(shape: Sequence[int], block_size: int) -> int:
-    """Elements of one band (``h * C``): the cut granularity that keeps every band on one rank."""
-    return band_rows(shape, block_size) * int(shape[-1])
+def _bands_before(x, rows: int, cols: int, b: int):
+    """Bands of ``(E?, rows, cols)`` matrices that start before the flat offset ``x`` (an int or an int64 tensor)."""
+    per_matrix = rows * cols
+    return (x // per_matrix) * -(-rows // b) + -(-(x % per_matrix) // (b * cols))
 
 
 def _bands(shape: Sequence[int], start: int, end: int, fmt: BlockFormat, what: str) -> tuple[int, int, int]:
+    """``(bands, rows, cols)`` of the piece ``[start, end)``, which must start and end at band edges."""
     shape = _matrix_shape(shape)
-    h, cols = band_rows(shape, fmt.block_size), shape[-1]
-    g = h * cols
-    if start % g or end % g:
-        bad = start if start % g else end
-        raise BlockCutError(
-            f"{what}: the piece [{start}, {end}) of a {shape} weight is cut at element {bad}, inside a band of {h} "
-            f"rows ({g} elements) that is quantized as one row of {fmt.block_size}-column blocks: a rank boundary "
-            f"must fall between bands. Shard quantized-gather weights with a granularity of {h} rows."
-        )
-    return (end - start) // g, h, cols
+    rows, cols, b = shape[-2], shape[-1], fmt.block_size
+    per_matrix, g = rows * cols, b * cols
+    for off in (start, end):
+        if off % per_matrix % g:
+            row = off % per_matrix // cols
+            raise BlockCutError(
+                f"{what}: the piece [{start}, {end}) of a {shape} weight is cut at element {off} (row {row} of its "
+                f"matrix, column {off % cols}), inside a band of {b} rows that is quantized as a row of {b}x{b} "
+                f"tiles: a rank boundary must fall between bands. Shard quantized-gather weights with a granularity "
+                f"of {b} rows (granularity={b})."
+            )
+    return _bands_before(end, rows, cols, b) - _bands_before(start, rows, cols, b), rows, cols
 
 
 def band_scale_count(shape: Sequence[int], start: int, end: int, fmt: BlockFormat) -> int:
-    """Number of scales of the piece ``[start, end)`` (whole bands) of a ``shape`` weight."""
+    """Number of scales of the piece ``[start, end)`` (whole bands) of a ``shape`` weight: ``Tc`` per band."""
     if end <= start:
         return 0
     bands, _, cols = _bands(shape, start, end, fmt, "band_scale_count")
     return bands * -(-cols // fmt.block_size)
 
 
-def _band_tiles(x: torch.Tensor, bands: int, h: int, cols: int, b: int) -> torch.Tensor:
-    tc = -(-cols // b)
-    x = x.reshape(bands, h, cols)
-    if tc * b != cols:
-        x = F.pad(x, (0, tc * b - cols))
-    return x.reshape(bands, h, tc, b).transpose(1, 2)  # (bands, Tc, h, b)
+def band_scale_counts(shape: Sequence[int], starts: torch.Tensor, ends: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """:func:`band_scale_count` of many pieces at once (int64 tensors of band-edge offsets; not checked)."""
+    *_, rows, cols = _matrix_shape(shape)
+    b = fmt.block_size
+    count = _bands_before(ends, rows, cols, b) - _bands_before(starts, rows, cols, b)
+    return torch.where(ends > starts, count, 0) * -(-cols // b)
+
+
+def _band_rows(start: int, end: int, rows: int, cols: int, b: int) -> tuple[int, int, Optional[torch.Tensor]]:
+    """The piece's rows in a layout where every matrix is padded to whole bands (``Tr * b`` rows): its first padded
+    row, its padded row count, and where each real row goes (None when no matrix is padded: rows ``0, 1, ...``)."""
+    tr = -(-rows // b)
+    r0, r1 = start // cols, end // cols
+
+    def padded(r):
+        return (r // rows) * tr * b + r % rows
+
+    p0 = padded(r0)
+    n = (r1 // rows) * tr * b + r1 % rows - p0
+    if rows % b == 0:
+        return p0, n, None
+    return p0, n, padded(torch.arange(r0, r1)) - p0
 
 
 def quantize_band_piece(
     piece: torch.Tensor, shape: Sequence[int], start: int, end: int, fmt: BlockFormat
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the flat piece ``[start, end)`` of a ``shape`` weight (whole bands) in ``h x b`` tiles.
+    """Quantize the flat piece ``[start, end)`` of a ``shape`` weight (whole bands) in its ``b x b`` tiles.
 
-    Returns flat row-major codes (``end - start``) and flat scales (:func:`band_scale_count`), bitwise the
-    codes and scales of that piece when the whole weight is quantized band by band.
+    The tiles are DeepSeek's ``ceil(R / b) x ceil(C / b)`` grid of each matrix: the last tile row and column hold
+    what remains, and each scale is computed over the tile's real elements only. Returns flat row-major codes
+    (``end - start``) and flat scales (:func:`band_scale_count`, in the grid's row-major order), bitwise the codes
+    and scales of that piece in :func:`quantize_rowmajor` of the whole weight.
     """
     if end <= start:
         return piece.new_empty(0, dtype=fmt.code_dtype), piece.new_empty(0, dtype=torch.float32)
-    bands, h, cols = _bands(shape, start, end, fmt, "quantize")
+    bands, rows, cols = _bands(shape, start, end, fmt, "quantize")
     b = fmt.block_size
-    codes, scales = quantize_tiles(_band_tiles(piece, bands, h, cols, b), fmt)  # (bands, Tc, h, b), (bands, Tc)
-    codes = codes.transpose(1, 2).reshape(bands, h, -1)[..., :cols]
-    return codes.reshape(-1), scales.reshape(-1)
+    tc = -(-cols // b)
+    _, n, dest = _band_rows(start, end, rows, cols, b)
+    x = piece.reshape(-1, cols)
+    if dest is not None or tc * b != cols:  # zeros change no amax: the scales are those of the real elements
+        padded = x.new_zeros(n, tc * b)
+        if dest is None:
+            padded[:, :cols] = x
+        else:
+            padded[dest, :cols] = x
+        x = padded
+    codes, scales = quantize_tiles(x.reshape(bands, b, tc, b).transpose(1, 2), fmt)  # (bands, Tc, b, b), (bands, Tc)
+    codes = codes.view(torch.uint8).transpose(1, 2).reshape(n, tc * b)
+    codes = codes[:, :cols] if dest is None else codes[dest, :cols]
+    return codes.reshape(-1).view(fmt.code_dtype), scales.reshape(-1)
 
 
 def dequantize_band_piece(
     codes: torch.Tensor, scales: torch.Tensor, shape: Sequence[int], start: int, end: int, fmt: BlockFormat,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The flat values of the piece ``[start, end)`` from its band codes and scales (see :func:`quantize_band_piece`)."""
+    """The flat values of the piece ``[start, end)`` from its codes and scales (see :func:`quantize_band_piece`)."""
     if end <= start:
         return codes.new_empty(0, dtype=dtype)
-    bands, h, cols = _bands(shape, start, end, fmt, "dequantize")
+    bands, rows, cols = _bands(shape, start, end, fmt, "dequantize")
     b = fmt.block_size
     tc = -(-cols // b)
     if scales.numel() != bands * tc or codes.numel() != end - start:
@@ -278,5 +317,10 @@ def dequantize_band_piece(
             f"dequantize: a piece of {bands} bands of {cols} columns needs {end - start} codes and {bands * tc} "
             f"scales, got {codes.numel()} and {scales.numel()}"
         )
-    full = scales.reshape(bands, 1, tc).repeat_interleave(b, dim=-1)[..., :cols]  # (bands, 1, C)
-    return (codes.reshape(bands, h, cols).to(torch.float32) * full).to(dtype).reshape(-1)
+    per_column = scales.reshape(bands, tc).repeat_interleave(b, dim=-1)[:, :cols]  # (bands, C)
+    _, _, dest = _band_rows(start, end, rows, cols, b)
+    if dest is None:
+        values = codes.reshape(bands, -1, cols).to(torch.float32) * per_column[:, None, :]
+    else:
+        values = codes.reshape(-1, cols).to(torch.float32) * per_column[dest // b]
+    return values.to(dtype).reshape(-1)

@@ -10,21 +10,19 @@ import torch.nn.functional as F
 
 from lightning_vescale import MixedPrecisionPolicy, comm_stats, fully_shard
 from lightning_vescale.models import Llama, LlamaConfig
-from lightning_vescale.quant import BlockFormat, quantize_all_gather
-from lightning_vescale.quant.blocks import dequantize_band_piece, quantize_band_piece
+from lightning_vescale.quant import BlockFormat, dequantize_block_major, quantize_all_gather, quantize_block_major
 from tests.dist_utils import run_distributed
 
-# Rows not multiples of the block (wk/wv: 32 rows, vocab 96): bands of gcd(rows, 64) rows.
+# Rows not multiples of the block (wk/wv: 32 rows, vocab 96): the last tile row of a matrix holds what remains.
 CONFIG = LlamaConfig(vocab_size=96, dim=128, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=192, max_seq_len=32)
 FMT = BlockFormat("fp8_e4m3", 64)
 STEPS = 4
 
 
 def fake_quant(w: torch.Tensor) -> torch.Tensor:
-    """What every rank reconstructs from the gathered codes: band quantization of the whole weight."""
-    flat = w.detach().reshape(-1)
-    codes, scales = quantize_band_piece(flat, tuple(w.shape), 0, flat.numel(), FMT)
-    return dequantize_band_piece(codes, scales, tuple(w.shape), 0, flat.numel(), FMT, torch.float32).view(w.shape)
+    """What every rank reconstructs from the gathered codes: the whole weight quantized in 64x64 tiles."""
+    w = w.detach()
+    return dequantize_block_major(*quantize_block_major(w, FMT), w.shape, FMT)
 
 
 def build() -> Llama:

@@ -182,7 +182,7 @@ def test_command_line_errors_name_the_problem(argv, message, capsys) -> None:
 
 
 class _Quantizable(nn.Module):
-    """Shapes whose row bands (gcd(rows, 128) = 8 rows) and tiles (130x300: partial edge tiles) cut unevenly."""
+    """Shapes whose last 128-row band (200 rows: 72) and tiles (130x300: partial edge tiles) are partial."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -208,7 +208,10 @@ def test_quantized_layouts_are_the_engines_buffers_at_any_world_size() -> None:
                     buf = QuantizedGatherBuffer(lay.plan, group=None, device=torch.device("meta"), dtype=lay.dtype,
                                                 fmt=lay.fmt)
                     assert lay.scales_per_rank == buf.scales_per_rank > 0
-                    assert all(s.granularity % (8 * s.shape[-1]) == 0 for s in lay.plan.specs if len(s.shape) == 2)
+                    # Cuts only between 128-row bands of each matrix (the last band holding what remains).
+                    assert all((s.granularity, s.period) == (min(128, s.shape[-2]) * s.shape[-1],
+                               s.shape[-2] * s.shape[-1] if s.shape[-2] % 128 else s.numel)
+                               for s in lay.plan.specs if len(s.shape) == 2)
                 elif lay.quant == "quantized_storage":  # the engine plans its tiles itself
                     buf = QuantizedStorage([s.name for s in lay.plan.specs], [(130, 300)], fmt=parse_format("int8"),
                                            group=None, world_size=N, device=torch.device("meta"),
@@ -223,6 +226,37 @@ def test_quantized_layouts_are_the_engines_buffers_at_any_world_size() -> None:
     run = dry_run(model, resolved, 4, workload=Workload(seq_len=4, precision="32-true", clip_grad=False),
                   hardware=load_profile("h200"), activations={})
     assert {"all_gather", "all_gather_quant_codes", "all_gather_quant_scales"} <= run.vescale.collectives.keys()
+
+
+def test_the_plan_table_says_where_whole_blocks_cost_much_padding() -> None:
+    """A quantized AllGather keeps its 128x128 blocks whole; where that costs more than 3% padding the table marks the
+    group, shows the planner's lower bound and prints a warning (the format is never changed silently)."""
+
+    class Blocks(nn.Module):
+        def __init__(self, rows: int) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(256, rows, bias=False)])
+
+    plan = {"rules": [{"match": "blocks.*", "group": True}, {"match": "blocks.*", "quantization": "fp8_block"}]}
+    with torch.device("meta"):
+        # 300x256: bands of 128, 128 and 44 rows; at 2 ranks a cut between bands leaves 128 of 300 rows on one side.
+        resolved = resolve_plan(Blocks(300), plan)
+    table = resolved.table(2)
+    assert "lower bound" in table.splitlines()[1]
+    row = next(line for line in table.splitlines() if line.startswith("blocks.0"))
+    assert " !" in row
+    assert "warning: group blocks.0: keeping the 128x128 blocks of its trained fp8_e4m3 weights whole" in table
+    (lay,) = group_layouts(resolved, resolved.groups[0], 2)
+    pad = lay.padding_elements / lay.real_numel
+    assert pad > 0.03 and f"costs {pad:.2%} padding on 2 ranks" in table
+    assert lay.lower_bound_padding_elements <= lay.padding_elements
+    run = dry_run(Blocks(300).to_empty(device="meta"), resolved, 2, workload=Workload(seq_len=4, precision="32-true",
+                  clip_grad=False), hardware=load_profile("h200"), activations={})
+    assert any(n.startswith("warning: group blocks.0: keeping the 128x128 blocks") for n in run.notes)
+    # 1024 rows split between bands at 2 ranks: no padding, no warning; nor on one rank.
+    with torch.device("meta"):
+        even = resolve_plan(Blocks(1024), plan)
+    assert "warning" not in even.table(2) and "warning" not in resolved.table(1)
 
 
 def test_hsdp_shards_over_the_shard_group_and_all_reduces_across_replicas() -> None:

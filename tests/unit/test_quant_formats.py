@@ -1,6 +1,7 @@
 """Block quantization formats and layouts: error bounds, idempotence, shard-local = whole, negative controls."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -15,12 +16,14 @@ from lightning_vescale.quant import (
     rowmajor_to_block_major,
 )
 from lightning_vescale.quant.blocks import (
+    band_scale_count,
     dequantize_band_piece,
     quantize_band_piece,
     quantize_tile_range,
     tile_range_of,
     to_tiles,
 )
+from lightning_vescale.quant.formats import dequantize_tiles, quantize_tiles
 
 FORMATS = [BlockFormat("fp8_e4m3", 128), BlockFormat("fp8_e4m3", 64), BlockFormat("int8", 128), BlockFormat("int8", 64)]
 
@@ -153,16 +156,37 @@ def test_band_pieces_equal_whole_tensor(fmt):
         assert torch.equal(back, dequantize_rowmajor(*quantize_rowmajor(w, fmt), fmt).reshape(-1)[lo:hi])
 
 
-def test_band_rows_follow_gcd_of_rows_and_block():
-    # 96 rows with 64-blocks: bands of gcd(96, 64) = 32 rows, never straddling two experts of the stack.
+def test_bands_are_the_whole_matrix_tiles_the_last_holding_what_remains():
+    # 96 rows with 64-blocks: a band of 64 rows and one of 32 per expert, never straddling two experts of the stack;
+    # the scales are the (E, Tr, Tc) grid of the whole weight, computed over each tile's real elements.
     fmt = BlockFormat("int8", 64)
-    shape = (2, 96, 64)
+    shape = (2, 96, 100)
     w = _inputs("normal", shape)
-    _c, s = quantize_band_piece(w.reshape(-1), shape, 0, w.numel(), fmt)
-    assert s.numel() == 2 * 3
-    for e in range(2):
-        _ce, se = quantize_band_piece(w[e].reshape(-1), (1, 96, 64), 0, 96 * 64, fmt)
-        assert torch.equal(se, s[3 * e: 3 * e + 3])
+    c, s = quantize_band_piece(w.reshape(-1), shape, 0, w.numel(), fmt)
+    assert s.numel() == 2 * 2 * 2
+    assert torch.equal(s, quantize_block_major(w, fmt)[1].reshape(-1))
+    assert torch.equal(s.view(2, 2, 2)[:, 1, 0], w[:, 64:, :64].abs().amax(dim=(-2, -1)) / 127)
+    whole = dequantize_block_major(*quantize_block_major(w, fmt), shape, fmt)
+    assert torch.equal(dequantize_band_piece(c, s, shape, 0, w.numel(), fmt, torch.float32).view(shape), whole)
+    # A piece from the second band of expert 0 to the end of expert 1: 3 bands, 6 scales.
+    lo = 64 * 100
+    c2, s2 = quantize_band_piece(w.reshape(-1)[lo:], shape, lo, w.numel(), fmt)
+    assert band_scale_count(shape, lo, w.numel(), fmt) == s2.numel() == 6
+    assert torch.equal(dequantize_band_piece(c2, s2, shape, lo, w.numel(), fmt, torch.float32), whole.reshape(-1)[lo:])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_old_gcd_band_tiles_differ_from_the_whole_matrix_tiles(fmt):
+    """Negative control: tiles of gcd(rows, b) x b rows (what the quantized AllGather used before) are another format."""
+    b = fmt.block_size
+    w = _inputs("normal", (300, 256))
+    h = math.gcd(300, b)
+    old_codes, old_scales = quantize_tiles(w.reshape(300 // h, h, 256 // b, b).transpose(1, 2), fmt)
+    old = dequantize_tiles(old_codes, old_scales, fmt).transpose(1, 2).reshape(300, 256)
+    new = dequantize_block_major(*quantize_block_major(w, fmt), w.shape, fmt)
+    c, s = quantize_band_piece(w.reshape(-1), w.shape, 0, w.numel(), fmt)
+    assert torch.equal(dequantize_band_piece(c, s, w.shape, 0, w.numel(), fmt, torch.float32).view(w.shape), new)
+    assert (old != new).sum() > 1000 and old_scales.numel() > 10 * s.numel()
 
 
 def test_rowmajor_to_block_major_moves_codes_without_requantizing():
