@@ -3,6 +3,7 @@
     python -m lightning_vescale.plan model=llama_70b world_size=1024
     python -m lightning_vescale.plan model=deepseek_v3_671b world_size=8..16384 plan=moe hardware=h200
     python -m lightning_vescale.plan model=llama_70b world_size=1024 replicate=8   # HSDP: 8 replicas of 128 ranks
+    python -m lightning_vescale.plan model=llama_70b world_size=16384 plan=llama tp=8   # dp 2048 x tp 8
     python -m lightning_vescale.plan model=llama_8b world_size=64 plan=configs/plan/llama.yaml seq_len=8192 \\
         batch_size=2 precision=bf16-mixed optimizer=muon model.n_layers=16 out=plan_llama_8b.yaml
     python -m lightning_vescale.plan --measure-hardware > my_machine.yaml   # then hardware=my_machine.yaml
@@ -14,6 +15,9 @@ Arguments (``key=value``, as the recipes take them):
 * ``world_size``: ranks in all: ``1024``, a list ``8,64,512``, or powers of two ``8..16384``;
 * ``replicate``: HSDP, a 2-D ``(replicate, shard)`` mesh: each group sharded over ``world_size / replicate`` ranks,
   gradients AllReduced across the ``replicate`` replicas (must divide every world size); 1 (default): a 1-D mesh;
+* ``tp``: tensor parallelism, a ``(world_size / tp, tp)`` mesh: the plan's ``tp`` rules split modules over ``tp``
+  ranks (``plan=llama``), each group of the tp-local model is sharded over ``world_size / tp`` ranks, and the
+  tensor-parallel AllReduces per layer are counted (``all-reduce tp/step``); 1 (default): none;
 * ``plan``: a plan name (``configs/plan/``) or YAML file; default: every transformer block a group. A plan's
   ``quantization: fp8_block | int8_block`` is sized as the engine applies it (trained weights gathered as codes +
   scales, frozen ones stored as codes + scales);
@@ -49,7 +53,7 @@ from lightning_vescale.plan._spec import PlanError
 
 USAGE = ("usage: python -m lightning_vescale.plan model=<preset> world_size=<N|N1,N2|A..B> [replicate=R] [plan=...] "
          "[hardware=...]")
-_KEYS = ("model", "world_size", "replicate", "plan", "hardware", "batch_size", "seq_len", "precision", "optimizer", "clip_grad",
+_KEYS = ("model", "world_size", "replicate", "tp", "plan", "hardware", "batch_size", "seq_len", "precision", "optimizer", "clip_grad",
          "checkpointing", "params", "out")
 
 
@@ -155,12 +159,14 @@ def format_runs(runs: list) -> str:
     from lightning_vescale.plan._table import _rows_to_text
 
     hsdp = any(run.replicate > 1 for run in runs)
+    tp = any(run.tensor_parallel > 1 for run in runs)
     quant = any(k.startswith("all_gather_quant") for run in runs for k in run.vescale.collectives)
     tiered = any(run.vescale.off_device for run in runs)
     header = ["ranks", *(["mesh"] if hsdp else []), "engine", "params", "grads", "optim",
               *(["host/disk"] if tiered else []), "gathered peak",
               "activations", "peak/rank", "all-gather/step", *(["(quantized)"] if quant else []),
-              "reduce-scatter/step", *(["all-reduce/step", "all-reduce time"] if hsdp else []), "padding",
+              "reduce-scatter/step", *(["all-reduce/step", "all-reduce time"] if hsdp else []),
+              *(["all-reduce tp/step", "tp time"] if tp else []), "padding",
               "step time", "(compute+exposed comm+optim)"]
     rows = []
     for run in runs:
@@ -175,6 +181,7 @@ def format_runs(runs: list) -> str:
                 _mib(est.collectives.get("reduce_scatter", 0)),
                 *([_mib(est.collectives.get("all_reduce_replicate", 0)), _seconds(est.replicate_seconds)] if hsdp
                   else []),
+                *([_mib(est.collectives.get("all_reduce_tp", 0)), _seconds(est.replicate_seconds)] if tp else []),
                 f"{est.padding:.3%}", _seconds(est.step_seconds),
                 f"{_seconds(est.compute_seconds)} + {_seconds(est.exposed_comm_seconds)} + "
                 f"{_seconds(est.optimizer_seconds)}",
@@ -206,6 +213,7 @@ def _run(argv: list[str]) -> int:
     from lightning_vescale.plan._files import load_plan
     from lightning_vescale.plan._hardware import load_profile
     from lightning_vescale.plan._resolve import resolve_plan
+    from lightning_vescale.plan._tensor_parallel import check_tensor_parallel_size, tensor_parallel_view
 
     start = time.perf_counter()
     args, overrides = _parse(argv)
@@ -214,8 +222,13 @@ def _run(argv: list[str]) -> int:
         replicate = int(args.get("replicate", 1))
     except ValueError:
         raise PlanError(f"replicate={args['replicate']!r}: give a number of replicas (HSDP), e.g. replicate=2") from None
+    try:
+        tp = int(args.get("tp", 1))
+    except ValueError:
+        raise PlanError(f"tp={args['tp']!r}: give the tensor-parallel size, e.g. tp=8") from None
     for n in sizes:
         check_replicate(n, replicate)
+        check_tensor_parallel_size(n, replicate, tp)
     try:
         workload = Workload(
             batch_size=int(args.get("batch_size", 1)), seq_len=int(args.get("seq_len", 4096)),
@@ -230,23 +243,31 @@ def _run(argv: list[str]) -> int:
         model = model.to(torch.bfloat16)
     plan = load_plan(args["plan"]) if "plan" in args else None
     resolved = resolve_plan(model, plan)
+    try:
+        model, resolved = tensor_parallel_view(model, resolved, tp)  # one tp rank's model: sized as the engine sees it
+    except ValueError as err:
+        raise PlanError(str(err)) from None
     from lightning_vescale.plan._dry_run import PRECISIONS
 
     compute_dtype = PRECISIONS[workload.precision][0] or next(model.parameters()).dtype
     activations = activation_profile(model, [g.name for g in _forward_order(model, resolved)],
                                      compute_dtype=compute_dtype)
     runs = [dry_run(model, resolved, n, workload=workload, hardware=hardware, activations=activations,
-                    replicate=replicate) for n in sizes]
+                    replicate=replicate, tensor_parallel=tp) for n in sizes]
     elapsed = time.perf_counter() - start
-    print(resolved.table(sizes[0] // replicate, params=_flag(args.get("params", "false"))))
+    print(resolved.table(sizes[0] // (replicate * tp), params=_flag(args.get("params", "false"))))
+    if tp > 1:
+        print(f"(one tensor-parallel rank's model: the weights the tp rules split at 1/{tp} of their size)")
     print()
     print(f"{args['model']} ({runs[0].num_params / 1e9:.2f}B parameters), plan {resolved.plan.name or 'default'!r}, "
           f"{workload.precision}, {workload.optimizer}, micro-batch {workload.batch_size}x{workload.seq_len} tokens per "
           f"rank{', activation checkpointing' if workload.checkpointing else ''}, hardware {hardware.name} ({hardware.description}); per rank:")
-    meshes = [mesh_description(n, replicate) for n in sizes]
+    meshes = [mesh_description(n, replicate, tp) for n in sizes]
     print("mesh: " + (", ".join(meshes) if len(meshes) <= 3 else f"{meshes[0]} ... {meshes[-1]}")
           + (f": each group sharded over world_size / {replicate} ranks, gradients AllReduced across the "
              f"{replicate} replicas after each ReduceScatter (exposed: the engine waits for it)" if replicate > 1
+             else f": the plan's tp rules split modules over {tp} ranks, each group of one tp rank's model sharded "
+             f"over world_size / {tp} ranks; the tp AllReduces are exposed" if tp > 1
              else ": every group sharded over all ranks"))
     print(format_runs(runs))
     too_big = [str(r.world_size) for r in runs if r.vescale.peak > hardware.memory_bytes]

@@ -12,6 +12,9 @@ Meshes: 1-D (every rank shards every group) or, with ``replicate=R``, HSDP's 2-D
 group is sharded over ``N / R`` ranks exactly as on a 1-D mesh of that size, and after each ReduceScatter the
 reduced gradient pieces are AllReduced across the ``R`` replicas (``comm_stats`` kind ``all_reduce_replicate``;
 the engine issues it when the ReduceScatter completes and waits for it, so it is counted as exposed time).
+With ``tp``, a ``(world_size / tp, tp)`` mesh: the plan's ``tp`` rules split modules over ``tp`` ranks, and the
+tp-local model is sized as above over ``world_size / tp`` ranks; torch's tensor-parallel AllReduces are added
+under ``all_reduce_tp`` (see :mod:`._tensor_parallel`), exposed.
 Block-quantized parameters (a plan's ``quantization``) get the engine's quantized buffers (:mod:`._layout`):
 their AllGathers are counted under ``all_gather_quant_codes`` and ``all_gather_quant_scales``, as ``comm_stats``
 counts them; FSDP2, which has no block-quantized gather or storage, is sized without the quantization.
@@ -49,6 +52,11 @@ from lightning_vescale.plan._hardware import HardwareProfile
 from lightning_vescale.plan._layout import BufferLayout, block_padding_warnings, group_layouts
 from lightning_vescale.plan._resolve import GroupPolicy, ResolvedPlan
 from lightning_vescale.plan._spec import PlanError
+from lightning_vescale.plan._tensor_parallel import (
+    check_tensor_parallel_size,
+    tensor_parallel_bytes,
+    tensor_parallel_view,
+)
 
 __all__ = ["DryRun", "EngineEstimate", "Workload", "check_replicate", "dry_run", "mesh_description"]
 
@@ -112,7 +120,8 @@ class EngineEstimate:
     """Peak bytes per rank over the step."""
     collectives: dict = field(default_factory=dict)
     """Bytes sent per rank per step, by ``comm_stats`` kind (the quantized AllGathers under
-    ``all_gather_quant_codes`` / ``all_gather_quant_scales``, HSDP's AllReduce under ``all_reduce_replicate``)."""
+    ``all_gather_quant_codes`` / ``all_gather_quant_scales``, HSDP's AllReduce under ``all_reduce_replicate``,
+    tensor parallelism's under ``all_reduce_tp``)."""
     calls: dict = field(default_factory=dict)
     """Collective calls per step, by kind."""
     padding: float = 0.0
@@ -125,7 +134,7 @@ class EngineEstimate:
     copy_seconds: float = 0.0
     """Copies in and out of collective buffers (FSDP2 only)."""
     replicate_seconds: float = 0.0
-    """HSDP: the gradient AllReduces across replicas (part of ``comm_seconds``)."""
+    """AllReduces nothing overlaps (part of ``comm_seconds``): HSDP's across replicas, tensor parallelism's."""
 
     @property
     def bytes_per_step(self) -> float:
@@ -149,6 +158,8 @@ class DryRun:
     num_params: int
     replicate: int = 1
     """HSDP replicas (1: a 1-D mesh); each group is sharded over ``world_size // replicate`` ranks."""
+    tensor_parallel: int = 1
+    """Tensor-parallel ranks (1: none); each group is sharded over ``world_size // tensor_parallel`` ranks."""
     mesh: str = ""
     """The mesh assumed, in words."""
     groups: list = field(default_factory=list)
@@ -425,6 +436,7 @@ def dry_run(
     hardware: HardwareProfile,
     activations: Optional[dict[str, float]] = None,
     replicate: int = 1,
+    tensor_parallel: int = 1,
 ) -> DryRun:
     """Size one training step of ``model`` sharded by ``resolved`` on ``world_size`` ranks (see the module doc).
 
@@ -438,12 +450,20 @@ def dry_run(
             counted here if not given (pass it to size several world sizes with one count).
         replicate: HSDP: a ``(replicate, world_size // replicate)`` mesh, sharding over the second dimension and
             AllReducing gradients over the first; 1 (default): a 1-D mesh.
+        tensor_parallel: a ``(world_size // tp, tp)`` mesh: the plan's ``tp`` rules split modules over ``tp`` ranks
+            and each group of the tp-local model is sharded over the first dimension
+            (:mod:`~lightning_vescale.plan._tensor_parallel`). ``model`` / ``resolved`` may be the global ones or
+            :func:`~lightning_vescale.plan._tensor_parallel.tensor_parallel_view`'s; given ``activations`` must be
+            counted on that view (``None``: counted here, on it).
 
     Raises:
         PlanError: ``replicate`` does not divide ``world_size``.
     """
     R = check_replicate(world_size, replicate)
-    N = world_size // R  # the shard group's ranks: every per-rank figure below is on them
+    TP = check_tensor_parallel_size(world_size, R, tensor_parallel)
+    if TP > 1 and getattr(model, "_vescale_tp_local", 1) != TP:
+        model, resolved = tensor_parallel_view(model, resolved, TP)
+    N = world_size // (R * TP)  # the shard group's ranks: every per-rank figure below is on them
     param_dtype, reduce_dtype = PRECISIONS[workload.precision]
     groups = _forward_order(model, resolved)
     compute_dtype = param_dtype or next(model.parameters()).dtype
@@ -452,8 +472,8 @@ def dry_run(
     tokens = workload.tokens
     hidden = _hidden_size(model) * compute_dtype.itemsize
     out = DryRun(model=resolved.model_type, plan=resolved.plan.name or "unnamed", world_size=world_size,
-                 workload=workload, hardware=hardware.name, num_params=sum(p.numel for p in resolved.params.values()),
-                 replicate=R, mesh=mesh_description(world_size, R))
+                 workload=workload, hardware=hardware.name, num_params=getattr(model, "_vescale_global_numel", sum(p.numel for p in resolved.params.values())),
+                 replicate=R, tensor_parallel=TP, mesh=mesh_description(world_size, R, TP))
     # HSDP's replicas: rank i of every shard group; they span every node once the shard group fills one.
     t_replicate = functools.partial(hardware.all_reduce_seconds, world_size=R, span=world_size)
     ve, fs = out.vescale, out.fsdp2
@@ -621,10 +641,25 @@ def dry_run(
     if R > 1:
         ve.calls["all_reduce_replicate"] = ar_calls
         fs.calls["all_reduce_replicate"] = len(groups)
+    if TP > 1:  # torch's tensor-parallel AllReduces: on the critical path (nothing overlaps them)
+        checkpointed = frozenset(g.name for g in groups if workload.checkpointing and not g.is_root)
+        tp_bytes, tp_calls = tensor_parallel_bytes(model, resolved.tensor_parallel, TP, tokens,
+                                                   compute_dtype.itemsize, checkpointed)
+        t_tp = hardware.all_reduce_seconds(tp_bytes / max(tp_calls, 1), world_size=TP, span=TP) * tp_calls
+        for est in (ve, fs):
+            est.collectives["all_reduce_tp"] = tp_bytes
+            est.calls["all_reduce_tp"] = tp_calls
+            est.comm_seconds += t_tp
+            est.replicate_seconds += t_tp  # exposed, as HSDP's AllReduce
     if workload.clip_grad and N > 1:  # over the shard group: the replicas hold the same reduced gradients
         n_grads = sum(1 for p in resolved.params.values() if p.requires_grad)
         ve.collectives["all_reduce_ragged"] = 2 * (N - 1) * n_grads * 4 // N
         ve.calls["all_reduce_ragged"] = 1
+    if workload.clip_grad and TP > 1:  # the split parameters' squared norms are summed over tp too
+        split = getattr(model, "_vescale_tp_split", frozenset())
+        n_split = sum(1 for n in split if resolved.params[n].requires_grad)
+        ve.collectives["all_reduce_ragged"] = ve.collectives.get("all_reduce_ragged", 0) + 2 * (TP - 1) * n_split * 4 // TP
+        ve.calls["all_reduce_ragged"] = ve.calls.get("all_reduce_ragged", 0) + 1
     ve.optimizer = float(state_per_rank.max()) if N else 0.0
     for t, per_rank in states_off.items():
         add_off("optimizer_states", t, float(per_rank.max()))
@@ -692,8 +727,10 @@ def check_replicate(world_size: int, replicate: int) -> int:
     return replicate
 
 
-def mesh_description(world_size: int, replicate: int) -> str:
+def mesh_description(world_size: int, replicate: int, tensor_parallel: int = 1) -> str:
     """The mesh the dry run assumes, in words."""
+    if tensor_parallel > 1:
+        return f"2-D (dp={world_size // tensor_parallel}, tp={tensor_parallel})"
     if replicate == 1:
         return f"1-D (shard={world_size})"
     return f"2-D HSDP (replicate={replicate}, shard={world_size // replicate})"

@@ -1,6 +1,7 @@
 """Tensor parallelism from a plan: ``parallelize(llama, "llama", mesh)`` on a ``("dp", "tp")`` mesh of 4 gloo ranks.
 
-One 4-rank run checks: meta-device init of the tensor-parallel Llama equals the unsharded init with the same seed
+One 4-rank run checks: the dry run's bytes per step of every collective (the engine's, counted by ``comm_stats``,
+and torch's tensor-parallel AllReduces, counted at dispatch) equal the run's; meta-device init of the tensor-parallel Llama equals the unsharded init with the same seed
 (bitwise: the same RNG draws, copied); fp32 training with activation checkpointing and clipping equals one process
 on the whole batch (1e-5: reductions run in other orders); bf16 mixed precision stays at the noise floor that
 bf16 has without tensor parallelism (dp4, same data, same run); a checkpoint is saved. A 2-rank run loads it on
@@ -18,12 +19,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.memory import checkpoint_blocks
 from lightning_vescale.models.llama import Llama, LlamaConfig
 from lightning_vescale.placement import RaggedShard
+from lightning_vescale.plan import load_plan, resolve_plan
+from lightning_vescale.plan._dry_run import Workload, dry_run
+from lightning_vescale.plan._hardware import load_profile
 from tests.dist_utils import run_distributed
 
 CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16)
@@ -88,6 +93,44 @@ def _worst(model: torch.nn.Module, ref: torch.nn.Module) -> float:
     return max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
 
 
+class _CountAllReduces(TorchDispatchMode):
+    """Bytes torch's functional AllReduces (tensor parallelism's) send per rank, as comm_stats counts an AllReduce."""
+
+    def __init__(self, group_size: int) -> None:
+        super().__init__()
+        self.group_size, self.sent, self.calls = group_size, 0.0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_reduce.default:
+            self.calls += 1
+            self.sent += 2 * (self.group_size - 1) * args[0].numel() * args[0].element_size() / self.group_size
+        return func(*args, **(kwargs or {}))
+
+
+def _bytes_per_step_match_the_dry_run(model: torch.nn.Module, dp: int) -> None:
+    with torch.device("meta"):
+        meta = Llama(CONFIG)
+    workload = Workload(batch_size=BATCH // 2, seq_len=8, precision="32-true", clip_grad=True, checkpointing=True)
+    predicted = dry_run(meta, resolve_plan(meta, load_plan("llama")), 4, tensor_parallel=2, workload=workload,
+                        hardware=load_profile("cpu"), activations={})
+    assert predicted.mesh == "2-D (dp=2, tp=2)"
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, y = _tokens(99)
+    mine = slice(dp * 2, dp * 2 + 2)
+    for _ in range(2):  # the first step also runs the one-time setup collectives
+        lv.comm_stats.step()
+        with _CountAllReduces(2) as tp_count:
+            F.cross_entropy(model(x[mine]).flatten(0, 1), y[mine].flatten()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    sent = dict(lv.comm_stats.step())
+    sent["all_reduce_tp"] = int(tp_count.sent)
+    want = {k: int(v) for k, v in predicted.vescale.collectives.items() if v}
+    assert tp_count.calls == predicted.vescale.calls["all_reduce_tp"] == 2 * (2 + 1 + 5), tp_count.calls  # forward, recompute, backward
+    assert sent == want, (sent, want)
+
+
 def _run_dp2_tp2(rank: int, world: int, tmp: str) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
@@ -116,6 +159,8 @@ def _run_dp2_tp2(rank: int, world: int, tmp: str) -> None:
     tp_dev, floor = _worst(tp_bf16, ref), _worst(dp4_bf16, ref)
     assert tp_dev > 1e-4 and floor > 1e-4, "bf16 must differ from fp32 measurably for the comparison to mean anything"
     assert tp_dev <= 3 * floor, f"bf16 dp2 x tp2 deviates {tp_dev}, bf16 dp4 (the noise floor) {floor}"
+
+    _bytes_per_step_match_the_dry_run(_sharded(mesh, dp, 2), dp)
 
     ckpt.save(os.path.join(tmp, "tp"), model, model._test_optimizer)
     full = _full(model)
