@@ -280,15 +280,19 @@ class AdamW8bit(Optimizer):
         None for per-element and scalar states."""
         if key not in _SCALES.values() or not self.quantizes(p):
             return None
+        return self._blocks_layout(p)
+
+    def _blocks_layout(self, p: Tensor) -> Union[RaggedLayout, tuple[int, ...]]:
         if is_ragged(p):
             return _block_layout(p.layout_info, self.block_size)
         return (num_blocks(p.numel(), self.block_size),)
 
     # -- states ---------------------------------------------------------------------------------------------
     def _wrap(self, p: Tensor, local: Tensor, key: str) -> Tensor:
-        layout = self.state_layout(p, key)
         if is_ragged(p):
-            return RaggedTensor(local, layout if isinstance(layout, RaggedLayout) else p.layout_info)
+            layout = self._blocks_layout(p) if key in _SCALES.values() else p.layout_info
+            assert isinstance(layout, RaggedLayout)
+            return RaggedTensor(local, layout)
         return local
 
     def _init_state(self, p: Tensor, state: dict) -> None:
@@ -374,7 +378,7 @@ class AdamW8bit(Optimizer):
 
     def _piece(self, p: Tensor, value: Tensor, key: str) -> Tensor:
         """This rank's piece of ``value``, a state ``key`` of ``p`` (a plain tensor)."""
-        layout = self.state_layout(p, key)
+        layout = self._blocks_layout(p) if key in _SCALES.values() else None
         expected = p.layout_info if is_ragged(p) and layout is None else layout
         if not is_ragged(p):
             full = value.full_tensor() if isinstance(value, DTensor) else value
