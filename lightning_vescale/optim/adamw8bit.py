@@ -250,10 +250,13 @@ class AdamW8bit(Optimizer):
         for i, p in enumerate(self.param_groups[-1]["params"]):
             if torch.is_complex(p):
                 raise ValueError("AdamW8bit does not support complex parameters")
-            if not self.quantizes(p) or not is_ragged(p):
-                continue
+            self._check_layout(p, f"parameter {i} of param group {len(self.param_groups) - 1} (shape {tuple(p.shape)})")
+
+    def _check_layout(self, p: Tensor, where: str) -> None:
+        """Refuse a sharded ``p`` whose cuts split a block (at construction, and again at its first step: an
+        integration may point the optimizer at sharded parameters after building it)."""
+        if self.quantizes(p) and is_ragged(p):
             layout = p.layout_info
-            where = f"parameter {i} of param group {len(self.param_groups) - 1} (shape {tuple(p.shape)})"
             if layout.outer is not None and layout.outer.is_sharded:
                 raise ValueError(
                     f"AdamW8bit cannot step {where}: tensor parallelism splits it over {layout.outer.mesh}, and its "
@@ -264,10 +267,10 @@ class AdamW8bit(Optimizer):
             if cut is not None:
                 raise ValueError(
                     f"AdamW8bit cannot step {where}: its shard cut at element {cut} falls inside an 8-bit block of "
-                    f"{self.block_size} elements (pieces {list(layout.ranges)}), so a block would be split between ranks. "
-                    f"Shard with granularity={adamw8bit_granularity(self.block_size)!r} "
-                    f"(lightning_vescale.optim.adamw8bit_granularity({self.block_size})), or pass a min_8bit_size above "
-                    f"{p.numel()} to keep this tensor's states in fp32."
+                    f"{self.block_size} elements (pieces {list(layout.ranges)}), so a block would be split between "
+                    f"ranks. Shard with granularity={adamw8bit_granularity(self.block_size)!r} "
+                    f"(lightning_vescale.optim.adamw8bit_granularity({self.block_size})), or pass a min_8bit_size "
+                    f"above {p.numel()} to keep this tensor's states in fp32."
                 )
 
     def quantizes(self, p: Tensor) -> bool:
@@ -296,6 +299,7 @@ class AdamW8bit(Optimizer):
         return local
 
     def _init_state(self, p: Tensor, state: dict) -> None:
+        self._check_layout(p, f"a parameter of shape {tuple(p.shape)}")
         state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
         piece = local_tensor(p)
         if not self.quantizes(p):
@@ -398,6 +402,7 @@ class AdamW8bit(Optimizer):
         return expected.take_piece(full.to(p.device)).clone()
 
     def _restore(self, p: Tensor, state: dict) -> None:
+        self._check_layout(p, f"a parameter of shape {tuple(p.shape)}")
         piece = local_tensor(p)
         out: dict[str, Any] = {k: v for k, v in state.items() if k == "step" or not isinstance(v, Tensor)}
         quantized = self.quantizes(p)
