@@ -211,3 +211,16 @@ def test_matches_torchao_adamw8bit() -> None:
     mine, its = opt.state[ours[0]], ao.state[theirs[0]]
     assert (mine["exp_avg_codes"] == its["exp_avg"].codes).float().mean() > 0.999
     assert (mine["exp_avg_sq_codes"] == its["exp_avg_sq"].codes).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_code_table_is_nearest_rounding(signed: bool) -> None:
+    # The 16-bit table lookup equals bucketize on the midpoints: at, just above and just below every midpoint,
+    # at every map value, and on random values over many decades.
+    m = a8._qmap(signed, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    sign = torch.sign(torch.randn(10**5, generator=g)) if signed else 1.0
+    x = torch.cat([m.midpoints, torch.nextafter(m.midpoints, torch.tensor(2.0)),
+                   torch.nextafter(m.midpoints, torch.tensor(-2.0)), m.values,
+                   torch.rand(10**5, generator=g) ** 12 * sign, torch.tensor([0.0, -0.0, 1.0, 1e-30])]).clamp(-1, 1)
+    assert torch.equal(m.codes(x), torch.bucketize(x, m.midpoints, right=True))
