@@ -112,8 +112,8 @@ def _check_granularity(value: Any, what: str) -> Union[str, int]:
         raise PlanError(f"{what}: {err}") from None
     if blocks is None and (isinstance(value, bool) or not (value in GRANULARITY_WORDS or (isinstance(value, int) and value > 0))):
         raise PlanError(
-            f"{what}: granularity must be one of {', '.join(GRANULARITY_WORDS)}, 'elements:<n>' (blocks of n "
-            f"elements, for AdamW8bit) or a positive number of rows, got {value!r}"
+            f"{what}: granularity must be one of {', '.join(GRANULARITY_WORDS)}, elements:<n> (blocks of n elements, "
+            f"AdamW8bit's) or a positive number of rows, got {value!r}"
         )
     return value
 
