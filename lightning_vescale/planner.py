@@ -60,16 +60,39 @@ __all__ = [
     "BufferPlan",
     "Granularity",
     "TensorSpec",
+    "element_blocks",
     "granularity_numel",
     "granule",
+    "parse_element_blocks",
     "plan_buffer",
     "shard_size_lower_bound",
 ]
 
-# "element" | "row" | "matrix" | "tensor" | int (a block of that many rows)
+# "element" | "row" | "matrix" | "tensor" | "elements:<n>" | int (a block of that many rows)
 Granularity = Union[str, int]
 GRANULARITY_NAMES = ("element", "row", "matrix", "tensor")
-"""The named granularities; an int ``k`` is a block of ``k`` rows."""
+"""The named granularities; an int ``k`` is a block of ``k`` rows; ``"elements:<n>"`` blocks of ``n`` elements."""
+ELEMENT_BLOCKS_PREFIX = "elements:"
+
+
+def element_blocks(n: int) -> str:
+    """The granularity ``"elements:<n>"``: runs of ``n`` consecutive elements of the flattened tensor, counted from
+    its first element (the last run holding what remains), stay on one rank. Block-wise optimizer states
+    (:class:`~lightning_vescale.optim.AdamW8bit`) use it so no block of ``n`` straddles a cut."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"element_blocks needs a positive int number of elements, got {n!r}")
+    return f"{ELEMENT_BLOCKS_PREFIX}{n}"
+
+
+def parse_element_blocks(granularity: object) -> Optional[int]:
+    """``n`` of an ``"elements:<n>"`` granularity; None for any other value. Raises ``ValueError`` for a malformed
+    ``"elements:..."`` string."""
+    if not isinstance(granularity, str) or not granularity.startswith(ELEMENT_BLOCKS_PREFIX):
+        return None
+    text = granularity[len(ELEMENT_BLOCKS_PREFIX):]
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"granularity {granularity!r}: expected 'elements:<n>' with n a positive int, e.g. 'elements:256'")
+    return int(text)
 
 
 def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int, int] | None:
@@ -96,17 +119,22 @@ def granule(shape: Sequence[int], granularity: Granularity) -> tuple[int, int]:
     * ``"row"``: one row of each matrix; ``k`` (int): blocks of ``k`` rows of each matrix, the last block of a
       matrix holding the rows that remain (128 keeps every 128x128 quantization block whole); ``"matrix"``: a
       whole matrix (one expert of a 3-D stack, what Muon orthogonalizes);
+    * ``"elements:<n>"``: runs of ``n`` elements of the flattened tensor from its first element, the last run
+      shorter when ``n`` does not divide ``numel`` (1-D tensors too): cuts fall on multiples of ``n``;
     * a 1-D tensor has no rows: ``"row"``, ``k`` and ``"matrix"`` leave it element-granular.
     """
     shape = tuple(int(s) for s in shape)
     numel = math.prod(shape)
     if granularity == "element" or granularity == "tensor":
         return (max(numel, 1) if granularity == "tensor" else 1), numel
+    blocks = parse_element_blocks(granularity)
+    if blocks is not None:
+        return max(min(blocks, numel), 1), numel
     is_rows = isinstance(granularity, int) and not isinstance(granularity, bool) and granularity > 0
     if not (granularity in ("row", "matrix") or is_rows):
         raise ValueError(
-            f"unknown granularity {granularity!r}: expected one of {', '.join(map(repr, GRANULARITY_NAMES))} or a "
-            f"positive int number of rows"
+            f"unknown granularity {granularity!r}: expected one of {', '.join(map(repr, GRANULARITY_NAMES))}, "
+            f"'elements:<n>' or a positive int number of rows"
         )
     matrices = _matrix_shape(shape)
     if matrices is None or numel == 0:

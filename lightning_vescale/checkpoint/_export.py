@@ -23,6 +23,7 @@ from lightning_vescale.checkpoint._state import (
     apply_model_state,
     as_global,
     check_idle,
+    declared_state_layout,
     is_per_element,
     model_entries,
     optimizer_params,
@@ -112,7 +113,9 @@ def _export_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, rank0_
             full_entries = {}
             for key in sorted(entries, key=str):  # the same order on every rank: one collective each
                 value = as_global(entries[key], p) if isinstance(entries[key], torch.Tensor) else entries[key]
-                if is_per_element(value, as_global(p, p), name, str(key)):
+                if isinstance(value, torch.Tensor) and declared_state_layout(optimizer, p, str(key)) is not None:
+                    value = _full(entries[key], rank0_only)  # a state of its own layout (one scale per block)
+                elif is_per_element(value, as_global(p, p), name, str(key)):
                     value = _full(value, rank0_only)
                 elif isinstance(value, torch.Tensor):
                     value = value.detach().clone()

@@ -49,6 +49,7 @@ from lightning_vescale.checkpoint._state import (
     as_global,
     check_idle,
     check_param_groups,
+    declared_state_layout,
     get_model_state_dict,
     get_optimizer_state_dict,
     load_into_optimizer,
@@ -61,7 +62,7 @@ from lightning_vescale.checkpoint._values import from_bytes_tensor, to_bytes_ten
 from lightning_vescale.memory.optimizer_states import resident_states
 from lightning_vescale.memory.pieces import resident_pieces
 from lightning_vescale.state_dict_report import listing, mismatch_report
-from lightning_vescale.tensor import RaggedTensor, is_ragged, local_tensor
+from lightning_vescale.tensor import RaggedLayout, RaggedTensor, is_ragged, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -458,9 +459,11 @@ def _staged_model(model_sd: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _staged_optimizer(params: Mapping[str, nn.Parameter], saved: Layout, metadata: Metadata,
-                      where: str, key: str = "optim") -> dict[str, dict[str, Any]]:
+                      where: str, key: str = "optim",
+                      state_layout: Optional[Callable[[str, str], Any]] = None) -> dict[str, dict[str, Any]]:
     """Empty tensors for every state tensor of the saved optimizer ``key``: per-element ones laid out like their
-    parameter."""
+    parameter, those whose layout the optimizer declares (``state_layout(name, key)``, see
+    :func:`~lightning_vescale.checkpoint._state.declared_state_layout`) in that layout."""
     staged: dict[str, dict[str, Any]] = {}
     for path, shape in _section(saved, key, "state").items():
         if shape is None:
@@ -468,7 +471,17 @@ def _staged_optimizer(params: Mapping[str, nn.Parameter], saved: Layout, metadat
         name, key = path[2], ".".join(map(str, path[3:]))
         p = params[name]
         dtype = _saved_dtype(metadata, path)
-        if len(shape) > 0 and shape == tuple(p.shape):
+        declared = state_layout(name, key) if state_layout is not None and len(shape) > 0 else None
+        if declared is not None:
+            want = declared.global_shape if isinstance(declared, RaggedLayout) else tuple(declared)
+            if tuple(shape) != tuple(want):
+                raise ValueError(f"{where}: optimizer state {key!r} of {name} has shape {shape}; the optimizer expects "
+                                 f"{tuple(want)} (saved with another block size?)")
+            if isinstance(declared, RaggedLayout):
+                value = RaggedTensor(torch.empty(declared.local_shape, dtype=dtype, device=p.device), declared)
+            else:
+                value = torch.empty(shape, dtype=dtype, device=p.device)
+        elif len(shape) > 0 and shape == tuple(p.shape):
             if is_ragged(p):
                 local = torch.empty(p.layout_info.local_shape, dtype=dtype, device=p.device)
                 value: Any = RaggedTensor(local, p.layout_info)
@@ -644,7 +657,10 @@ def _load(directory: str, model: nn.Module, optimizers: list[torch.optim.Optimiz
         if unknown:
             raise ValueError(f"{where} has optimizer state for parameters the optimizer does not hold: "
                              f"{listing(unknown)}")
-        staged[key] = {"state": _staged_optimizer(params, saved, metadata, where, key)}
+        raw = {n: p for g in named for n, p in g}
+        staged[key] = {"state": _staged_optimizer(
+            params, saved, metadata, where, key,
+            state_layout=lambda n, k, opt=optimizer, raw=raw: declared_state_layout(opt, raw[n], k))}
 
     # 4. Every tensor into the staging tensors, checksums verified, all ranks agreeing.
     _verified_load(staged, directory, metadata, checksums)

@@ -6,6 +6,13 @@ A sharded parameter is a :class:`~lightning_vescale.tensor.RaggedTensor`: DCP as
 states shaped like them (which elementwise ops keep as RaggedTensors of the parameter's layout).
 Optimizer states are keyed by parameter name instead of integer ids, so they survive resharding and
 reordering.
+
+An optimizer may keep states that are not shaped like their parameter, sharded with it (AdamW8bit's one scale
+per block of elements): it declares their layout with a method ``state_layout(param, key)`` returning a
+:class:`~lightning_vescale.tensor.RaggedLayout` (for a sharded parameter) or a shape (for a plain one), None for
+per-element and scalar states. Such states are saved as they are (RaggedTensors of that layout), staged in the
+layout the optimizer declares on the loading world size, gathered whole by the full export, and given whole to
+the optimizer's ``load_state_dict`` by a full load (it takes its piece).
 """
 
 from __future__ import annotations
@@ -21,12 +28,12 @@ from lightning_vescale._param_group import TrainingState
 from lightning_vescale.dbuffer import BufferState
 from lightning_vescale.fully_shard import sharded_groups
 from lightning_vescale.state_dict_report import listing, mismatch_report
-from lightning_vescale.tensor import RaggedTensor, block_layout, is_ragged, local_tensor
+from lightning_vescale.tensor import RaggedLayout, RaggedTensor, block_layout, is_ragged, local_tensor
 
 __all__ = [
     "check_idle", "get_model_state_dict", "get_optimizer_state_dict", "model_entries", "optimizer_params",
     "set_model_state_dict", "set_optimizer_state_dict", "load_into_optimizer", "is_per_element", "optimizer_kind",
-    "check_param_groups", "piece_from", "as_global", "apply_model_state",
+    "check_param_groups", "piece_from", "as_global", "apply_model_state", "declared_state_layout",
 ]
 
 Shape = tuple[int, ...]
@@ -205,6 +212,21 @@ def is_per_element(value: Any, p: torch.Tensor, name: str, key: str) -> bool:
     )
 
 
+def declared_state_layout(optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str) -> Any:
+    """The layout ``optimizer`` declares for its state ``key`` of ``p`` when that state is not shaped like ``p``
+    (``optimizer.state_layout(p, key)``: a RaggedLayout or a shape), or None (per-element and scalar states)."""
+    declare = getattr(optimizer, "state_layout", None)
+    return declare(p, key) if callable(declare) else None
+
+
+def _check_declared(value: torch.Tensor, layout: Any, name: str, key: str) -> None:
+    ragged = isinstance(layout, RaggedLayout)
+    if (is_ragged(value) != ragged or (ragged and value.layout_info != layout)
+            or (not ragged and tuple(value.shape) != tuple(layout))):
+        raise ValueError(f"optimizer state {key!r} of {name} is {value!r}, not laid out as its optimizer declares "
+                         f"({layout})")
+
+
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
@@ -230,7 +252,11 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
                 continue
             state[name] = {}
             for key, value in entries.items():
-                if isinstance(value, torch.Tensor):
+                declared = declared_state_layout(optimizer, p, str(key)) if isinstance(value, torch.Tensor) else None
+                if declared is not None:
+                    value = value.detach()
+                    _check_declared(value, declared, name, str(key))
+                elif isinstance(value, torch.Tensor):
                     value = as_global(value.detach(), p)
                     is_per_element(value, as_global(p, p), name, str(key))  # raises for states of another layout
                 state[name][str(key)] = value
@@ -295,7 +321,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     check_idle(model)
     named = optimizer_params(model, optimizer)
     check_param_groups(optimizer, named, state["param_groups"])
-    params = {n: as_global(p, p) for g in named for n, p in g}
+    raw = {n: p for g in named for n, p in g}
+    params = {n: as_global(p, p) for n, p in raw.items()}
     unknown = [n for n in state["state"] if n not in params]
     if unknown:
         raise ValueError(f"the optimizer state has entries for parameters the optimizer does not hold: "
@@ -305,7 +332,14 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
         p = params[name]
         laid_out[name] = {}
         for key, value in entries.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
+            declared = declared_state_layout(optimizer, raw[name], str(key)) if isinstance(value, torch.Tensor) else None
+            if declared is not None:
+                want = declared.global_shape if isinstance(declared, RaggedLayout) else tuple(declared)
+                if tuple(value.shape) != tuple(want):
+                    raise ValueError(f"optimizer state {key!r} of {name} has shape {tuple(value.shape)}; its optimizer "
+                                     f"expects {tuple(want)} (saved with another block size?)")
+                # Whole or laid out as declared: the optimizer's load_state_dict takes its piece.
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
                 if tuple(value.shape) != tuple(p.shape):
                     raise ValueError(f"optimizer state {key!r} of {name} has shape {tuple(value.shape)}; expected the "
                                      f"parameter's global shape {tuple(p.shape)} or a scalar.")

@@ -58,6 +58,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from lightning_vescale.plan._glob import compile_glob
+from lightning_vescale.planner import parse_element_blocks
 
 __all__ = [
     "GROUP_FIELDS",
@@ -123,10 +124,14 @@ def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
 
 
 def _check_granularity(value: Any, what: str) -> Union[str, int]:
-    if isinstance(value, bool) or not (value in GRANULARITY_WORDS or (isinstance(value, int) and value > 0)):
+    try:
+        blocks = parse_element_blocks(value)
+    except ValueError as err:
+        raise PlanError(f"{what}: {err}") from None
+    if blocks is None and (isinstance(value, bool) or not (value in GRANULARITY_WORDS or (isinstance(value, int) and value > 0))):
         raise PlanError(
-            f"{what}: granularity must be one of {', '.join(GRANULARITY_WORDS)} or a positive number of rows, "
-            f"got {value!r}"
+            f"{what}: granularity must be one of {', '.join(GRANULARITY_WORDS)}, elements:<n> (blocks of n elements, "
+            f"AdamW8bit's) or a positive number of rows, got {value!r}"
         )
     return value
 
@@ -213,7 +218,8 @@ class Rule:
     reduce_dtype: Optional[str] = None
     """dtype of the matched groups' gradient ReduceScatter."""
     granularity: Optional[Union[str, int]] = None
-    """``element``, ``row``, ``tensor``, a number of rows, or ``muon`` (whole matrices where Muon steps them)."""
+    """``element``, ``row``, ``tensor``, a number of rows, ``elements:<n>`` (blocks of n elements, AdamW8bit) or
+    ``muon`` (whole matrices where Muon steps them)."""
     optimizer: Optional[str] = None
     """``muon`` or ``adamw`` (with :func:`~lightning_vescale.optim.build_optimizer`), or ``auto``."""
     quantization: Optional[str] = None

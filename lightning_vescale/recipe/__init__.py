@@ -47,6 +47,7 @@ from lightning_vescale.export import (
 )
 from lightning_vescale.models import from_pretrained, num_params
 from lightning_vescale.models.hf import read_pretrained_config
+from lightning_vescale.planner import element_blocks
 from lightning_vescale.quant.tensor import weights_state_dict
 from lightning_vescale.recipe.checks import (
     ConfigError,
@@ -58,6 +59,7 @@ from lightning_vescale.recipe.checks import (
 from lightning_vescale.recipe.memory import memory_policy_for, world_size_of
 from lightning_vescale.recipe.numbers import format_count
 from lightning_vescale.recipe.schema import (
+    AdamW8bitConfig,
     CheckpointModelConfig,
     DataConfig,
     FinetuneConfig,
@@ -134,6 +136,9 @@ def build_strategy(config: TrainConfig, memory: Optional[Any] = None) -> Strateg
     if isinstance(config.optimizer, MuonConfig) and "granularity" in node and node["granularity"] is None:
         # Where the plan sets no granularity: keep Muon's matrices whole on their owner rank.
         node["granularity"] = "muon"
+    if isinstance(config.optimizer, AdamW8bitConfig) and "granularity" in node and node["granularity"] is None:
+        # Where the plan sets no granularity: cut on the 8-bit blocks, so every rank quantizes whole blocks.
+        node["granularity"] = element_blocks(config.optimizer.block_size)
     if config.plan is not None:
         node["plan"] = config.plan
     if isinstance(config.strategy, ModelParallelStrategyConfig) and node["data_parallel_size"] is None:

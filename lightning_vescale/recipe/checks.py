@@ -73,6 +73,7 @@ _OPTION_OF_TARGET = {
     "lightning.pytorch.strategies.ModelParallelStrategy": "fsdp2",
     "torch.optim.AdamW": "adamw",
     "lightning_vescale.optim.build_optimizer": "muon",
+    "lightning_vescale.optim.AdamW8bit": "adamw8bit",
 }
 
 
@@ -576,8 +577,9 @@ def check_data(config: TrainConfig) -> None:
         check_windows_fit(num_bytes, seq_len=data.seq_len, val_fraction=data.val_fraction, source=source)
 
 
-_STATE_BYTES_PER_PARAM = {"AdamWConfig": 16, "MuonConfig": 12}
-"""fp32 weight, gradient and optimizer states per parameter (AdamW: m and v; Muon: one momentum)."""
+_STATE_BYTES_PER_PARAM = {"AdamWConfig": 16, "MuonConfig": 12, "AdamW8bitConfig": 11}
+"""fp32 weight, gradient and optimizer states per parameter (AdamW: m and v; Muon: one momentum; AdamW8bit: m and v
+as one byte each plus their block scales, rounded up)."""
 
 
 def check_fits_memory(config: TrainConfig) -> None:

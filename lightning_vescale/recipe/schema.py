@@ -11,7 +11,7 @@ field, what it got and what is allowed. The YAML files only pick and override.
     TrainConfig
       model      ModelConfig       LlamaModelConfig | MoEModelConfig: a preset plus field overrides;
                                    CheckpointModelConfig: the config of the weights a fine-tune starts from
-      optimizer  OptimizerConfig   AdamWConfig | MuonConfig: a ``_target_`` factory and its kwargs
+      optimizer  OptimizerConfig   AdamWConfig | AdamW8bitConfig | MuonConfig: a ``_target_`` factory and its kwargs
       scheduler  SchedulerConfig   warmup, then cosine / linear / constant
       strategy   StrategyConfig    VeScaleStrategyConfig | DDPStrategyConfig | ModelParallelStrategyConfig
       data       DataConfig        corpus, tokenizer, windows
@@ -45,6 +45,7 @@ from lightning_vescale.recipe.mpmd import MPMDConfig
 from lightning_vescale.recipe.targets import check_config_targets
 
 __all__ = [
+    "AdamW8bitConfig",
     "AdamWConfig",
     "CheckpointModelConfig",
     "DDPStrategyConfig",
@@ -350,6 +351,27 @@ class AdamWConfig(OptimizerConfig):
 
 
 @dataclass
+class AdamW8bitConfig(AdamWConfig):
+    """``lightning_vescale.optim.AdamW8bit``: AdamW with both moments as 8-bit codes plus one fp32 scale per block.
+    The vescale strategies then cut parameters on block boundaries (``strategy.granularity: elements:<block_size>``
+    unless a plan or ``strategy.granularity`` sets another one that keeps the blocks whole)."""
+
+    _target_: str = "lightning_vescale.optim.AdamW8bit"
+    """Import path of the optimizer class."""
+    block_size: int = 256
+    """Elements per fp32 scale (blocks of the flattened tensor, counted from its first element)."""
+    min_8bit_size: int = 1024
+    """Tensors with fewer elements (norms, biases) keep fp32 states."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(isinstance(self.block_size, int) and self.block_size >= 1,
+               f"optimizer.block_size must be a positive int, got {self.block_size!r}")
+        _check(isinstance(self.min_8bit_size, int) and self.min_8bit_size >= 0,
+               f"optimizer.min_8bit_size must be an int >= 0, got {self.min_8bit_size!r}")
+
+
+@dataclass
 class MuonConfig(OptimizerConfig):
     """Muon for the hidden matrices and expert stacks, AdamW for embeddings, output head, norms and biases:
     one optimizer from ``lightning_vescale.optim.build_optimizer`` (keyword names as it takes them)."""
@@ -448,8 +470,8 @@ class VeScaleStrategyConfig(StrategyConfig):
     reshard_after_forward: bool = True
     """Free gathered parameters after forward and gather again in backward (ZeRO-3); False keeps them."""
     granularity: Any = None
-    """Cut granularity: ``null`` (element), ``"row"``, a number of rows, ``"matrix"``, ``"tensor"``, ``"muon"``,
-    or a mapping of name globs (as ``named_parameters()`` of the LightningModule names them) to those."""
+    """Cut granularity: ``null`` (element; ``elements:<block_size>`` with ``optimizer=adamw8bit``), ``"row"``, a number
+    of rows, ``"matrix"``, ``"tensor"``, ``"muon"``, ``"elements:<n>"`` (blocks of n elements), or a mapping of name globs (as ``named_parameters()`` of the LightningModule names them) to those."""
     replicate_size: Any = None
     """``null``: shard over every rank. An int or ``"auto"`` (the number of nodes): HSDP replicas."""
     expert_parallel_size: int = 1
@@ -501,10 +523,19 @@ class VeScaleStrategyConfig(StrategyConfig):
         g = self.granularity
         _check(
             g is None or g in ("element", "row", "matrix", "tensor", "muon") or (isinstance(g, int) and g >= 1)
-            or isinstance(g, dict),
-            f"strategy.granularity must be null, 'element', 'row', 'matrix', 'tensor', 'muon', a positive number of rows "
-            f"or a mapping of name globs to those, got {g!r}",
+            or isinstance(g, dict) or _is_element_blocks(g),
+            f"strategy.granularity must be null, 'element', 'row', 'matrix', 'tensor', 'muon', 'elements:<n>', a positive "
+            f"number of rows or a mapping of name globs to those, got {g!r}",
         )
+
+
+def _is_element_blocks(value: Any) -> bool:
+    from lightning_vescale.planner import parse_element_blocks
+
+    try:
+        return parse_element_blocks(value) is not None
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -995,6 +1026,7 @@ def register_configs() -> None:
     cs.store(group="schema/model", name="from_checkpoint", node=CheckpointModelConfig)
     cs.store(group="schema/optimizer", name="adamw", node=AdamWConfig)
     cs.store(group="schema/optimizer", name="muon", node=MuonConfig)
+    cs.store(group="schema/optimizer", name="adamw8bit", node=AdamW8bitConfig)
     cs.store(group="schema/strategy", name="vescale", node=VeScaleStrategyConfig)
     cs.store(group="schema/strategy", name="ddp", node=DDPStrategyConfig)
     cs.store(group="schema/strategy", name="model_parallel", node=ModelParallelStrategyConfig)

@@ -239,7 +239,8 @@ def test_muon_granularity_follows_the_plans_routing() -> None:
 def test_a_granularity_that_is_not_one_names_the_rule() -> None:
     plan = {"rules": [{"match": "layers.*.attention.wk.weight", "granularity": "rows"}]}
     with pytest.raises(PlanError, match=r"rule #1 \(match: 'layers.\*.attention.wk.weight'\): granularity must be one "
-                                        r"of element, row, matrix, tensor, muon or a positive number of rows, got 'rows'"):
+                                        r"of element, row, matrix, tensor, muon, elements:<n> \(blocks of n elements, "
+                                        r"AdamW8bit's\) or a positive number of rows, got 'rows'"):
         resolve_plan(meta("llama", "tiny"), plan)
     # A block of rows that does not divide a matrix's rows keeps a shorter last block (issue 16): accepted.
     plan = {"rules": [{"match": "layers.*.attention.wk.weight", "granularity": 24}]}

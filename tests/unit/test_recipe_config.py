@@ -12,9 +12,11 @@ from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryV
 
 from lightning_vescale.checkpoint import CheckpointError
 from lightning_vescale.models import DeepSeekV3, Llama, MoE, llama_config, moe_config, save_pretrained
+from lightning_vescale.optim import AdamW8bit
 from lightning_vescale.recipe import build_strategy, find_last_checkpoint, load_initial_weights, lr_multiplier
 from lightning_vescale.recipe.module import build_optimizer_from_config
 from lightning_vescale.recipe.schema import (
+    AdamW8bitConfig,
     AdamWConfig,
     DDPStrategyConfig,
     DeepSeekV3ModelConfig,
@@ -87,13 +89,16 @@ def test_every_model_composes_and_validates(model):
 @pytest.mark.parametrize("optimizer", options("optimizer"))
 def test_every_optimizer_composes_validates_and_builds(optimizer):
     cfg = load(f"optimizer={optimizer}")
-    assert isinstance(cfg.optimizer, {"adamw": AdamWConfig, "muon": MuonConfig}[optimizer])
+    assert type(cfg.optimizer) is {"adamw": AdamWConfig, "muon": MuonConfig, "adamw8bit": AdamW8bitConfig}[optimizer]
     model = Llama(llama_config("tiny"))
     opt = build_optimizer_from_config(cfg.optimizer, model)
     assert isinstance(opt, torch.optim.Optimizer)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
     if optimizer == "muon":
         assert {g["use_muon"] for g in opt.param_groups} == {True, False}
+    if optimizer == "adamw8bit":
+        assert isinstance(opt, AdamW8bit) and opt.block_size == 256
+        assert build_strategy(cfg)._granularity == "elements:256"  # the strategy cuts on the blocks
 
 
 @pytest.mark.parametrize("strategy", options("strategy"))
