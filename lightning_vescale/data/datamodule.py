@@ -15,6 +15,8 @@ run would have drawn next (instead of restarting the epoch). Under a distributed
 its own ``StatefulDistributedSampler`` (the same permutation as Lightning's ``DistributedSampler`` with the same
 seed): Lightning would otherwise wrap torchdata's sampler in a ``DistributedSamplerWrapper``, whose order
 depends on the global RNG at the start of each epoch, which a resumed run restores to a later state.
+One process uses the same sampler over one replica, so a position saved on any world size loads on any other
+(:class:`ResumableDistributedSampler`): the resumed run skips the windows the saved run's ranks had drawn.
 """
 
 from __future__ import annotations
@@ -87,6 +89,28 @@ def split_tokens(tokens_N: torch.Tensor, val_fraction: float) -> tuple[torch.Ten
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     num_val = max(1, int(round(tokens_N.numel() * val_fraction)))
     return tokens_N[:-num_val], tokens_N[-num_val:]
+
+
+class ResumableDistributedSampler(StatefulDistributedSampler):
+    """torchdata's ``StatefulDistributedSampler`` whose saved position also names its number of replicas, so it
+    resumes on another world size: the permutation of an epoch is the same for every world size (it depends on
+    the seed and the epoch only) and rank ``r`` of ``n`` takes its elements ``r, r + n, ...``; ``k`` drawn by each of
+    ``n_saved`` ranks are the permutation's first ``k * n_saved``, which ``n`` ranks skip as ``k * n_saved / n``
+    each (rounded down; with DistributedSampler's padding, which repeats the epoch's first windows to even out
+    the ranks' shares, fewer than ``n`` windows are drawn twice)."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {**super().state_dict(), "num_replicas": self.num_replicas}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        saved = int(state_dict.get("num_replicas", self.num_replicas))
+        super().load_state_dict({"yielded": state_dict["yielded"]})
+        if saved != self.num_replicas:
+            consumed = int(state_dict["yielded"]) * saved
+            self.next_yielded = consumed // self.num_replicas
+            if self.rank == 0:
+                logger.info("data: the position was saved on %d rank(s) and is loaded on %d: the epoch continues after "
+                            "its first %d windows, %d per rank", saved, self.num_replicas, consumed, self.next_yielded)
 
 
 class TextDataModule(LightningDataModule):
@@ -163,9 +187,11 @@ class TextDataModule(LightningDataModule):
         sampler = None
         trainer = self.trainer
         kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
-        if kwargs and trainer.world_size > 1:
-            # Each rank its own windows (as Lightning's DistributedSampler), with a position a checkpoint keeps.
-            sampler = StatefulDistributedSampler(self.train_set, shuffle=True, seed=self.seed, **kwargs)
+        if trainer is not None:
+            # Each rank its own windows (as Lightning's DistributedSampler), with a position a checkpoint keeps; one
+            # process too (one replica), so a position saved on another world size loads.
+            kwargs = kwargs if kwargs and trainer.world_size > 1 else {"num_replicas": 1, "rank": 0}
+            sampler = ResumableDistributedSampler(self.train_set, shuffle=True, seed=self.seed, **kwargs)
         return StatefulDataLoader(
             self.train_set, batch_size=self.batch_size, shuffle=sampler is None, sampler=sampler, drop_last=True,
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0,

@@ -160,3 +160,29 @@ def test_numbers_are_printed_in_readable_units():
     assert format_count(671_026_404_352) == "671B" and format_count(1_235_814_400) == "1.24B"
     assert format_count(1_240_000) == "1.24M" and format_count(106_816) == "107K" and format_count(999) == "999"
     assert format_loss(6.08) == "6.0800" and format_loss(0.49231) == "0.4923"
+
+
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_a_data_position_saved_on_two_ranks_resumes_on_another_world_size(datamodule, new_world):
+    from lightning_vescale.data.datamodule import ResumableDistributedSampler
+
+    data = datamodule.train_set
+    saved = [ResumableDistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=7) for r in range(2)]
+    drawn = []
+    for sampler in saved:
+        it = iter(sampler)
+        drawn += [next(it) for _ in range(12)]
+    state = saved[0].state_dict()
+    assert state == {"yielded": 12, "num_replicas": 2}
+    resumed = [ResumableDistributedSampler(data, num_replicas=new_world, rank=r, shuffle=True, seed=7)
+               for r in range(new_world)]
+    rest = []
+    for sampler in resumed:
+        sampler.load_state_dict(state)
+        rest += list(sampler)
+    epoch = list(ResumableDistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=7))
+    assert sorted(drawn) == sorted(epoch[:24]), "two ranks drew the permutation's first 24 windows"
+    # None of the windows drawn before, but DistributedSampler's padding (the epoch's first windows again, to make
+    # every rank's share equal): fewer than new_world.
+    assert len(set(rest) & set(drawn)) < new_world, "the resumed ranks skip the windows drawn before the checkpoint"
+    assert set(rest) | set(drawn) == set(epoch), "and together they cover the epoch"
