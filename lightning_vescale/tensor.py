@@ -240,8 +240,15 @@ class RaggedLayout:
         """The DTensor placements on ``mesh``: :attr:`placement` on ``mesh_dim``, ``Replicate()`` elsewhere (the
         other mesh's placement on the other dim with ``outer``)."""
         ndim = 1 if mesh is None else mesh.ndim
-        other = self.outer.placement if self.outer is not None else Replicate()
-        return tuple(self.placement if d == self.mesh_dim else other for d in range(ndim))
+        out: list[Placement] = [Replicate()] * ndim
+        if self.outer is not None and mesh is not None:
+            # The tp dim of the reported mesh, by name (HSDP x tp: (replicate, shard, tp); dp x tp: (dp, tp)).
+            outer_names = self.outer.mesh.mesh_dim_names or ()
+            names = mesh.mesh_dim_names or ()
+            outer_dim = names.index(outer_names[0]) if outer_names and outer_names[0] in names else ndim - 1
+            out[outer_dim] = self.outer.placement
+        out[self.mesh_dim] = self.placement
+        return tuple(out)
 
     def spec(self, dtype: torch.dtype, device: torch.device) -> DTensorSpec:
         """The DTensor spec of a tensor of this layout (one per dtype and device type, made once)."""

@@ -207,9 +207,6 @@ def check_tensor_parallel_args(tensor_parallel_size: Any, replicate_size: Any, e
     """``tensor_parallel_size`` as an int >= 1, or a ValueError naming the combination that is not supported."""
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"{who}: tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
-    if tensor_parallel_size > 1 and replicate_size is not None:
-        raise ValueError(f"{who}: tensor_parallel_size={tensor_parallel_size} with replicate_size={replicate_size!r} "
-                         f"(HSDP) is not supported yet: use one of them")
     if tensor_parallel_size > 1 and expert_parallel_size > 1:
         raise ValueError(f"{who}: tensor_parallel_size={tensor_parallel_size} with expert_parallel_size="
                          f"{expert_parallel_size} is not supported yet: use one of them")

@@ -299,11 +299,11 @@ class VeScaleFabricStrategy(ParallelStrategy):
         if self._tensor_parallel_size > 1:
             check_tensor_parallel_size(self._tensor_parallel_size, self.world_size)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
         if self._tensor_parallel_size > 1:
             self._device_mesh = build_tensor_parallel_mesh(self.root_device, self.world_size,
-                                                           self._tensor_parallel_size, timeout=timeout)
+                                                           self._tensor_parallel_size, replicate, timeout=timeout)
             return
-        replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
         self._device_mesh = build_mesh(self.root_device, self.world_size, replicate, timeout=timeout)
 
     # -- model and optimizers -----------------------------------------------------------------------------

@@ -161,8 +161,8 @@ class VeScaleStrategy(ParallelStrategy):
             ``plan="llama"``), or ``configure_model()`` splits them with ``parallelize_module(...,
             self.device_mesh["tensor_parallel"], ...)``; groups are then sharded over ``"data_parallel"``, and the
             ranks of one tensor-parallel group read the same batches. It must divide the world size and the split
-            shapes (heads included), checked before any process group; not combined with HSDP or expert
-            parallelism yet.
+            shapes (heads included), checked before any process group. With ``replicate_size`` (HSDP) the mesh
+            is 3-D ``("replicate", "shard", "tensor_parallel")``; not combined with expert parallelism yet.
         sync_module_states: broadcast rank 0's weights before sharding (as DDP does), so every rank cuts the
             same model even if the ranks were seeded differently. Meta-device weights are initialized with rank
             0's RNG state instead.
@@ -427,8 +427,9 @@ class VeScaleStrategy(ParallelStrategy):
                 self.root_device, self.world_size, self._expert_parallel_size, timeout=timeout
             )
         elif self._tensor_parallel_size > 1:
+            replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
             self._device_mesh = build_tensor_parallel_mesh(
-                self.root_device, self.world_size, self._tensor_parallel_size, timeout=timeout
+                self.root_device, self.world_size, self._tensor_parallel_size, replicate, timeout=timeout
             )
         else:
             replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
@@ -483,8 +484,8 @@ class VeScaleStrategy(ParallelStrategy):
         check_tensor_parallel_applied(module, self._tensor_parallel_size, type(self).__name__)
         if self._tensor_parallel_size > 1:
             mesh = self.device_mesh
-            rank_zero_info(f"{type(self).__name__}: tensor parallel over ('data_parallel', 'tensor_parallel') = "
-                           f"({mesh['data_parallel'].size()}, {mesh['tensor_parallel'].size()})")
+            shape = ", ".join(f"{n}={mesh[n].size()}" for n in mesh.mesh_dim_names or ())
+            rank_zero_info(f"{type(self).__name__}: tensor parallel over ({shape})")
         if user_sharded:
             warn_if_policy_ignored(module, precision.precision)
         log.debug("%s: %d sharded groups, precision %s", type(self).__name__, len(sharded_groups(module)), precision.precision)

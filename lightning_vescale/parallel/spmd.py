@@ -243,13 +243,23 @@ def check_tensor_parallel_size(tensor_parallel_size: int, world_size: int) -> No
 
 
 def build_tensor_parallel_mesh(
-    device: torch.device, world_size: int, tensor_parallel_size: int, *, timeout: Optional[timedelta] = None
+    device: torch.device, world_size: int, tensor_parallel_size: int, replicate_size: Optional[int] = None, *,
+    timeout: Optional[timedelta] = None,
 ) -> DeviceMesh:
     """A 2-D ``("data_parallel", "tensor_parallel")`` mesh, as Lightning's ``ModelParallelStrategy`` builds it:
-    modules are split over ``"tensor_parallel"`` (consecutive ranks) and groups sharded over ``"data_parallel"``."""
+    modules are split over ``"tensor_parallel"`` (consecutive ranks) and groups sharded over ``"data_parallel"``;
+    with ``replicate_size`` (HSDP) a 3-D ``("replicate", "shard", "tensor_parallel")`` mesh."""
     check_tensor_parallel_size(tensor_parallel_size, world_size)
-    return _mesh(device, (world_size // tensor_parallel_size, tensor_parallel_size),
-                 ("data_parallel", "tensor_parallel"), timeout)
+    dp = world_size // tensor_parallel_size
+    if replicate_size is None:
+        return _mesh(device, (dp, tensor_parallel_size), ("data_parallel", "tensor_parallel"), timeout)
+    if replicate_size < 1 or dp % replicate_size != 0:
+        raise ValueError(
+            f"replicate_size={replicate_size} must divide the data-parallel size world_size // tensor_parallel_size = "
+            f"{dp} (HSDP x tp shards each group over dp // replicate_size ranks)"
+        )
+    return _mesh(device, (replicate_size, dp // replicate_size, tensor_parallel_size),
+                 ("replicate", "shard", "tensor_parallel"), timeout)
 
 
 def _is_expert_parallel(mesh: DeviceMesh) -> bool:

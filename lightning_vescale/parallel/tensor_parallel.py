@@ -22,16 +22,20 @@ __all__ = [
     "tensor_parallel_style",
 ]
 
-TENSOR_PARALLEL_DIM_NAMES = (("dp", "tp"), ("data_parallel", "tensor_parallel"))
-"""2-D meshes whose second dimension is tensor parallel: torchtitan's names and Lightning's ModelParallelStrategy's."""
+TENSOR_PARALLEL_DIM_NAMES = (("dp", "tp"), ("data_parallel", "tensor_parallel"), ("replicate", "shard", "tp"),
+                             ("replicate", "shard", "tensor_parallel"))
+"""Meshes whose last dimension is tensor parallel: torchtitan's names and Lightning's ModelParallelStrategy's (2-D),
+and HSDP's ``(replicate, shard)`` with tp (3-D: the groups are sharded over the 2-D HSDP slice)."""
 
 
 def split_tensor_parallel_mesh(mesh: Optional[DeviceMesh]) -> Optional[tuple[DeviceMesh, DeviceMesh]]:
-    """``(dp_mesh, tp_mesh)`` of a 2-D ``("dp", "tp")`` / ``("data_parallel", "tensor_parallel")`` mesh, else None."""
-    if mesh is None or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) not in TENSOR_PARALLEL_DIM_NAMES:
+    """``(dp_mesh, tp_mesh)`` of a mesh named as :data:`TENSOR_PARALLEL_DIM_NAMES` says, else None; ``dp_mesh`` is
+    the 2-D ``(replicate, shard)`` slice of a 3-D one."""
+    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if mesh is None or names not in TENSOR_PARALLEL_DIM_NAMES:
         return None
-    dp, tp = mesh.mesh_dim_names  # type: ignore[misc]  # checked above: two names
-    return mesh[dp], mesh[tp]
+    dp = mesh[names[:-1]] if len(names) == 3 else mesh[names[0]]
+    return dp, mesh[names[-1]]
 
 
 def tensor_parallel_style(style: str):  # -> ParallelStyle (torch.distributed.tensor.parallel)

@@ -516,9 +516,9 @@ class VeScaleStrategyConfig(StrategyConfig):
             f"strategy.tensor_parallel_size must be a positive int, got {tp!r}",
         )
         _check(
-            tp == 1 or (r is None and ep == 1),
-            f"strategy.tensor_parallel_size={tp} with strategy.replicate_size={r!r} / expert_parallel_size={ep} is not "
-            f"supported yet: use tensor parallelism alone",
+            tp == 1 or ep == 1,
+            f"strategy.tensor_parallel_size={tp} with strategy.expert_parallel_size={ep} is not supported yet: set one "
+            f"of them",
         )
         g = self.granularity
         _check(

@@ -20,7 +20,7 @@ def test_tensor_parallel_recipe_equals_data_parallel_and_exports(tmp_path):
     tp_run, dp_run = tmp_path / "tp", tmp_path / "dp"
     proc = run_recipe("train.py", *common, "trainer.devices=4", "strategy.tensor_parallel_size=2",
                       f"hydra.run.dir={tp_run}", timeout=400)
-    assert "tensor parallel over ('data_parallel', 'tensor_parallel') = (2, 2)" in proc.stdout + proc.stderr
+    assert "tensor parallel over (data_parallel=2, tensor_parallel=2)" in proc.stdout + proc.stderr
     run_recipe("train.py", *common, "trainer.devices=2", f"hydra.run.dir={dp_run}", timeout=300)
     tp, dp = (json.loads((run / "summary.json").read_text()) for run in (tp_run, dp_run))
     assert tp["world_size"] == 4 and dp["world_size"] == 2

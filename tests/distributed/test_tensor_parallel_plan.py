@@ -5,7 +5,8 @@ and torch's tensor-parallel AllReduces, counted at dispatch) equal the run's; me
 (bitwise: the same RNG draws, copied); fp32 training with activation checkpointing and clipping equals one process
 on the whole batch (1e-5: reductions run in other orders); bf16 mixed precision stays at the noise floor that
 bf16 has without tensor parallelism (dp4, same data, same run); a checkpoint is saved. A 2-rank run loads it on
-dp1 x tp2 and a single process reads it whole: both bitwise equal to the saved model.
+dp1 x tp2 and a single process reads it whole: both bitwise equal to the saved model. An 8-rank run: HSDP x tp on
+a 3-D (replicate, shard, tp) mesh reports (Replicate(), RaggedShard, Shard(0)) and trains like one process.
 """
 
 from __future__ import annotations
@@ -189,3 +190,22 @@ def test_plan_driven_tensor_parallel_llama_trains_like_one_process_and_reshards(
     assert all(torch.equal(state[n], want[n]) for n in want), "one process reads a dp2 x tp2 checkpoint whole"
     one = Llama(copy.deepcopy(CONFIG))
     one.load_state_dict(state)  # loads into the unsharded model: names and shapes are the model's
+
+
+def _run_hsdp_tp(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    model = _sharded(mesh, rank // 2, 4)
+    wq = model.layers[0].attention.wq.weight
+    assert wq.device_mesh.mesh_dim_names == ("replicate", "shard", "tp"), wq.device_mesh
+    assert wq.placements[0].is_replicate() and isinstance(wq.placements[1], RaggedShard) and wq.placements[2] == Shard(0)
+    ref, ref_losses = _reference()
+    # The ranks of this tp coordinate (new_group is collective: every rank creates both, in the same order).
+    dp_group = [dist.new_group([r for r in range(world) if r % 2 == t]) for t in range(2)][rank % 2]
+    losses = _train(model, rank // 2, 4, dp_group)
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    worst = _worst(model, ref)
+    assert worst <= 1e-5, f"HSDP x tp (2 x 2 x 2) differs from one process by {worst}"
+
+
+def test_hsdp_by_tensor_parallel_trains_like_one_process() -> None:
+    run_distributed(_run_hsdp_tp, 8, timeout=400, pg_timeout=200)

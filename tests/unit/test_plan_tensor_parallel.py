@@ -91,9 +91,9 @@ def test_sampler_gives_one_tp_group_one_shard_of_the_data():
     assert [s["rank"] for s in shards] == [0, 0, 1, 1, 2, 2, 3, 3] and {s["num_replicas"] for s in shards} == {4}
 
 
-def test_strategy_refuses_tensor_parallel_with_hsdp():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with replicate_size=2 \(HSDP\) is not supported"):
-        VeScaleStrategy(tensor_parallel_size=2, replicate_size=2)
+def test_strategy_refuses_tensor_parallel_with_expert_parallel():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with expert_parallel_size=2 is not supported yet"):
+        VeScaleStrategy(tensor_parallel_size=2, expert_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int, got 0"):
         VeScaleStrategy(tensor_parallel_size=0)
 
