@@ -19,7 +19,9 @@ tokens. Measured per rank:
   a fuller one.)
 
 ``--replicate R`` shards on an HSDP mesh (``build_mesh(..., replicate_size=R)``) and predicts with
-``replicate=R``; a plan with ``quantization`` is sized with the engine's quantized buffers.
+``replicate=R``; a plan with ``quantization`` is sized with the engine's quantized buffers. ``--tp T`` shards on a
+``("dp", "tp")`` mesh with the plan's tp rules (``--plan llama``) and predicts with ``tp=T``; torch's tensor-parallel
+AllReduces are counted at dispatch (``all_reduce_tp``), as the dry run counts them.
 
 Predicted, in the parent process, by ``python -m lightning_vescale.plan``'s code (``dry_run``) for the same
 model, plan, mesh, batch and world size: bytes per collective kind and the peak per rank. Results go to
@@ -40,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -86,6 +89,19 @@ def warm_up(llama, llama_config) -> None:
     optimizer.step()
 
 
+class _CountTensorParallel(TorchDispatchMode):
+    """Bytes torch's functional AllReduces (tensor parallelism's) send per rank, as comm_stats counts an AllReduce."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size, self.sent = size, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_reduce.default:
+            self.sent += 2 * (self.size - 1) * args[0].numel() * args[0].element_size() / self.size
+        return func(*args, **(kwargs or {}))
+
+
 def worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -103,15 +119,26 @@ def worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
     from lightning_vescale.parallelize import build_mesh
 
     mesh = build_mesh(torch.device("cpu"), world, args.replicate) if args.replicate > 1 else None
+    if args.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        dp_rank = mesh["dp"].get_local_rank()  # the ranks of one tp group read the same tokens
+        batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq + 1),
+                                 generator=torch.Generator().manual_seed(1000 * dp_rank + i)) for i in range(args.steps)]
     lv.parallelize(model, args.plan, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     after_setup = peak_rss() - baseline
     sent = []
     for tokens in batches:
-        lm_loss(model, tokens).backward()
+        with _CountTensorParallel(args.tp) as tp_sent:
+            lm_loss(model, tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        sent.append(dict(lv.comm_stats.step()))
+        step = dict(lv.comm_stats.step())
+        if args.tp > 1:
+            step["all_reduce_tp"] = int(tp_sent.sent)
+        sent.append(step)
     result = {"baseline_rss": baseline, "setup_peak": after_setup, "train_peak": peak_rss() - baseline,
               "bytes": sent[-1], "bytes_steps": sent}
     gathered = [None] * world
@@ -146,7 +173,8 @@ def predict(world: int, args):
         model = Llama(LlamaConfig(**MODELS[args.model]))
     resolved = resolve_plan(model, args.plan and __import__("lightning_vescale").load_plan(args.plan))
     workload = Workload(batch_size=args.batch, seq_len=args.seq, precision="32-true", optimizer="adamw", clip_grad=False)
-    return dry_run(model, resolved, world, workload=workload, hardware=load_profile("cpu"), replicate=args.replicate)
+    return dry_run(model, resolved, world, workload=workload, hardware=load_profile("cpu"), replicate=args.replicate,
+                   tensor_parallel=args.tp)
 
 
 def main() -> None:
@@ -158,6 +186,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--plan", default=None, help="a plan name or file (default: the default plan)")
     parser.add_argument("--replicate", type=int, default=1, help="HSDP replicas (default 1: a 1-D mesh)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (with a plan with tp rules)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_check"))
     args = parser.parse_args()
     rows = []
@@ -192,11 +221,13 @@ def to_markdown(rows: list, args) -> str:
         "",
         f"Model `{args.model}` (Llama-shaped, {sum_params(args.model) / 1e6:.1f}M parameters), "
         f"{'plan ' + repr(args.plan) if args.plan else 'default plan'}, "
-        f"{f'HSDP mesh ({args.replicate} replicas), ' if args.replicate > 1 else ''}fp32 AdamW, "
+        f"{f'HSDP mesh ({args.replicate} replicas), ' if args.replicate > 1 else ''}"
+        f"{f'(dp, tp) mesh with tp={args.tp}, ' if args.tp > 1 else ''}fp32 AdamW, "
         f"batch {args.batch}x{args.seq} tokens per rank, {args.steps} steps, gloo on CPU.",
         f"Command: `python benchmarks/plan_check.py --model {args.model} --world-sizes "
         f"{' '.join(map(str, args.world_sizes))} --steps {args.steps} --batch {args.batch} --seq {args.seq}"
-        f"{f' --plan {args.plan}' if args.plan else ''}{f' --replicate {args.replicate}' if args.replicate > 1 else ''}`",
+        f"{f' --plan {args.plan}' if args.plan else ''}{f' --replicate {args.replicate}' if args.replicate > 1 else ''}"
+        f"{f' --tp {args.tp}' if args.tp > 1 else ''}`",
         "",
         "| ranks | predicted peak / rank (MiB) | measured peak / rank, OS (MiB) | error | bytes / step predicted | "
         "measured (comm_stats) | equal |",
