@@ -25,7 +25,7 @@ so ``torch.distributed.checkpoint`` writes and reshards them through RaggedTenso
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard
 
 import torch
 import torch.nn as nn
@@ -51,7 +51,7 @@ SCALE_SUFFIX = "_scale_inv"
 """A quantized ``<name>``'s scales are stored as ``<name>_scale_inv`` (``weight`` -> ``weight_scale_inv``)."""
 
 
-def is_quantized(t: Any) -> bool:
+def is_quantized(t: Any) -> TypeGuard[QuantizedTensor]:
     return isinstance(t, QuantizedTensor)
 
 
