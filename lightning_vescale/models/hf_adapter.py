@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from torch import nn
 
 from lightning_vescale.models.yarn import YarnScaling
 
