@@ -411,8 +411,9 @@ def _matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
             weights += m.weight.numel()
     attention = 0.0
     for m in model.modules():
-        if hasattr(m, "n_heads") and isinstance(getattr(m, "wo", None), nn.Linear):
-            attention += 6 * seq_len * m.wo.weight.shape[1]
+        wo = getattr(m, "wo", None)
+        if hasattr(m, "n_heads") and isinstance(wo, nn.Linear):
+            attention += 6 * seq_len * wo.weight.shape[1]
     return 6 * weights + attention
 
 

@@ -315,7 +315,7 @@ class Plan:
 
     # -- (de)serialization ----------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+    def from_dict(cls, data: Union[Plan, Mapping[str, Any]]) -> Plan:
         """A plan from its dict form (as in YAML); unknown keys and values are errors naming the rule."""
         if isinstance(data, Plan):
             return data
