@@ -60,7 +60,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -314,7 +314,7 @@ class UnsupportedRaggedOp(RuntimeError):
     """An operation that a RaggedTensor cannot run on its piece without changing the result."""
 
 
-def is_ragged(t: Any) -> bool:
+def is_ragged(t: Any) -> TypeGuard[RaggedTensor]:
     """Whether ``t`` is a sharded :class:`RaggedTensor` (a parameter, its gradient or a state shaped like it)."""
     return isinstance(t, RaggedTensor)
 
