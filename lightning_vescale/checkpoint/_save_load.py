@@ -114,7 +114,9 @@ def _optim_name(path: tuple) -> str:
 
 def _saved_dtype(metadata: Metadata, path: tuple) -> torch.dtype:
     keys = {tuple(v): k for k, v in (metadata.planner_data or {}).items()}
-    return metadata.state_dict_metadata[keys.get(path, path[0])].properties.dtype
+    entry = metadata.state_dict_metadata[keys.get(path, path[0])]
+    assert isinstance(entry, TensorStorageMetadata)  # the entry of a tensor
+    return entry.properties.dtype
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -458,7 +460,7 @@ def _staged_model(model_sd: Mapping[str, Any]) -> dict[str, Any]:
     return {n: (torch.empty_like(v) if isinstance(v, torch.Tensor) else v) for n, v in model_sd.items()}
 
 
-def _staged_optimizer(params: Mapping[str, nn.Parameter], saved: Layout, metadata: Metadata,
+def _staged_optimizer(params: Mapping[str, torch.Tensor], saved: Layout, metadata: Metadata,
                       where: str, key: str = "optim",
                       state_layout: Optional[Callable[[str, str], Any]] = None) -> dict[str, dict[str, Any]]:
     """Empty tensors for every state tensor of the saved optimizer ``key``: per-element ones laid out like their

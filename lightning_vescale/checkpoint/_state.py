@@ -297,7 +297,8 @@ def load_into_optimizer(
     The optimizer's own ``load_state_dict`` runs (its dtype/device policy for ``step``, Muon's layout check),
     so the result is what the optimizer itself would have restored.
     """
-    index, params = {}, {}
+    index: dict[str, int] = {}
+    params: dict[str, torch.Tensor] = {}
     for group in named:
         for name, p in group:
             index[name] = len(index)
