@@ -480,13 +480,13 @@ def _staged_optimizer(params: Mapping[str, torch.Tensor], saved: Layout, metadat
                 raise ValueError(f"{where}: optimizer state {key!r} of {name} has shape {shape}; the optimizer expects "
                                  f"{tuple(want)} (saved with another block size?)")
             if isinstance(declared, RaggedLayout):
-                value = RaggedTensor(torch.empty(declared.local_shape, dtype=dtype, device=p.device), declared)
+                value: Any = RaggedTensor(torch.empty(declared.local_shape, dtype=dtype, device=p.device), declared)
             else:
                 value = torch.empty(shape, dtype=dtype, device=p.device)
         elif len(shape) > 0 and shape == tuple(p.shape):
             if is_ragged(p):
                 local = torch.empty(p.layout_info.local_shape, dtype=dtype, device=p.device)
-                value: Any = RaggedTensor(local, p.layout_info)
+                value = RaggedTensor(local, p.layout_info)
             else:
                 value = torch.empty(shape, dtype=dtype, device=p.device)
         elif len(shape) == 0:
@@ -660,9 +660,11 @@ def _load(directory: str, model: nn.Module, optimizers: list[torch.optim.Optimiz
             raise ValueError(f"{where} has optimizer state for parameters the optimizer does not hold: "
                              f"{listing(unknown)}")
         raw = {n: p for g in named for n, p in g}
-        staged[key] = {"state": _staged_optimizer(
-            params, saved, metadata, where, key,
-            state_layout=lambda n, k, opt=optimizer, raw=raw: declared_state_layout(opt, raw[n], k))}
+
+        def state_layout(n: str, k: str, opt: Any = optimizer, raw: Mapping[str, torch.Tensor] = raw) -> Any:
+            return declared_state_layout(opt, raw[n], k)
+
+        staged[key] = {"state": _staged_optimizer(params, saved, metadata, where, key, state_layout=state_layout)}
 
     # 4. Every tensor into the staging tensors, checksums verified, all ranks agreeing.
     _verified_load(staged, directory, metadata, checksums)

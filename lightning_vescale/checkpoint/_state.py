@@ -221,7 +221,7 @@ def declared_state_layout(optimizer: torch.optim.Optimizer, p: torch.Tensor, key
 
 def _check_declared(value: torch.Tensor, layout: Any, name: str, key: str) -> None:
     ragged = isinstance(layout, RaggedLayout)
-    if (is_ragged(value) != ragged or (ragged and value.layout_info != layout)
+    if (is_ragged(value) != ragged or (ragged and is_ragged(value) and value.layout_info != layout)
             or (not ragged and tuple(value.shape) != tuple(layout))):
         raise ValueError(f"optimizer state {key!r} of {name} is {value!r}, not laid out as its optimizer declares "
                          f"({layout})")

@@ -248,7 +248,7 @@ def check_tensor_parallel_applied(module: nn.Module, tensor_parallel_size: int, 
     thing: correct, and tp times the work)."""
     if tensor_parallel_size <= 1:
         return
-    if not any(getattr(p, "device_mesh", None) is not None and p.device_mesh.ndim == 2 for p in module.parameters()):
+    if not any((mesh := getattr(p, "device_mesh", None)) is not None and mesh.ndim == 2 for p in module.parameters()):
         raise ValueError(
             f"{who}: tensor_parallel_size={tensor_parallel_size}, but no parameter of {type(module).__name__} is split "
             f"over the 'tensor_parallel' mesh dimension: give a plan with tp rules (e.g. plan='llama'), or call "

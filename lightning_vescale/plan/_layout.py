@@ -102,7 +102,7 @@ class BufferLayout:
         what no order of these tensors can avoid at their granularity."""
         lb = _lower_bound(self.plan)
         if self.quant == STORAGE:
-            return self.plan.world_size * lb * self.fmt.tile_numel - self.real_numel
+            return self.plan.world_size * lb * self._format.tile_numel - self.real_numel
         return self.plan.world_size * lb - self.plan.total_numel
 
     @property
@@ -110,9 +110,9 @@ class BufferLayout:
         """Bytes one unshard gathers, relative to a bf16 AllGather of the same elements without padding."""
         N, S = self.plan.world_size, self.plan.shard_size
         if self.quant == GATHER:
-            nbytes = N * (S * self.fmt.code_dtype.itemsize + 4 * self.scales_per_rank)
+            nbytes = N * (S * self._format.code_dtype.itemsize + 4 * self.scales_per_rank)
         elif self.quant == STORAGE:
-            nbytes = N * S * (self.fmt.tile_numel * self.dtype.itemsize + 4)
+            nbytes = N * S * (self._format.tile_numel * self.dtype.itemsize + 4)
         else:
             nbytes = N * S * self.param_dtype.itemsize
         return nbytes / max(2 * self.real_numel, 1)
@@ -187,9 +187,9 @@ def block_padding_warnings(groups: list[tuple[str, list[BufferLayout]]]) -> list
             if pad <= BLOCK_PADDING_WARNING:
                 continue
             lb = lay.lower_bound_padding_elements / max(lay.real_numel, 1)
-            b = lay.fmt.block_size
+            b = lay._format.block_size
             finding = (
-                f"keeping the {b}x{b} blocks of its trained {lay.fmt.kind} weights whole (cuts only between {b}-row "
+                f"keeping the {b}x{b} blocks of its trained {lay._format.kind} weights whole (cuts only between {b}-row "
                 f"bands) costs {pad:.2%} padding on {lay.plan.world_size} ranks (the planner's lower bound at this "
                 f"granularity: {lb:.2%}); the quantized AllGather gathers {lay.gather_vs_bf16:.3f}x the bytes of an "
                 f"unpadded bf16 one. The format is kept; fewer ranks per group, larger groups or quantization: none "
