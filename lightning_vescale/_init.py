@@ -18,7 +18,7 @@ that first module's writes are kept, the others' go to a scratch tensor.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.nn as nn
@@ -46,7 +46,7 @@ def _owning_groups(root: nn.Module) -> dict[int, ParamGroup]:
 def _record_first_owner(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
     # Read by init_sharded_weights (see [Note: tied parameters at init]); fully_shard copies it to the sharded one.
     if param is not None and param.is_meta and not hasattr(param, "_vescale_first_owner"):
-        param._vescale_first_owner = weakref.ref(module)
+        param._vescale_first_owner = weakref.ref(module)  # type: ignore[attr-defined]  # read with getattr
 
 
 _OWNER_HOOK = register_module_parameter_registration_hook(_record_first_owner)
@@ -148,7 +148,8 @@ def init_sharded_weights(model: nn.Module, init_fn: Optional[Callable[[nn.Module
                     m._buffers[name] = torch.empty_like(b, device=group.device if group else any_device)
         if group is not None:
             open_group(group)
-        kept = [(name, m._parameters[name]) for name, _ in discarded.get(id(m), [])]
+        # (the discarded names are parameters of m: their entries are not None)
+        kept = [(name, cast(nn.Parameter, m._parameters[name])) for name, _ in discarded.get(id(m), [])]
         for name, full in kept:  # this module's init draws its values, the creator's are kept
             _set_param(m, name, nn.Parameter(torch.empty_like(full), requires_grad=full.requires_grad))
         init_fn(m)

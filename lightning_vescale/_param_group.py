@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 from lightning_vescale import collectives
 from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.dbuffer import BufferState, DBuffer
-from lightning_vescale.group_plan import ParamEntry, buffer_kind_of, plan_group_buffers
-from lightning_vescale.planner import BufferPlan
+from lightning_vescale.group_plan import BufferKind, ParamEntry, buffer_kind_of, plan_group_buffers
+from lightning_vescale.planner import BufferPlan, Granularity
 from lightning_vescale.tensor import OuterShard, RaggedLayout, RaggedTensor, _contiguous_strides, piece_of
 
 logger = logging.getLogger(__name__)
@@ -57,11 +57,11 @@ class _ManagedParam:
     outer: Optional[OuterShard] = None  # tensor parallelism: the parameter was a DTensor on another mesh
     index: int = -1
     layout: Optional[RaggedLayout] = None
-    sharded: Optional[nn.Parameter] = None
+    sharded: nn.Parameter = field(init=False)  # set by ParamGroup._build (or the buffer kind) after construction
     grad: Optional[RaggedTensor] = None  # the sharded gradient: a RaggedTensor on the DBuffer's local_grad
     hooked: bool = False  # the post-accumulate-grad hook is registered (once the parameter requires grad)
     requires_grad: bool = False  # the flag both parameter objects had when last synchronized
-    unsharded: Optional[nn.Parameter] = None
+    unsharded: nn.Parameter = field(init=False)  # likewise
     original: Optional[weakref.ref] = None  # the parameter before sharding, to detect ties across groups
 
 
@@ -81,7 +81,7 @@ def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
     module._parameters[name] = param
 
 
-GranularityFn = Callable[[str, nn.Parameter], object]
+GranularityFn = Callable[[str, nn.Parameter], Granularity]
 
 REDUCES_IN_FLIGHT = 1
 """ReduceScatters left in flight when a group issues its own, on an accelerator: the previous group's had this
@@ -169,17 +169,17 @@ class ParamGroup:
             planned = plan_group_buffers(entries, self.world_size, self.mp_policy)
         except ValueError as e:
             raise ValueError(f"cannot shard the parameters of {type(self.module).__name__}: {e}") from None
-        for e, (fqn, param, _) in zip(entries, params):
-            if e.kind is not None and isinstance(param, DTensor):
+        for entry, (fqn, param, _) in zip(entries, params):
+            if entry.kind is not None and isinstance(param, DTensor):
                 raise ValueError(f"parameter {fqn} is declared block-quantized and is a tensor-parallel DTensor: "
                                  f"block quantization with tensor parallelism is not supported yet; quantize the "
                                  f"weights of modules without tensor parallelism only")
         key_of = {name: gb.key for gb in planned for name in gb.names}
         for fqn, param, uses in params:
             self.managed.append(_ManagedParam(fqn, uses, key_of[fqn], outer=self._outer_shard(fqn, param)))
-        kinds = {}
+        kinds: dict[tuple, Optional[BufferKind]] = {}
         for gb in planned:
-            kwargs = dict(
+            kwargs: dict[str, Any] = dict(
                 group=self.shard_group, device=self.device, dtype=gb.dtype, param_dtype=gb.param_dtype,
                 reduce_dtype=gb.reduce_dtype, requires_grad=gb.requires_grad, replicate_group=self.replicate_group,
                 gradient_divide_factor=self.gradient_divide_factor,
@@ -196,7 +196,9 @@ class ParamGroup:
             mp.original = weakref.ref(orig)
             SHARDED_ORIGINALS[orig] = f"{mp.fqn} of the {type(self.module).__name__} sharded by an earlier fully_shard"
             if not buf.holds_master_pieces:
-                kinds[mp.key].make_parameters(self, mp, buf, orig)  # a kind with its own storage
+                kind = kinds[mp.key]
+                assert kind is not None  # only a buffer kind keeps its own storage
+                kind.make_parameters(self, mp, buf, orig)  # a kind with its own storage
                 self._use_sharded(mp)
                 continue
             local = buf.local_view(mp.index)
@@ -575,6 +577,7 @@ class ParamGroup:
                 if g is None:
                     view.zero_()
                 elif g is not mp.grad:  # the user set .grad: take its piece
+                    assert mp.layout is not None  # a buffer holding master pieces
                     view.view(-1).copy_(piece_of(g, mp.layout))
         return True
 

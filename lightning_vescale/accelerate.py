@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Protocol, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,12 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+class _SavesPretrained(Protocol):
+    """A ``transformers`` model, as :meth:`VeScaleAccelerator.save_pretrained` uses it."""
+
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> Any: ...
+
+
 class VeScaleAccelerator(Accelerator):
     """An ``Accelerator`` whose ``prepare`` shards the model with ``lightning_vescale.fully_shard``.
 
@@ -117,6 +123,10 @@ class VeScaleAccelerator(Accelerator):
 
     In a single process (``DistributedType.NO``) nothing is sharded and it behaves like ``Accelerator``.
     """
+
+    # Accelerate's own lists (created untyped in its __init__): the prepared models and optimizers.
+    _models: list[nn.Module]
+    _optimizers: list[Any]
 
     def __init__(self, *args: Any, vescale: Optional[VeScaleConfig] = None, **kwargs: Any) -> None:
         if "cpu" not in kwargs and not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -171,7 +181,7 @@ class VeScaleAccelerator(Accelerator):
             )
         # Accelerate's prepare() now leaves the model alone (no DDP wrapper, no autocast) and still
         # registers it, so accumulate() finds its no_sync().
-        model._is_accelerate_prepared = True
+        model._is_accelerate_prepared = True  # type: ignore[assignment]  # nn.Module's stub takes tensors and modules only
         if model not in self._models:
             self._models.append(model)
         # The policy's placement and the plan's tiers (with neither, nothing moves).
@@ -228,7 +238,7 @@ class VeScaleAccelerator(Accelerator):
         is_main_process=accelerator.is_main_process)`` does the same."""
         if not is_sharded(model):
             if self.is_main_process:
-                model.save_pretrained(save_directory, **kwargs)
+                cast(_SavesPretrained, model).save_pretrained(save_directory, **kwargs)
             self.wait_for_everyone()
             return
         from lightning_vescale import checkpoint

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, Union
+from typing import Iterable, Union, cast
 
 import torch
 
@@ -60,7 +60,8 @@ def local_grads_finite(parameters: Iterable[torch.Tensor]) -> bool:
 
     def finite(chunk: list[torch.Tensor]) -> torch.Tensor:
         local = [g.float() if g.element_size() == 1 else g  # float8: no norm kernel
-                 for g in (_local(p.grad) for p in chunk) if g.numel() and g.is_floating_point()]
+                 for g in (_local(cast(torch.Tensor, p.grad)) for p in chunk)  # params with grads (above)
+                 if g.numel() and g.is_floating_point()]
         if not local:
             return torch.tensor(True)
         return torch.stack([n.to(local[0].device) for n in torch._foreach_norm(local, float("inf"))]).isfinite().all()

@@ -59,8 +59,9 @@ class PieceTier(Protocol):
     """Where a buffer's ``local`` and ``local_grad`` live between uses (``DBuffer.offload``): the engine's tier
     interface, implemented by :mod:`lightning_vescale.memory`. None keeps them in memory."""
 
-    sends_copy: bool
-    """The AllGather reads a copy of ``local`` written into ``unsharded`` (``local`` itself is not resident)."""
+    @property
+    def sends_copy(self) -> bool:
+        """The AllGather reads a copy of ``local`` written into ``unsharded`` (``local`` itself is not resident)."""
 
     def before_gather(self) -> None:
         """Bring ``local`` back before the AllGather reads it."""
@@ -175,7 +176,7 @@ class DBuffer:
             self.enable_grad()
         self.local_grad: Optional[torch.Tensor] = None
         self.state = BufferState.SHARDED
-        self._gather_handle = None
+        self._gather_handle: Optional[Any] = None  # a collective's (or the gathered tier's) handle
         self._reduce_handle = None
         self._reduce_output: Optional[torch.Tensor] = None
         self._reduce_accumulate = False
@@ -268,6 +269,7 @@ class DBuffer:
 
     def wait_unshard(self) -> None:
         if self.state is BufferState.GATHERING:
+            assert self._gather_handle is not None  # GATHERING: a gather is in flight
             self._gather_handle.wait()
             self._gather_handle = None
             self.state = BufferState.UNSHARDED
@@ -339,7 +341,7 @@ class DBuffer:
             else:
                 out = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
             self._reduce_handle = collectives.reduce_scatter_tensor(out, send, self.group, async_op=async_op)
-            self._reduce_send = send
+            self._reduce_send: Optional[torch.Tensor] = send
         if send is not self.unsharded_grad:
             # The collective reads the cast copy: the gradient buffer is free from here (a later allocation on the
             # compute stream is ordered after the cast), not only when the ReduceScatter completes.
@@ -381,6 +383,7 @@ class DBuffer:
                 divisor /= self.world_size  # low-precision sums were pre-divided by N in reduce_grad
             if divisor != 1:
                 out.div_(divisor)
+            assert self.local_grad is not None  # allocated by reduce_grad
             if out is not self.local_grad:
                 if self._reduce_accumulate:
                     self.local_grad.add_(out)

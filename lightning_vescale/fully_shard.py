@@ -36,7 +36,7 @@ import hashlib
 import logging
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,9 @@ def _default_mesh() -> DeviceMesh:
     if backend == "gloo" or not torch.accelerator.is_available():
         device_type = "cpu"
     else:
-        device_type = torch.accelerator.current_accelerator().type
+        accelerator = torch.accelerator.current_accelerator()
+        assert accelerator is not None  # is_available()
+        device_type = accelerator.type
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
@@ -332,6 +334,7 @@ class _VeScaleState:
         if self.is_root is None:
             self.lazy_init()
         root = self.root
+        assert root is not None  # set by the root's lazy_init
         if _in_backward():
             # Activation-checkpoint recomputation: the group was gathered by pre-backward.
             if self.group is not None:
@@ -360,10 +363,12 @@ class _VeScaleState:
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         if _in_backward():
             return output
-        if not self.root.order_recorded:
-            self.root.post_forward_order.append(self)
+        root = self.root
+        assert root is not None
+        if not root.order_recorded:
+            root.post_forward_order.append(self)
         if self.is_root:
-            self.root.order_recorded = True
+            root.order_recorded = True
         tensors = []
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -405,6 +410,7 @@ class _VeScaleState:
     # -- backward -------------------------------------------------------------------------------------------
     def _pre_backward_hook(self, *unused: Any) -> None:
         root = self.root
+        assert root is not None
         if not root.callback_queued:
             root.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
@@ -505,16 +511,27 @@ def sharded_groups(module: nn.Module) -> list[ParamGroup]:
     return groups
 
 
-class VeScaleModule:
+if TYPE_CHECKING:
+    _MixinBase = nn.Module  # VeScaleModule is mixed into the classes of modules
+else:
+    _MixinBase = object
+
+
+class VeScaleModule(_MixinBase):
     """Methods added to every module that ``fully_shard`` was applied to (as FSDP2's ``FSDPModule``)."""
 
     def _vescale_states(self, recurse: bool) -> list[_VeScaleState]:
-        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        modules = self.modules() if recurse else [self]
         return [s for s in (get_state(m) for m in modules) if s is not None]
+
+    def _own_vescale_state(self) -> _VeScaleState:
+        state = get_state(self)
+        assert state is not None  # fully_shard set it
+        return state
 
     def unshard(self, async_op: bool = False) -> None:
         """Gather this module's parameters (e.g. to run a submodule outside the usual forward)."""
-        group = get_state(self).group  # type: ignore[arg-type]
+        group = self._own_vescale_state().group
         if group is not None:
             group.unshard(async_op=async_op)
             if not async_op:
@@ -522,7 +539,7 @@ class VeScaleModule:
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters."""
-        group = get_state(self).group  # type: ignore[arg-type]
+        group = self._own_vescale_state().group
         if group is not None:
             group.reshard()
 
@@ -544,13 +561,13 @@ class VeScaleModule:
         """Gather exactly ``modules`` (each sharded with ``fully_shard``) when this module's forward starts, as
         FSDP2's method of the same name: an explicit prefetch plan instead of the next ``prefetch`` groups in
         forward order. ``[]`` prefetches nothing from here."""
-        get_state(self).forward_prefetch_states = _states_of(modules, "set_modules_to_forward_prefetch")  # type: ignore[union-attr]
+        self._own_vescale_state().forward_prefetch_states = _states_of(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather exactly ``modules`` (each sharded with ``fully_shard``) when this module's backward starts, as
         FSDP2's method of the same name (on CPU too, where the default backward prefetch is off). ``[]``
         prefetches nothing from here."""
-        get_state(self).backward_prefetch_states = _states_of(modules, "set_modules_to_backward_prefetch")  # type: ignore[union-attr]
+        self._own_vescale_state().backward_prefetch_states = _states_of(modules, "set_modules_to_backward_prefetch")
 
     def set_reduces_in_flight(self, count: int, *, recurse: bool = True) -> None:
         """How many groups' ReduceScatters may run while backward goes on (default 1 on an accelerator, 0 on CPU):

@@ -153,7 +153,10 @@ class RaggedShard(Shard):
     def __str__(self) -> str:
         return f"RS{self.local_units}"
 
-    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+    # torch's private hook takes a symbolic rank too; a RaggedShard's rank is always a plain int.
+    def _local_shard_size_and_offset(  # type: ignore[override]
+        self, curr_local_size: int, num_chunks: int, rank: int
+    ) -> tuple[int, int]:
         """Rows of dim 0 that hold ``rank``'s piece: ``(count, first)``; for a piece cut inside rows (element
         granularity), the rows that cover it (``to_local()`` is then the flat piece, not those rows)."""
         if num_chunks != self.world_size:

@@ -60,7 +60,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, SupportsIndex, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -259,8 +259,10 @@ class RaggedLayout:
             meta = TensorMeta(torch.Size(self.global_shape), _contiguous_strides(self.global_shape), dtype)
             # A RaggedShard is a Shard of dim 0 but not equal to Shard(0): leave the spec's shard order to be derived when
             # asked for, as for _StridedShard, instead of checking it against Shard(0) here.
+            # One process: no mesh (None; the spec then only carries the shape and placements).
             spec = self._specs[key] = DTensorSpec(  # type: ignore[attr-defined]
-                mesh, self.placements(mesh), tensor_meta=meta, use_strided_shard_as_shard_order=True)
+                mesh,  # type: ignore[arg-type]
+                self.placements(mesh), tensor_meta=meta, use_strided_shard_as_shard_order=True)
         return spec
 
     def __eq__(self, other: object) -> bool:
@@ -321,7 +323,7 @@ class UnsupportedRaggedOp(RuntimeError):
     """An operation that a RaggedTensor cannot run on its piece without changing the result."""
 
 
-def is_ragged(t: Any) -> bool:
+def is_ragged(t: Any) -> TypeGuard[RaggedTensor]:
     """Whether ``t`` is a sharded :class:`RaggedTensor` (a parameter, its gradient or a state shaped like it)."""
     return isinstance(t, RaggedTensor)
 
@@ -359,7 +361,7 @@ class RaggedTensor(DTensor):
         pass  # everything happens in __new__ (DTensor.__init__ is for DTensor's own constructor)
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
         # The single-tensor optimizer step calls ~8 elementwise methods per parameter under no_grad: run them on
         # the pieces here, before the dispatcher, which costs as much again as the op on a piece. Anything else,
         # and these under grad mode (autograd must record them), goes the usual way to __torch_dispatch__.
@@ -469,7 +471,7 @@ class RaggedTensor(DTensor):
             setattr(out, key, copy.deepcopy(value, memo))
         return out
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         raise TypeError(
             "a RaggedTensor holds one rank's piece and is not pickled; save sharded state with "
             "lightning_vescale.checkpoint (or torch.distributed.checkpoint), or pickle .full_tensor() / .to_local()"
@@ -526,7 +528,7 @@ class RaggedTensor(DTensor):
 
     # -- dispatch -----------------------------------------------------------------------------------------
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         handler = _HANDLERS.get(func)
         if handler is None:
             handler = _HANDLERS[func] = _handler_for(func)
@@ -803,7 +805,7 @@ class RaggedPiece(torch.Tensor):
         return None
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.copy_ and isinstance(args[0], RaggedPiece) and isinstance(args[1], torch.Tensor):
             dst, src = args[0], args[1]
@@ -818,7 +820,7 @@ class RaggedPiece(torch.Tensor):
             return out.as_subclass(torch.Tensor)
         return out
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)  # saved as the plain tensor it is
 
 

@@ -47,7 +47,8 @@ def _full(value: torch.Tensor, rank0_only: bool) -> Optional[torch.Tensor]:
     layout = value.layout_info
     if not rank0_only:
         return value.full_tensor()
-    first = dist.get_global_rank(_dist.group(), 0) if _dist.group() is not None else 0
+    group = _dist.group()
+    first = dist.get_global_rank(group, 0) if group is not None else 0
     ranks = dist.get_process_group_ranks(layout.group) if layout.group is not None else [first]
     if first not in ranks:
         return None
@@ -251,7 +252,8 @@ def save_pretrained(model: nn.Module, save_directory: os.PathLike | str, **kwarg
         save_directory: the directory to write.
         **kwargs: passed to ``save_pretrained`` (``safe_serialization``, ``max_shard_size`` ...).
     """
-    if not callable(getattr(model, "save_pretrained", None)):
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if not callable(save_pretrained):
         raise TypeError(f"{type(model).__name__} has no save_pretrained(): export it with save_full(path, model)")
     if "state_dict" in kwargs or "is_main_process" in kwargs:
         raise TypeError("save_pretrained gathers the state dict and picks the writing rank itself: drop state_dict= "
@@ -259,6 +261,6 @@ def save_pretrained(model: nn.Module, save_directory: os.PathLike | str, **kwarg
     state_dict = export_full_state_dict(model, rank0_only=True)
     try:
         if _dist.rank() == 0:
-            model.save_pretrained(os.fspath(save_directory), state_dict=state_dict, **kwargs)
+            save_pretrained(os.fspath(save_directory), state_dict=state_dict, **kwargs)
     finally:
         _dist.barrier()

@@ -114,7 +114,9 @@ def _optim_name(path: tuple) -> str:
 
 def _saved_dtype(metadata: Metadata, path: tuple) -> torch.dtype:
     keys = {tuple(v): k for k, v in (metadata.planner_data or {}).items()}
-    return metadata.state_dict_metadata[keys.get(path, path[0])].properties.dtype
+    entry = metadata.state_dict_metadata[keys.get(path, path[0])]
+    assert isinstance(entry, TensorStorageMetadata)  # the entry of a tensor
+    return entry.properties.dtype
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -458,7 +460,7 @@ def _staged_model(model_sd: Mapping[str, Any]) -> dict[str, Any]:
     return {n: (torch.empty_like(v) if isinstance(v, torch.Tensor) else v) for n, v in model_sd.items()}
 
 
-def _staged_optimizer(params: Mapping[str, nn.Parameter], saved: Layout, metadata: Metadata,
+def _staged_optimizer(params: Mapping[str, torch.Tensor], saved: Layout, metadata: Metadata,
                       where: str, key: str = "optim",
                       state_layout: Optional[Callable[[str, str], Any]] = None) -> dict[str, dict[str, Any]]:
     """Empty tensors for every state tensor of the saved optimizer ``key``: per-element ones laid out like their
@@ -478,13 +480,13 @@ def _staged_optimizer(params: Mapping[str, nn.Parameter], saved: Layout, metadat
                 raise ValueError(f"{where}: optimizer state {key!r} of {name} has shape {shape}; the optimizer expects "
                                  f"{tuple(want)} (saved with another block size?)")
             if isinstance(declared, RaggedLayout):
-                value = RaggedTensor(torch.empty(declared.local_shape, dtype=dtype, device=p.device), declared)
+                value: Any = RaggedTensor(torch.empty(declared.local_shape, dtype=dtype, device=p.device), declared)
             else:
                 value = torch.empty(shape, dtype=dtype, device=p.device)
         elif len(shape) > 0 and shape == tuple(p.shape):
             if is_ragged(p):
                 local = torch.empty(p.layout_info.local_shape, dtype=dtype, device=p.device)
-                value: Any = RaggedTensor(local, p.layout_info)
+                value = RaggedTensor(local, p.layout_info)
             else:
                 value = torch.empty(shape, dtype=dtype, device=p.device)
         elif len(shape) == 0:
@@ -658,9 +660,11 @@ def _load(directory: str, model: nn.Module, optimizers: list[torch.optim.Optimiz
             raise ValueError(f"{where} has optimizer state for parameters the optimizer does not hold: "
                              f"{listing(unknown)}")
         raw = {n: p for g in named for n, p in g}
-        staged[key] = {"state": _staged_optimizer(
-            params, saved, metadata, where, key,
-            state_layout=lambda n, k, opt=optimizer, raw=raw: declared_state_layout(opt, raw[n], k))}
+
+        def state_layout(n: str, k: str, opt: Any = optimizer, raw: Mapping[str, torch.Tensor] = raw) -> Any:
+            return declared_state_layout(opt, raw[n], k)
+
+        staged[key] = {"state": _staged_optimizer(params, saved, metadata, where, key, state_layout=state_layout)}
 
     # 4. Every tensor into the staging tensors, checksums verified, all ranks agreeing.
     _verified_load(staged, directory, metadata, checksums)

@@ -221,7 +221,7 @@ def declared_state_layout(optimizer: torch.optim.Optimizer, p: torch.Tensor, key
 
 def _check_declared(value: torch.Tensor, layout: Any, name: str, key: str) -> None:
     ragged = isinstance(layout, RaggedLayout)
-    if (is_ragged(value) != ragged or (ragged and value.layout_info != layout)
+    if (is_ragged(value) != ragged or (ragged and is_ragged(value) and value.layout_info != layout)
             or (not ragged and tuple(value.shape) != tuple(layout))):
         raise ValueError(f"optimizer state {key!r} of {name} is {value!r}, not laid out as its optimizer declares "
                          f"({layout})")
@@ -297,7 +297,8 @@ def load_into_optimizer(
     The optimizer's own ``load_state_dict`` runs (its dtype/device policy for ``step``, Muon's layout check),
     so the result is what the optimizer itself would have restored.
     """
-    index, params = {}, {}
+    index: dict[str, int] = {}
+    params: dict[str, torch.Tensor] = {}
     for group in named:
         for name, p in group:
             index[name] = len(index)

@@ -206,9 +206,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             self._metadata = read_metadata(self._directory)
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        if getattr(self._metadata, "storage_meta", None) is None:
-            self._metadata.storage_meta = StorageMeta()
-        self._metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(self._metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = self._metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return self._metadata
 
 

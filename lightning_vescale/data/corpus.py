@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import stat
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, TypeVar, Union
 
 __all__ = ["EMBEDDED_CORPUS_PATH", "check_windows_fit", "generate_corpus", "load_text"]
 
@@ -77,13 +77,16 @@ _PROVERBS = (
 )
 
 
+_T = TypeVar("_T")
+
+
 class _Picker:
     """Deterministic picks from ``random.Random(seed).random()`` only."""
 
     def __init__(self, seed: int) -> None:
         self._rng = random.Random(seed)
 
-    def pick(self, items: Sequence) -> object:
+    def pick(self, items: Sequence[_T]) -> _T:
         return items[int(self._rng.random() * len(items))]
 
     def chance(self, p: float) -> bool:

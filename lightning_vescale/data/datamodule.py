@@ -99,6 +99,8 @@ class ResumableDistributedSampler(StatefulDistributedSampler):
     each (rounded down; with DistributedSampler's padding, which repeats the epoch's first windows to even out
     the ranks' shares, fewer than ``n`` windows are drawn twice)."""
 
+    num_replicas: int  # set by DistributedSampler.__init__
+
     def state_dict(self) -> dict[str, int]:
         return {**super().state_dict(), "num_replicas": self.num_replicas}
 

@@ -15,12 +15,13 @@ import contextlib
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
+from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
 from lightning.fabric.plugins.precision.utils import (
     _convert_fp_tensor,
     _DtypeContextManager,
@@ -113,6 +114,9 @@ def precision_with_mp_policy(plugin: Any, mp_policy: Optional[MixedPrecisionPoli
     return precision
 
 
+_ModuleT = TypeVar("_ModuleT", bound=nn.Module)
+
+
 class _VeScalePrecisionMixin:
     """Lightning precision plugin behaviour for the engine: no autocast; ``bf16-true`` converts the module.
 
@@ -121,14 +125,14 @@ class _VeScalePrecisionMixin:
     the fp32 local pieces, and the roots' outputs come back in fp32.
     """
 
-    precision: str
+    precision: _PRECISION_INPUT_STR  # as Lightning's Precision declares it
 
     def _setup_precision(self, precision: str) -> None:
-        self.precision = validate_precision(precision)
+        self.precision = cast(_PRECISION_INPUT_STR, validate_precision(precision))  # one of SUPPORTED_PRECISION
         self.mp_policy = mp_policy_for_precision(self.precision)
         self._true_dtype = torch.bfloat16 if self.precision == "bf16-true" else None
 
-    def convert_module(self, module: nn.Module) -> nn.Module:
+    def convert_module(self, module: _ModuleT) -> _ModuleT:
         if self._true_dtype is None:
             return module
         if any(get_state(m) is not None for m in module.modules()):
@@ -241,7 +245,7 @@ def check_tensor_parallel_applied(module: nn.Module, tensor_parallel_size: int, 
     thing: correct, and tp times the work)."""
     if tensor_parallel_size <= 1:
         return
-    if not any(getattr(p, "device_mesh", None) is not None and p.device_mesh.ndim == 2 for p in module.parameters()):
+    if not any((mesh := getattr(p, "device_mesh", None)) is not None and mesh.ndim == 2 for p in module.parameters()):
         raise ValueError(
             f"{who}: tensor_parallel_size={tensor_parallel_size}, but no parameter of {type(module).__name__} is split "
             f"over the 'tensor_parallel' mesh dimension: give a plan with tp rules (e.g. plan='llama'), or call "

@@ -281,7 +281,8 @@ class VeScaleFabricStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # the rank is an attribute of the function (Lightning's convention), which its stubs do not declare
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def setup_environment(self) -> None:

@@ -63,7 +63,10 @@ class ActivationOffload:
             raise ValueError("offloading activations to 'disk' needs disk_dir=<a directory on a local disk>")
         self.tier = tier
         self.min_bytes = min_bytes
-        self.store = DiskStore(disk_dir, tag="_act") if tier == "disk" else None
+        self.store: Optional[DiskStore] = None
+        if tier == "disk":
+            assert disk_dir  # checked above
+            self.store = DiskStore(disk_dir, tag="_act")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lv-act") if prefetch else None
         self._blocks: dict[int, list[weakref.ref]] = {}  # weak: a graph autograd drops frees its handles
         self._lock = threading.Lock()
@@ -99,6 +102,7 @@ class ActivationOffload:
         if handle.value is not None:
             return handle.value.to(handle.device, non_blocking=True) if handle.device.type != "cpu" else handle.value
         out = torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
+        assert self.store is not None  # values not kept in memory are on disk
         self.store.read_into(handle.key, out)
         return out
 

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, cast
 
 import torch
 import torch.nn as nn
@@ -22,7 +22,7 @@ from lightning_vescale.memory.disk import DiskStore, check_disk_space
 from lightning_vescale.memory.gathered import GatheredOffload
 from lightning_vescale.memory.optimizer_states import StateOffload, offload_optimizer_states
 from lightning_vescale.memory.pieces import PieceOffload, offload_pieces
-from lightning_vescale.memory.policy import MemoryPolicy
+from lightning_vescale.memory.policy import MemoryPolicy, Tier
 from lightning_vescale.plan._registry import mark_tiers_applied
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,8 @@ def tier_placement(model: nn.Module, policy: Optional[MemoryPolicy]) -> TierPlac
             for mp in members:
                 out.states[id(mp.sharded)] = tier(mp.sharded, "optimizer_states")
                 if mp.sharded.requires_grad:
-                    count("optimizer_states", out.states[id(mp.sharded)], 2 * mp.sharded._local_tensor.numel() *
+                    local = mp.sharded._local_tensor  # type: ignore[attr-defined]  # a RaggedTensor (DTensor) parameter
+                    count("optimizer_states", out.states[id(mp.sharded)], 2 * local.numel() *
                           mp.sharded.element_size())
             if type(buf) is not DBuffer or not buf.dtype.is_floating_point:
                 continue  # quantized or integer storage stays where it is (the plan refuses to move it)
@@ -136,7 +137,7 @@ class MemoryHandles:
         if tier != "device" or self.pieces is not None:
             select = None if not placement.from_plan else (lambda p: placement.state_tier(p) == tier)
             self.states.append(offload_optimizer_states(
-                optimizer, dataclasses.replace(policy, optimizer_states=tier), pieces=self.pieces, select=select,
+                optimizer, dataclasses.replace(policy, optimizer_states=cast(Tier, tier)), pieces=self.pieces, select=select,
                 model=self.model))
 
     def close(self) -> None:
@@ -216,6 +217,7 @@ def apply_memory_policy(
     _check_room(placement, disk_dir, sum(b.unsharded.numel() * b.unsharded.element_size() for b in gathered)
                 if policy.gathered_params == "disk" else 0)
     if policy.gathered_params == "disk" and gathered:
+        assert disk_dir is not None  # MemoryPolicy checks a disk tier has one
         handles.gathered = GatheredOffload(DiskStore(disk_dir, tag="-gathered"))
         handles.gathered_buffers = gathered
         for buf in gathered:

@@ -132,6 +132,7 @@ def choose_placement(estimate: MemoryEstimate, budget: int | str, *, disk_bandwi
             best = (seconds, combo)
         if smallest is None or total < smallest[0]:
             smallest = (total, combo)
+    assert smallest is not None  # set by the first combination (nothing freed)
     combo = best[1] if best is not None else smallest[1]  # the most that can be freed, for the error
     for option in combo:
         saved, seconds = options[option]

@@ -118,7 +118,10 @@ class StateOffload:
         # being written back (until the next forward).
         self.buckets_in_memory = policy.prefetch_buckets
         self.select = select
-        self.store: Optional[DiskStore] = DiskStore(policy.disk_dir, direct=True) if self.tier == "disk" else None
+        self.store: Optional[DiskStore] = None
+        if self.tier == "disk":
+            assert policy.disk_dir  # MemoryPolicy checks a disk tier has one
+            self.store = DiskStore(policy.disk_dir, direct=True)
         self._known: set[str] = set()  # states counted in the ledger
         self._host: dict[str, torch.Tensor] = {}
         self._offloaded: dict[str, tuple[torch.Tensor, int]] = {}  # key -> (storage tensor, nbytes) on the tier
@@ -165,8 +168,9 @@ class StateOffload:
         for i, p in enumerate(params):
             share = p.layout_info.world_size if is_ragged(p) else 1
             # What moves per element: two states, the weights and the gradient piece (each where selected).
+            mine = owner[i]
             per_element = (2 if self._moves(p) else 0) + (
-                0 if owner[i] is None else (owner[i].params is not None) + (owner[i].grads is not None))
+                0 if mine is None else (mine.params is not None) + (mine.grads is not None))
             size += per_element * p.numel() * p.element_size() // share
             current.append(p)
             # With offloaded pieces, never cut inside a buffer: its piece would be read and written twice.
@@ -229,6 +233,7 @@ class StateOffload:
         return None
 
     def _write_files(self, jobs: list[tuple[str, torch.Tensor, int]]) -> None:
+        assert self.store is not None  # the disk tier's
         for key, t, nbytes in jobs:
             if self._moves_direct(t, nbytes):
                 realign(t)  # once, for a state the optimizer just created: O_DIRECT from then on
@@ -410,14 +415,15 @@ class StateOffload:
         in one buffer at a time (dropping them, the default, needs nothing)."""
         if set_to_none:
             return self._original_zero_grad(set_to_none=True)
+        assert self.pieces is not None  # patched in only with offloaded gradient pieces
         for offload in self.pieces.buffers_of(self._params()):
             with self.pieces.resident([offload], changes=True, weights=False):
                 for p in self._params():
                     if self.pieces.buffer_of(p) is offload and p.grad is not None:
                         p.grad.zero_()
-        rest = [p for p in self._params() if not self.pieces.owns(p) and p.grad is not None]
-        for p in rest:
-            p.grad.zero_()
+        for p in self._params():
+            if not self.pieces.owns(p) and p.grad is not None:
+                p.grad.zero_()
 
     def _settle(self) -> None:
         """Every write-back done and nothing read ahead: each state is on the tier, whole."""

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, cast
 
 import torch
 import torch.nn as nn
@@ -120,6 +120,7 @@ class _Piece:
         """Allocate the storage and read the values on ``executor`` (in place now without one)."""
         if not self.released or self.future is not None:
             return
+        assert self.tensor is not None  # released: it was adopted
         self.tensor.untyped_storage().resize_(self.nbytes)
         if executor is None:
             self.io.read_into(self.key, self.tensor)
@@ -246,7 +247,10 @@ class PieceOffload:
             raise ValueError("offload_pieces needs MemoryPolicy(params=...) or (grads=...) on 'host' or 'disk'")
         self.policy = policy
         used = {t for _, _, pt, gt in chosen for t in (pt, gt)} - {"device"}
-        self.store = DiskStore(policy.disk_dir, tag="_pieces") if "disk" in used else None
+        self.store: Optional[DiskStore] = None
+        if "disk" in used:
+            assert policy.disk_dir  # MemoryPolicy checks a disk tier has one
+            self.store = DiskStore(policy.disk_dir, tag="_pieces")
         ios = {t: _TierIO(t, self.store if t == "disk" else None) for t in used}
         # Some buffer's weights / gradients move (None: no buffer's do).
         self.params_io = next((ios[pt] for _, _, pt, _ in chosen if pt != "device"), None)
@@ -281,16 +285,20 @@ class PieceOffload:
         if self._recording:
             self._sequence.append(offload)
             return
-        seq, pos = self._sequence, self._position
+        seq = self._sequence
+        pos: Optional[int]
+        pos = self._position
         if not (0 <= pos + 1 < len(seq) and seq[pos + 1] is offload):
             later = [i for i in range(len(seq)) if seq[i] is offload]  # out of step (evaluation): find it again
             after = [i for i in later if i > pos]
-            pos = (after or later or [None])[0]
+            pos = next(iter(after or later), None)
         else:
             pos += 1
         self._position = -1 if pos is None else pos
-        if pos is not None and pos + 1 < len(seq) and self.reader is not None and seq[pos + 1].params is not None:
-            seq[pos + 1].params.start_read(self.reader)
+        if pos is not None and pos + 1 < len(seq) and self.reader is not None:
+            params = seq[pos + 1].params
+            if params is not None:
+                params.start_read(self.reader)
 
     def step_done(self) -> None:
         """An optimizer step ended: the gather sequence starts again (and is recorded once)."""
@@ -348,7 +356,8 @@ class PieceOffload:
         norms: list[torch.Tensor] = []
         for chunk, buffers in chunks:
             with self.resident(buffers, changes=False, weights=False):
-                norms.extend(torch._foreach_norm([p.grad for p in chunk], norm_type))
+                grads = cast(list[torch.Tensor], [p.grad for p in chunk])  # the chunks of parameters with grads
+                norms.extend(torch._foreach_norm(grads, norm_type))
         total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
@@ -412,8 +421,8 @@ def offload_of_grads(params: list[torch.Tensor]) -> Optional[PieceOffload]:
 def _offloads_of(model: nn.Module) -> list[BufferOffload]:
     from lightning_vescale.fully_shard import sharded_groups
 
-    return [buf.offload for group in sharded_groups(model) for buf in group.buffers.values()
-            if getattr(buf, "offload", None) is not None]
+    return [offload for group in sharded_groups(model) for buf in group.buffers.values()
+            if isinstance(offload := getattr(buf, "offload", None), BufferOffload)]
 
 
 @contextlib.contextmanager

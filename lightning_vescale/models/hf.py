@@ -27,7 +27,7 @@ import re
 import warnings
 from collections import defaultdict
 from pathlib import Path, PurePath
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -40,7 +40,7 @@ from lightning_vescale.models.hf_qwen3_moe import QWEN3_MOE_ADAPTER
 from lightning_vescale.models.llama import Llama, LlamaConfig, RopeScaling
 from lightning_vescale.models.moe import GroupedExperts, MoE, MoEConfig
 from lightning_vescale.quant.hf_fp8 import fold_fp8_state, fp8_format
-from lightning_vescale.quant.tensor import is_quantized, set_quantized_parameter
+from lightning_vescale.quant.tensor import QuantizedTensor, is_quantized, set_quantized_parameter
 from lightning_vescale.state_dict_report import listing, mismatch_report
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "from_pretrained", "hf_parameter_names", "read_pretrained_config", "save_pretrained"]
@@ -139,28 +139,33 @@ def from_pretrained(
     # Names, shapes and dtype kinds are checked on the meta device, from the files' headers only, so a
     # config.json that does not fit the weights fails with the mismatch before anything is allocated.
     with torch.device("meta"):
-        build = adapter.model_class if adapter else Llama if isinstance(config, LlamaConfig) else MoE
-        model: nn.Module = build(config)
+        build: Callable[[Any], Union[Llama, MoE]] = (
+            adapter.model_class if adapter else Llama if isinstance(config, LlamaConfig) else MoE
+        )
+        model = build(config)
     headers = _read_headers(files)
     if fp8 is not None:
+        assert quantized_weights is not None  # fp8_format refuses a quantized checkpoint without a mode
         headers = fold_fp8_state(headers, fp8, quantized_weights, dtype, path)
     _check_state(model, *_our_state(headers, config, adapter), path)
     model.to_empty(device=device)
     model.init_buffers()
     tensors = _read_tensors(files)
     if fp8 is not None:
+        assert quantized_weights is not None
         tensors = fold_fp8_state(tensors, fp8, quantized_weights, dtype, path)
     state, origin, _ = _our_state(tensors, config, adapter)
     quantized = {name: t for name, t in state.items() if is_quantized(t)}
     model.load_state_dict({n: t for n, t in state.items() if n not in quantized}, strict=False)
     model.to(dtype)
     for name, t in quantized.items():
-        set_quantized_parameter(model, name, t.to(device=device, dtype=dtype))
+        set_quantized_parameter(model, name, cast(QuantizedTensor, t.to(device=device, dtype=dtype)))  # dispatch keeps the subclass
     return model, config
 
 
 def _resolve_model_type(model_type: Optional[str], config_file: Path) -> str:
-    model_type = _TYPE_OF_ARCHITECTURE.get(model_type, model_type)
+    if model_type is not None:
+        model_type = _TYPE_OF_ARCHITECTURE.get(model_type, model_type)
     if model_type is None:
         raise ValueError(
             f"{config_file} has no 'model_type'; pass model_type= one of {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -365,7 +370,7 @@ def _qwen2_moe_from_hf(hf: dict[str, Any]) -> MoEConfig:
     )
 
 
-_CONFIG_FROM_HF = {"llama": _llama_from_hf, "mixtral": _mixtral_from_hf, "qwen2_moe": _qwen2_moe_from_hf}
+_CONFIG_FROM_HF: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {"llama": _llama_from_hf, "mixtral": _mixtral_from_hf, "qwen2_moe": _qwen2_moe_from_hf}
 
 
 def _state_from_hf(
@@ -489,7 +494,7 @@ def save_pretrained(
     adapter = next((a for a in _ADAPTERS.values() if isinstance(config, a.config_class)), None)
     if adapter is not None:
         model_type = model_type or adapter.model_type
-        allowed = (adapter.model_type,)
+        allowed: tuple[str, ...] = (adapter.model_type,)
     elif isinstance(config, LlamaConfig):
         model_type = model_type or "llama"
         allowed = ("llama",)
@@ -504,9 +509,9 @@ def save_pretrained(
     if problems:
         raise ValueError(f"cannot save as {model_type!r}: " + "; ".join(problems))
     for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts) and module.w1_EDF.shape[0] != config.num_experts:
+        if isinstance(module, GroupedExperts) and module.w1_EDF.shape[0] != cast(MoEConfig, config).num_experts:
             raise ValueError(
-                f"{name} holds {module.w1_EDF.shape[0]} of {config.num_experts} experts (expert parallel?); "
+                f"{name} holds {module.w1_EDF.shape[0]} of {cast(MoEConfig, config).num_experts} experts (expert parallel?); "
                 "save a full model"
             )
     state = model.state_dict()
@@ -526,6 +531,7 @@ def _export_problems(config: ModelConfig, model_type: str) -> list[str]:
         if config.qkv_bias:
             problems.append("qkv_bias=True (transformers' Llama attention_bias also adds an o_proj bias)")
         return problems
+    assert isinstance(config, MoEConfig)
     if config.score_func != "softmax":
         problems.append(f"score_func={config.score_func!r} (needs 'softmax')")
     if config.route_scale != 1.0:
@@ -625,8 +631,11 @@ def _config_to_hf(config: ModelConfig, model_type: str, dtype: torch.dtype) -> d
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if model_type == "llama":
+        assert isinstance(config, LlamaConfig)
         hf.update(intermediate_size=config.ffn_hidden, attention_bias=False, mlp_bias=False)
-    elif model_type == "mixtral":
+        return hf
+    assert isinstance(config, MoEConfig)
+    if model_type == "mixtral":
         hf.update(
             intermediate_size=config.moe_hidden,
             num_local_experts=config.num_experts,
@@ -670,7 +679,11 @@ def hf_parameter_names(
     out = {}
     for name in names:
         probe = {name: torch.zeros(1)}
-        hf = adapter.state_to_hf(probe, None) if adapter else _state_to_hf(probe, model_type, None)
+        if adapter:
+            hf = adapter.state_to_hf(probe, None)
+        else:
+            assert model_type is not None  # set above
+            hf = _state_to_hf(probe, model_type, None)
         if len(hf) != 1:
             raise ValueError(f"{name} has no one-to-one Hugging Face name (an expert stack?)")
         out[name] = next(iter(hf))

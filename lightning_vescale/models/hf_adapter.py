@@ -24,12 +24,14 @@ import re
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from torch import nn
 
 from lightning_vescale.models.yarn import YarnScaling
+
+if TYPE_CHECKING:
+    from lightning_vescale.models.moe import MoE
 
 __all__ = ["COMMON_LAYER_NAMES", "HFAdapter", "check_silu", "hf_get", "rope_from_hf", "rope_to_hf"]
 
@@ -82,7 +84,7 @@ class HFAdapter:
     model_type: str
     architecture: str
     config_class: type
-    model_class: Callable[[Any], nn.Module]
+    model_class: Callable[[Any], MoE]
     layer_names: tuple[tuple[str, str], ...]
     config_from_hf: Callable[[dict[str, Any]], Any]
     config_to_hf: Callable[[Any, torch.dtype], dict[str, Any]]

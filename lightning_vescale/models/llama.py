@@ -497,7 +497,7 @@ class TransformerBlock(nn.Module):
     The feed-forward module is passed in, so dense (:class:`FeedForward`) and MoE blocks share this.
     """
 
-    def __init__(self, attention: Attention, feed_forward: nn.Module, *, dim: int, norm_eps: float) -> None:
+    def __init__(self, attention: nn.Module, feed_forward: nn.Module, *, dim: int, norm_eps: float) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(dim, norm_eps)
         self.attention = attention
@@ -550,6 +550,7 @@ class Llama(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
+        assert config.ffn_hidden is not None  # set by LlamaConfig.__post_init__
         self.config = config
         self.tok_embeddings = Embedding(config.vocab_size, config.dim, init_std=config.init_std)
         self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)

@@ -46,7 +46,7 @@ Expert weights are grouped 3-D tensors, ``w1_EDF`` / ``w3_EDF`` (gate / up, ``x 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Optional
+from typing import Literal, NamedTuple, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -441,7 +441,7 @@ class MoEFeedForward(nn.Module):
             config.dim,
             config.num_experts,
             config.top_k,
-            score_func=config.score_func,
+            score_func=cast(Literal["softmax", "sigmoid"], config.score_func),  # checked by MoEConfig
             route_norm=config.route_norm,
             route_scale=config.route_scale,
             init_std=config.init_std,

@@ -140,6 +140,7 @@ class VLMDecoder(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
+        assert config.ffn_hidden is not None  # set by LlamaConfig.__post_init__
         self.tok_embeddings = Embedding(config.vocab_size, config.dim, init_std=config.init_std)
         self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(

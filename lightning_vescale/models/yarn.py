@@ -99,7 +99,7 @@ def yarn_inv_freq(
 class YarnRotaryEmbedding(RotaryEmbedding):
     """:class:`~lightning_vescale.models.llama.RotaryEmbedding` with YaRN frequencies and scaled tables."""
 
-    scaling: YarnScaling
+    scaling: YarnScaling  # type: ignore[assignment]  # the base class stores the scaling it is given, YaRN's here
 
     @torch.no_grad()
     def init_rope(self) -> None:

@@ -332,7 +332,7 @@ class AdamW8bit(Optimizer):
             state[_SCALES[m]] = self._wrap(p, torch.zeros(nb, dtype=torch.float32, device=piece.device), _SCALES[m])
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Optional[Any]:
+    def step(self, closure: Any = None) -> Optional[Any]:  # type: ignore[override]  # one body for torch's overloads
         """One AdamW step on every parameter with a gradient (see [Note: block-wise 8-bit states])."""
         loss = None
         if closure is not None:
@@ -356,6 +356,7 @@ class AdamW8bit(Optimizer):
 
     def _update(self, p: Tensor, state: dict, *, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, maximize: bool) -> None:
+        assert p.grad is not None  # stepped parameters have a gradient
         param, grad = local_tensor(p), local_tensor(p.grad)
         if maximize:
             grad = -grad
@@ -402,6 +403,7 @@ class AdamW8bit(Optimizer):
         layout = self._blocks_layout(p) if key in _SCALES.values() else None
         expected = p.layout_info if is_ragged(p) and layout is None else layout
         if not is_ragged(p):
+            assert not isinstance(layout, RaggedLayout)  # a plain parameter's blocks: a shape
             full = value.full_tensor() if isinstance(value, DTensor) else value
             shape = tuple(p.shape) if layout is None else layout
             if tuple(full.shape) != tuple(shape):

@@ -48,7 +48,7 @@ import hashlib
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ from torch.optim.optimizer import Optimizer, ParamsT, _to_scalar
 
 from lightning_vescale import collectives
 from lightning_vescale.optim.owner import assign_owners, newton_schulz_cost
-from lightning_vescale.tensor import is_ragged, local_tensor
+from lightning_vescale.tensor import RaggedTensor, is_ragged, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def _intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     return (lo, hi) if hi > lo else (0, 0)
 
 
-def _matrix_ranges(p: Tensor, start: int, numel: int) -> list[tuple[int, int]]:
+def _matrix_ranges(p: RaggedTensor, start: int, numel: int) -> list[tuple[int, int]]:
     """Per rank, the part of the matrix ``[start, start + numel)`` of sharded ``p`` it holds, matrix-relative."""
     pieces = p.layout_info.ranges
     return [
@@ -204,7 +204,7 @@ def _matrix_ranges(p: Tensor, start: int, numel: int) -> list[tuple[int, int]]:
     ]
 
 
-def _is_sharded(p: Tensor) -> bool:
+def _is_sharded(p: Tensor) -> TypeGuard[RaggedTensor]:
     return is_ragged(p)
 
 
@@ -495,7 +495,7 @@ class Muon(Optimizer):
         if plan is None:
             entries = [(g, n, p) for g in self._muon_groups() for n, p in zip(self._names(g), g["params"])]
             plan = self._build_plan(entries)
-        report = {"matrices": len(plan.matrices), "modes": defaultdict(int), "buckets": []}
+        report: dict[str, Any] = {"matrices": len(plan.matrices), "modes": defaultdict(int), "buckets": []}
         for m in plan.matrices:
             report["modes"][m.mode] += 1
         report["modes"] = dict(report["modes"])
@@ -536,6 +536,7 @@ class Muon(Optimizer):
         # 1. Elementwise, on local pieces: momentum, Nesterov, decoupled weight decay (torch.optim.Muon order).
         updates: list[Tensor] = []
         for group, name, p in entries:
+            assert p.grad is not None  # entries hold the parameters with a gradient
             if torch.is_complex(p):
                 raise RuntimeError("Muon does not support complex parameters")
             if p.grad.is_sparse:

@@ -211,8 +211,17 @@ class MuonWithAuxAdamW(Muon):
 
     def _adamw_step(self, group: dict) -> None:
         # Exactly torch.optim.AdamW.step for one group: its own state initialization and functional.
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = [], [], [], [], [], []
-        has_complex = Adam._init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        exp_avgs: list[Tensor] = []
+        exp_avg_sqs: list[Tensor] = []
+        max_exp_avg_sqs: list[Tensor] = []
+        state_steps: list[Tensor] = []
+        # AdamW's own initialization, run on this optimizer (it reads only the group and self.state)
+        has_complex = Adam._init_group(
+            self,  # type: ignore[arg-type]
+            group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+        )
         beta1, beta2 = group["betas"]
         adam(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,

@@ -59,7 +59,7 @@ and everything else over all ``dp * ep`` ranks. Two things differ from plain dat
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -84,8 +84,8 @@ _EXPERT_PARAMS = ("w1_EDF", "w2_EFD", "w3_EDF")
 
 class _AllToAllSingle(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,  # a FunctionCtx, which carries attributes the stubs do not declare
         x: torch.Tensor,
         output_splits: list[int],
         input_splits: list[int],
@@ -99,7 +99,7 @@ class _AllToAllSingle(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor):
         grad_in = grad_out.new_empty((sum(ctx.input_splits), *grad_out.shape[1:]))
         dist.all_to_all_single(grad_in, grad_out.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group)
         return grad_in, None, None, None
@@ -214,14 +214,16 @@ def apply_expert_parallel(model: nn.Module, ep_group: Union[ProcessGroup, Device
             local = nn.Parameter(full.detach()[start : start + num_local].clone(), requires_grad=full.requires_grad)
             # A block of the full expert tensor: fully_shard lays the stack out as that tensor over every rank
             # holding a block (its norm_group), so the sharded parameter reports the full shape.
-            local._vescale_global_extent = GlobalExtent(tuple(full.shape), start * math.prod(full.shape[1:]), group)
+            extent = GlobalExtent(tuple(full.shape), start * math.prod(full.shape[1:]), group)
+            local._vescale_global_extent = extent  # type: ignore[attr-defined]  # a declaration, read with getattr
             setattr(module, param_name, local)
         module.__class__ = ExpertParallelGroupedExperts
-        module.ep_group = group
-        module.ep_size = ep_size
-        module.expert_start = start
-        module.num_global_experts = num_experts
-        module.num_experts = num_local
+        ep_module = cast(ExpertParallelGroupedExperts, module)  # its class, from the line above
+        ep_module.ep_group = group
+        ep_module.ep_size = ep_size
+        ep_module.expert_start = start
+        ep_module.num_global_experts = num_experts
+        ep_module.num_experts = num_local
     return model
 
 
@@ -287,7 +289,7 @@ def fully_shard_expert_parallel(
         fully_shard(
             module, mesh=dp_mesh, gradient_divide_factor=dp * ep, norm_group=dense_mesh, **fully_shard_kwargs
         )
-    blocks = list(model.layers if blocks is None else blocks)  # type: ignore[union-attr]
+    blocks = list(cast(Iterable[nn.Module], model.layers) if blocks is None else blocks)
     for block in blocks:
         fully_shard(block, mesh=dense_mesh, **fully_shard_kwargs)
     inside_blocks = {id(m) for block in blocks for m in block.modules()}

@@ -180,9 +180,10 @@ def _new_mesh(
     world_size = dist.get_world_size()
     rank = dist.get_rank()
     ranks = torch.arange(world_size).view(shape)
-    groups = []
+    groups: list[dist.ProcessGroup] = []
     for dim, size in enumerate(shape):
         if size == world_size:
+            assert dist.group.WORLD is not None  # initialized
             groups.append(dist.group.WORLD)
             continue
         mine = None
@@ -191,6 +192,7 @@ def _new_mesh(
             group = dist.new_group(members, timeout=timeout)
             if rank in members:
                 mine = group
+        assert mine is not None  # every rank is in one group of each dimension
         groups.append(mine)
     if len(groups) == 1:
         return DeviceMesh.from_group(groups[0], device.type, mesh_dim_names=names)
@@ -395,7 +397,7 @@ def parallelize_spmd(
         def granularity_of(inner: str, p: nn.Parameter, prefix: str = prefix) -> Any:
             return policies[prefix + inner].granularity
 
-        kwargs = dict(mesh=dense_mesh, reshard_after_forward=g.reshard_after_forward, prefetch=g.prefetch,
+        kwargs: dict[str, Any] = dict(mesh=dense_mesh, reshard_after_forward=g.reshard_after_forward, prefetch=g.prefetch,
                       mp_policy=_group_mp_policy(g.param_dtype, g.reduce_dtype, mp_policy), granularity=granularity_of)
         if gradient_divide_factor is not None:
             kwargs["gradient_divide_factor"] = gradient_divide_factor
@@ -404,9 +406,9 @@ def parallelize_spmd(
     unsharded = [n for n, p in model.named_parameters() if not is_sharded_param(p)]
     if unsharded:
         raise ValueError(f"parameters {unsharded[:3]} are not sharded: put them in a submodule of the model")
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, param in model.named_parameters(remove_duplicate=False):
         if name in policies:
-            register_policy(p, policies[name])
+            register_policy(param, policies[name])
     if init_weights:
         materialize(model, mesh)
     add_output_casts(roots if roots is not None else [model], mp_policy)
@@ -575,7 +577,7 @@ def add_output_casts(roots: Sequence[nn.Module], mp_policy: Optional[MixedPrecis
     for root in roots:
         if not getattr(root, "_vescale_output_cast", False):
             root.register_forward_hook(_cast_output_hook(mp_policy.output_dtype))
-            root._vescale_output_cast = True
+            root._vescale_output_cast = True  # type: ignore[assignment]  # nn.Module's stub takes tensors and modules only
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -590,7 +592,7 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[int, nn.Para
             f"first step, or create it after sharding from model.parameters()"
         )
     for group in optimizer.param_groups:
-        new_params = []
+        new_params: list[torch.Tensor] = []
         for p in group["params"]:
             if is_ragged(p):
                 new_params.append(p)

@@ -118,5 +118,5 @@ def apply_tensor_parallel(model: nn.Module, styles: Mapping[str, str], tp_mesh: 
     if tied:
         raise ValueError(f"tensor parallelism would split tied parameters {tied[:3]}: untie them or mark those "
                          f"modules tp: replicate")
-    parallelize_module(model, tp_mesh, plan)  # type: ignore[arg-type]  # every value is a ParallelStyle
+    parallelize_module(model, tp_mesh, plan)
     return len(plan)

@@ -246,7 +246,7 @@ def choose_layout(model: nn.Module, inputs: Sequence[torch.Tensor], world_size: 
                   precision: str = "32-true") -> tuple[Optional[MPMDPlan], list[LayoutCost]]:
     """Price uniform sharding and every MPMD plan in ``candidates`` (those that fit ``world_size``); return the
     fastest (None: uniform sharding) and every cost, fastest first."""
-    costs = [(None, predict_uniform(model, inputs, world_size, hardware, plan=uniform_plan, precision=precision))]
+    costs: list[tuple[Optional[MPMDPlan], LayoutCost]] = [(None, predict_uniform(model, inputs, world_size, hardware, plan=uniform_plan, precision=precision))]
     for candidate in candidates:
         plan = MPMDPlan.from_dict(candidate)
         if plan.world_size == world_size:

@@ -29,7 +29,7 @@ import copy
 import inspect
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -175,6 +175,9 @@ class MPMDModel(nn.Module):
     :meth:`step` runs one pipelined forward and backward of the whole model on the whole batch;
     :meth:`clip_grad_norm_` clips by the norm over all stages.
     """
+
+    plan: MPMDPlan  # set with object.__setattr__ (not a submodule)
+    _shadow: nn.Module
 
     def __init__(self, model: nn.Module, plan: MPMDPlan, stage_index: int) -> None:
         super().__init__()
@@ -430,12 +433,13 @@ class _Runtime:
             if self.team is not None:
                 self.team.command((END,))
         else:
+            assert self.team is not None  # a rank that is not its team's leader is in a team
             serve_team(self.model, self.team, self.device)
 
 
 def parallelize_mpmd(
     model: nn.Module,
-    plan: MPMDPlan | dict,
+    plan: MPMDPlan | Mapping[str, Any],
     *,
     example_inputs: Sequence[torch.Tensor] | None = None,
     device: torch.device | None = None,

@@ -28,7 +28,7 @@ import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from torch import nn
 
@@ -169,7 +169,7 @@ class MPMDPlan:
 
     # -- (de)serialization ----------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MPMDPlan:
+    def from_dict(cls, data: Union[MPMDPlan, Mapping[str, Any]]) -> MPMDPlan:
         if isinstance(data, MPMDPlan):
             return data
         if not isinstance(data, Mapping):

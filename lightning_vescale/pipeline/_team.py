@@ -61,7 +61,10 @@ class Team:
                 device: torch.device) -> torch.Tensor:
         """The leader's ``full`` cut along dim 0 into ``size`` equal pieces; each member gets its own."""
         piece = torch.empty(tuple(shape), dtype=dtype, device=device)
-        pieces = [c.contiguous() for c in full.chunk(self.size)] if self.is_leader else None
+        pieces = None
+        if self.is_leader:
+            assert full is not None  # the leader passes the tensor it cuts
+            pieces = [c.contiguous() for c in full.chunk(self.size)]
         dist.scatter(piece, pieces, group=self.group, group_src=0)
         return piece
 
@@ -70,7 +73,7 @@ class Team:
         piece = piece.contiguous()
         pieces = [torch.empty_like(piece) for _ in range(self.size)] if self.is_leader else None
         dist.gather(piece, pieces, group=self.group, group_dst=0)
-        return torch.cat(pieces) if self.is_leader else None
+        return torch.cat(pieces) if pieces is not None else None  # (pieces: the leader's)
 
 
 _COMMAND_LEN = 64
@@ -155,7 +158,7 @@ class _GatherOutputs(torch.autograd.Function):
     """Leader: gather the team's outputs of a micro-batch; backward tells the team and scatters the gradients."""
 
     @staticmethod
-    def forward(ctx: Any, team: Team, microbatch: int, *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, team: Team, microbatch: int, *outs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ctx.team, ctx.microbatch = team, microbatch
         ctx.differentiable = [o.requires_grad for o in outs]
         full = tuple(team.gather(o) for o in outs)
@@ -214,8 +217,8 @@ def serve_team(stage: nn.Module, team: Team, device: torch.device,
             for shape, dtype, requires_grad in metas:
                 piece = team.scatter(None, _piece_shape(shape, team.size), dtype, device)
                 pieces.append(piece.requires_grad_(requires_grad))
-            pieces = _SendInputGrads.apply(team, *pieces) if any(p.requires_grad for p in pieces) else tuple(pieces)
-            outs = _as_tuple(stage(*pieces))
+            inputs = _SendInputGrads.apply(team, *pieces) if any(p.requires_grad for p in pieces) else tuple(pieces)
+            outs = _as_tuple(stage(*inputs))
             for o in outs:
                 team.gather(o.detach())
             if torch.is_grad_enabled():  # (evaluation runs forward only)

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from lightning_vescale.models.moe import MoEFeedForward
 
 __all__ = ["activation_bytes_per_token", "activation_profile", "moe_bytes_per_token"]
 
@@ -37,7 +40,7 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def moe_bytes_per_token(ffn: nn.Module, itemsize: int) -> float:
+def moe_bytes_per_token(ffn: MoEFeedForward, itemsize: int) -> float:
     """Bytes an :class:`~lightning_vescale.models.moe.MoEFeedForward` saves per token (see the module docstring).
 
     ``itemsize``: of the compute dtype (the router's scores and choices are fp32 / int64 whatever it is).
@@ -86,7 +89,7 @@ def _flash_attention() -> Iterator[None]:
     def stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return _FlashAttention.apply(q, k, v)
 
-    F.scaled_dot_product_attention = stand_in
+    F.scaled_dot_product_attention = stand_in  # type: ignore[assignment]  # takes (and drops) the same arguments
     try:
         yield
     finally:
@@ -107,7 +110,7 @@ def _experts_by_formula(model: nn.Module, itemsize: int, counter: list, stack: l
                 return x_BTD.clone()  # keeps the graph connected, saves nothing
 
             originals.append(m)
-            m.forward = stand_in
+            m.forward = stand_in  # type: ignore[method-assign]  # an instance attribute, deleted below
     try:
         yield
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, TypeGuard, Union
 
 import torch.nn as nn
 
@@ -34,7 +34,7 @@ AutoWrapPolicy = Union[None, Iterable[type], Callable[[nn.Module], bool]]
 elements share one class, e.g. transformer blocks), a set of module classes, or a callable ``module -> bool``."""
 
 
-def _is_block_list(module: nn.Module) -> bool:
+def _is_block_list(module: nn.Module) -> TypeGuard[nn.ModuleList]:
     if not isinstance(module, nn.ModuleList) or len(module) == 0:
         return False
     if len({type(m) for m in module}) != 1:
@@ -71,7 +71,7 @@ def select_blocks(root: nn.Module, policy: AutoWrapPolicy = None) -> list[nn.Mod
     else:
         if isinstance(policy, (str, type)):
             policy = [policy]
-        classes = tuple(_import_class(c) if isinstance(c, str) else c for c in policy)  # type: ignore[union-attr]
+        classes = tuple(_import_class(c) if isinstance(c, str) else c for c in policy)
         if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
             raise TypeError(
                 f"auto_wrap_policy must be a set of nn.Module classes or a callable module -> bool, got {policy!r}"

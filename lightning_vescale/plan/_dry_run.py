@@ -411,8 +411,9 @@ def _matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
             weights += m.weight.numel()
     attention = 0.0
     for m in model.modules():
-        if hasattr(m, "n_heads") and isinstance(getattr(m, "wo", None), nn.Linear):
-            attention += 6 * seq_len * m.wo.weight.shape[1]
+        wo = getattr(m, "wo", None)
+        if hasattr(m, "n_heads") and isinstance(wo, nn.Linear):
+            attention += 6 * seq_len * wo.weight.shape[1]
     return 6 * weights + attention
 
 
@@ -656,7 +657,7 @@ def dry_run(
         ve.collectives["all_reduce_ragged"] = 2 * (N - 1) * n_grads * 4 // N
         ve.calls["all_reduce_ragged"] = 1
     if workload.clip_grad and TP > 1:  # the split parameters' squared norms are summed over tp too
-        split = getattr(model, "_vescale_tp_split", frozenset())
+        split: frozenset[str] = getattr(model, "_vescale_tp_split", frozenset())
         n_split = sum(1 for n in split if resolved.params[n].requires_grad)
         ve.collectives["all_reduce_ragged"] = ve.collectives.get("all_reduce_ragged", 0) + 2 * (TP - 1) * n_split * 4 // TP
         ve.calls["all_reduce_ragged"] = ve.calls.get("all_reduce_ragged", 0) + 1

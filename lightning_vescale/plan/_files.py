@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Mapping, Union
 
 from lightning_vescale.plan._spec import Plan, PlanError
 
@@ -36,11 +36,11 @@ def read_plan_file(path: Union[str, os.PathLike]) -> dict[str, Any]:
     return data
 
 
-def load_plan(source: Union[str, os.PathLike, dict, Plan]) -> Plan:
+def load_plan(source: Union[str, os.PathLike, Mapping[str, Any], Plan]) -> Plan:
     """A plan from a :class:`Plan`, its dict form, a YAML file, or the name of a plan in ``configs/plan/``."""
     if isinstance(source, Plan):
         return source
-    if isinstance(source, dict):
+    if isinstance(source, Mapping):
         return Plan.from_dict(source)
     path = Path(source)
     if path.suffix in (".yaml", ".yml") or path.exists():

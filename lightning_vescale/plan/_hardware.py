@@ -84,6 +84,7 @@ class HardwareProfile:
     def flops_per_rank(self, dtype: torch.dtype, world_size: int) -> float:
         name = str(dtype).removeprefix("torch.")
         peak = self.flops.get(name, self.flops.get("float32"))
+        assert peak is not None, f"HardwareProfile.flops has neither {name} nor float32"
         if self.shared_compute:
             peak = peak / max(1, world_size)
         return peak * self.compute_efficiency

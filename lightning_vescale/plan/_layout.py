@@ -72,11 +72,16 @@ class BufferLayout:
     """Elements of the unsharded buffer in ``param_dtype``."""
 
     @property
+    def _format(self) -> BlockFormat:
+        assert self.fmt is not None  # a quantized buffer's
+        return self.fmt
+
+    @property
     def shard_bytes(self) -> int:
         """Bytes of this rank's pieces (codes and scales for a quantized storage)."""
         S = self.plan.shard_size
         if self.quant == STORAGE:
-            return S * self.fmt.tile_numel * self.dtype.itemsize + 4 * S
+            return S * self._format.tile_numel * self.dtype.itemsize + 4 * S
         return S * self.dtype.itemsize
 
     @property
@@ -88,7 +93,7 @@ class BufferLayout:
     def padding_elements(self) -> int:
         """Elements gathered beyond the parameters' own (alignment, cuts, a storage's partial edge tiles)."""
         if self.quant == STORAGE:
-            return self.plan.world_size * self.plan.shard_size * self.fmt.tile_numel - self.real_numel
+            return self.plan.world_size * self.plan.shard_size * self._format.tile_numel - self.real_numel
         return self.plan.padding
 
     @property
@@ -97,7 +102,7 @@ class BufferLayout:
         what no order of these tensors can avoid at their granularity."""
         lb = _lower_bound(self.plan)
         if self.quant == STORAGE:
-            return self.plan.world_size * lb * self.fmt.tile_numel - self.real_numel
+            return self.plan.world_size * lb * self._format.tile_numel - self.real_numel
         return self.plan.world_size * lb - self.plan.total_numel
 
     @property
@@ -105,9 +110,9 @@ class BufferLayout:
         """Bytes one unshard gathers, relative to a bf16 AllGather of the same elements without padding."""
         N, S = self.plan.world_size, self.plan.shard_size
         if self.quant == GATHER:
-            nbytes = N * (S * self.fmt.code_dtype.itemsize + 4 * self.scales_per_rank)
+            nbytes = N * (S * self._format.code_dtype.itemsize + 4 * self.scales_per_rank)
         elif self.quant == STORAGE:
-            nbytes = N * S * (self.fmt.tile_numel * self.dtype.itemsize + 4)
+            nbytes = N * S * (self._format.tile_numel * self.dtype.itemsize + 4)
         else:
             nbytes = N * S * self.param_dtype.itemsize
         return nbytes / max(2 * self.real_numel, 1)
@@ -118,10 +123,10 @@ class BufferLayout:
         if N == 1:
             return {}
         if self.quant == STORAGE:
-            return {"all_gather_quant_codes": (N - 1) * S * self.fmt.tile_numel * self.dtype.itemsize,
+            return {"all_gather_quant_codes": (N - 1) * S * self._format.tile_numel * self.dtype.itemsize,
                     "all_gather_quant_scales": (N - 1) * S * 4}
         if self.quant == GATHER:
-            return {"all_gather_quant_codes": (N - 1) * S * self.fmt.code_dtype.itemsize,
+            return {"all_gather_quant_codes": (N - 1) * S * self._format.code_dtype.itemsize,
                     "all_gather_quant_scales": (N - 1) * self.scales_per_rank * 4}
         return {"all_gather": (N - 1) * S * self.param_dtype.itemsize}
 
@@ -132,9 +137,9 @@ class BufferLayout:
         unsharded parameters, which are allocated only then (a plain buffer's are allocated at the issue)."""
         N, S = self.plan.world_size, self.plan.shard_size
         if self.quant == STORAGE:
-            return N * S * (self.fmt.tile_numel * self.dtype.itemsize + 4)
+            return N * S * (self._format.tile_numel * self.dtype.itemsize + 4)
         if self.quant == GATHER:
-            P, c = self.scales_per_rank, self.fmt.code_dtype.itemsize
+            P, c = self.scales_per_rank, self._format.code_dtype.itemsize
             return (N + 1) * (S * c + P * 4)
         return 0
 
@@ -182,9 +187,9 @@ def block_padding_warnings(groups: list[tuple[str, list[BufferLayout]]]) -> list
             if pad <= BLOCK_PADDING_WARNING:
                 continue
             lb = lay.lower_bound_padding_elements / max(lay.real_numel, 1)
-            b = lay.fmt.block_size
+            b = lay._format.block_size
             finding = (
-                f"keeping the {b}x{b} blocks of its trained {lay.fmt.kind} weights whole (cuts only between {b}-row "
+                f"keeping the {b}x{b} blocks of its trained {lay._format.kind} weights whole (cuts only between {b}-row "
                 f"bands) costs {pad:.2%} padding on {lay.plan.world_size} ranks (the planner's lower bound at this "
                 f"granularity: {lb:.2%}); the quantized AllGather gathers {lay.gather_vs_bf16:.3f}x the bytes of an "
                 f"unpadded bf16 one. The format is kept; fewer ranks per group, larger groups or quantization: none "
@@ -228,6 +233,7 @@ def group_layouts(
         quant = gb.kind.key[0] if gb.kind is not None else None
         fmt = gb.kind.fmt if gb.kind is not None else None  # type: ignore[attr-defined]
         if quant == STORAGE:
+            assert fmt is not None
             # As QuantizedStorage: the unsharded weights one after another in param_dtype, 16-byte aligned.
             align = max(1, 16 // param_dtype.itemsize)
             out.append(BufferLayout(

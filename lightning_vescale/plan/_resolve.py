@@ -34,7 +34,7 @@ import difflib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch.nn as nn
 
@@ -311,14 +311,28 @@ def _escape(name: str) -> str:
 # Resolution
 
 
+class _RuleLike(Protocol):
+    """What choosing reads of a rule: a :class:`Rule`, or a :class:`_PartialRule` view of one."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def override(self) -> bool: ...
+
+    def settings(self) -> dict[str, Any]: ...
+
+    def describe(self) -> str: ...
+
+
 class _Chooser:
     """Field values from the rules, in plan order, with conflicts collected."""
 
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
 
-    def choose(self, what: str, name: str, rules: Sequence[Rule]) -> dict[str, tuple[Any, str]]:
-        chosen: dict[str, tuple[Any, Rule]] = {}
+    def choose(self, what: str, name: str, rules: Sequence[_RuleLike]) -> dict[str, tuple[Any, str]]:
+        chosen: dict[str, tuple[Any, _RuleLike]] = {}
         for rule in rules:
             for key, value in rule.settings().items():
                 if key not in chosen or rule.override:
@@ -456,7 +470,7 @@ def resolve_plan(
                 return id(m)
         return None
 
-    owners: dict[int, Optional[int]] = {}
+    found_owners: dict[int, Optional[int]] = {}
     for pid, names in param_names.items():
         found = {owning_group(n) for n in names}
         if len(found) > 1:
@@ -473,10 +487,11 @@ def resolve_plan(
                     f"parameter {names[0]} is tied across groups: {where}. A tied parameter must live in one group "
                     f"holding every module that uses it: make their common parent the group, or untie"
                 )
-        owners[pid] = next(iter(found))
-    if any(g is None for g in owners.values()) and id(model) not in group_ids:
+        found_owners[pid] = next(iter(found))
+    if any(g is None for g in found_owners.values()) and id(model) not in group_ids:
         group_ids[id(model)] = ""  # parameters no root holds go to the model's own group (FSDP2's root)
-        owners = {pid: (g if g is not None else id(model)) for pid, g in owners.items()}
+    # (with the model a group already, owning_group finds it for every parameter: no None is left)
+    owners = {pid: (g if g is not None else id(model)) for pid, g in found_owners.items()}
 
     group_values: dict[int, dict[str, tuple[Any, str]]] = {}
     settings = [k for k in GROUP_FIELDS if k != "group"]

@@ -53,12 +53,15 @@ import dataclasses
 import difflib
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, TypeGuard, Union
 
 import torch
 
 from lightning_vescale.plan._glob import compile_glob
 from lightning_vescale.planner import parse_element_blocks
+
+if TYPE_CHECKING:
+    from lightning_vescale.pipeline._spec import MPMDPlan
 
 __all__ = [
     "GROUP_FIELDS",
@@ -315,7 +318,7 @@ class Plan:
 
     # -- (de)serialization ----------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+    def from_dict(cls, data: Union[Plan, Mapping[str, Any]]) -> Plan:
         """A plan from its dict form (as in YAML); unknown keys and values are errors naming the rule."""
         if isinstance(data, Plan):
             return data
@@ -369,7 +372,7 @@ def _rule_from_dict(data: Any, index: int) -> Rule:
     return Rule(**dict(data), index=index)
 
 
-def is_mpmd_plan(plan: Any) -> bool:
+def is_mpmd_plan(plan: Any) -> TypeGuard[Union[MPMDPlan, Mapping[str, Any]]]:
     """True for an MPMD plan (:class:`~lightning_vescale.pipeline.MPMDPlan`) or its dict form (a mapping with
     ``stages``). Does not import the pipeline package (``torch.distributed.pipelining``, checkpointing: code a
     plain plan does not need): an ``MPMDPlan`` exists only once its module has been imported."""

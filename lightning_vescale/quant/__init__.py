@@ -29,7 +29,7 @@ from lightning_vescale.quant.formats import BlockFormat, parse_format
 from lightning_vescale.quant.tensor import QuantizedTensor, is_quantized
 
 # fully_shard stores a QuantizedTensor parameter as codes + scales (see quant._kinds).
-QuantizedTensor._vescale_buffer_kind = BlockQuantization()
+QuantizedTensor._vescale_buffer_kind = BlockQuantization()  # type: ignore[attr-defined]  # read with getattr
 
 __all__ = [
     "BlockCutError",

@@ -21,6 +21,8 @@ AllGather. Quantization is deterministic, so the gather for backward reproduces 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from lightning_vescale import collectives
@@ -51,7 +53,8 @@ class QuantizedGatherBuffer(DBuffer):
             self._pieces.append(mine)
             counts.append(cursor)
         self.scales_per_rank = max(counts) if counts else 0
-        self._codes = self._scales = None
+        self._codes: Optional[torch.Tensor] = None  # the gathered codes and scales, while gathered
+        self._scales: Optional[torch.Tensor] = None
         self._handles: list = []
 
     def unshard(self, async_op: bool = False) -> None:
@@ -87,6 +90,7 @@ class QuantizedGatherBuffer(DBuffer):
         self._handles = []
         _alloc_storage(self.unsharded)
         S, P, fmt = self.shard_size, self.scales_per_rank, self.fmt
+        assert self._codes is not None and self._scales is not None  # gathered by unshard
         codes_all = self._codes.view(fmt.code_dtype)
         # The parameters' views (and tensors autograd saved) see the same values again: keep their version.
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded), torch.no_grad():

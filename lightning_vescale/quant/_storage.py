@@ -173,6 +173,7 @@ class QuantizedStorage:
         self._handles = []
         _alloc_storage(self.unsharded)
         bb, b = self.fmt.tile_numel, self.fmt.block_size
+        assert self._gathered_codes is not None and self._gathered_scales is not None  # gathered by unshard
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded), torch.no_grad():
             for index, spec in enumerate(self.plan.specs):
                 off, n = self.plan.offsets[index], spec.numel

@@ -25,7 +25,7 @@ so ``torch.distributed.checkpoint`` writes and reshards them through RaggedTenso
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Optional, SupportsIndex, TypeGuard
 
 import torch
 import torch.nn as nn
@@ -51,7 +51,7 @@ SCALE_SUFFIX = "_scale_inv"
 """A quantized ``<name>``'s scales are stored as ``<name>_scale_inv`` (``weight`` -> ``weight_scale_inv``)."""
 
 
-def is_quantized(t: Any) -> bool:
+def is_quantized(t: Any) -> TypeGuard[QuantizedTensor]:
     return isinstance(t, QuantizedTensor)
 
 
@@ -66,8 +66,9 @@ class QuantizedTensor(torch.Tensor):
         dtype: the dtype it dequantizes into (the compute dtype).
     """
 
-    _codes: torch.Tensor
-    _scales: torch.Tensor
+    # RaggedTensors when sharded (is_sharded), else plain tensors; Any as is_sharded cannot narrow them.
+    _codes: Any
+    _scales: Any
     _fmt: BlockFormat
     __slots__ = ("_codes", "_fmt", "_scales")
 
@@ -92,7 +93,7 @@ class QuantizedTensor(torch.Tensor):
         r._codes, r._scales, r._fmt = codes, scale_inv, fmt
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's own idiom; the stubs type it as a classmethod
 
     @property
     def is_sharded_tensor(self) -> bool:
@@ -164,7 +165,7 @@ class QuantizedTensor(torch.Tensor):
             setattr(out, key, copy.deepcopy(value, memo))
         return out
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         raise TypeError(
             "a QuantizedTensor is not pickled: save it through a state dict (it writes <name> codes and "
             "<name>_scale_inv scales), lightning_vescale.checkpoint, or dequantize() it"
@@ -172,7 +173,7 @@ class QuantizedTensor(torch.Tensor):
 
     # -- dispatch -------------------------------------------------------------------------------------------
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is not None:

@@ -133,6 +133,7 @@ def build_datamodule(data: DataConfig, *, seed: int = 0) -> TextDataModule:
 def build_strategy(config: TrainConfig, memory: Optional[Any] = None) -> Strategy:
     """Instantiate ``config.strategy`` (``_target_`` plus its arguments); ``memory``: its MemoryPolicy."""
     node = OmegaConf.to_container(OmegaConf.structured(config.strategy), resolve=True)
+    assert isinstance(node, dict)  # a structured config's container
     if isinstance(config.optimizer, MuonConfig) and "granularity" in node and node["granularity"] is None:
         # Where the plan sets no granularity: keep Muon's matrices whole on their owner rank.
         node["granularity"] = "muon"
@@ -444,6 +445,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
     export = isinstance(config, FinetuneConfig) and config.export_hf
     if config.quant is not None and config.quant.mode == "qlora":
         # The checkpoints hold codes + adapters: the adapters (PEFT) and the merged model come from the live model.
+        assert isinstance(config, FinetuneConfig)  # the schema allows qlora on fine-tunes only
         callbacks.append(AdapterExport(run_dir, config.model.build_config(), _hf_model_type(config, resume),
                                        merged=export, base_model_name_or_path=str(_absolute(config.init_from))))
     if t.checkpoint_every_n_steps > 0 or t.save_on_signal or export:
@@ -489,7 +491,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException:
         if trainer.is_global_zero:
-            saved = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+            saved = ckpt.last_model_path if isinstance(ckpt := trainer.checkpoint_callback, StepCheckpoint) else ""
             logger.warning(
                 "stopped by SIGTERM after step %d%s", trainer.global_step,
                 f"; saved {saved}: continue with resume=true (or resume={run_dir})" if saved and t.save_on_signal
@@ -498,7 +500,7 @@ def run(cfg: Union[DictConfig, TrainConfig]) -> Optional[dict[str, Any]]:
         raise SystemExit(SIGTERM_EXIT_CODE) from None
     except NonFiniteError as err:
         if trainer.is_global_zero:
-            saved = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+            saved = ckpt.last_model_path if isinstance(ckpt := trainer.checkpoint_callback, StepCheckpoint) else ""
             logger.error("%s%s", err, f" (last checkpoint: {os.path.realpath(saved)})" if saved else "")
         raise SystemExit(1) from None
     if export and trainer.is_global_zero and not any(isinstance(c, AdapterExport) for c in callbacks):

@@ -365,7 +365,8 @@ class StepCheckpoint(ModelCheckpoint):
         if not self.save_final:
             return  # ModelCheckpoint.on_train_end would write last.ckpt
         final_step_unsaved = self._last_global_step_saved != trainer.global_step and trainer.global_step > 0
-        if final_step_unsaved and not (trainer.fast_dev_run or trainer.sanity_checking):
+        # fast_dev_run: set on the Trainer by Lightning's debugging-flag connector, not declared in its class
+        if final_step_unsaved and not (trainer.fast_dev_run or trainer.sanity_checking):  # type: ignore[attr-defined]
             self._save_now(trainer)
         super().on_train_end(trainer, pl_module)
 

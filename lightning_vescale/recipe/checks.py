@@ -283,7 +283,7 @@ def _fixes(differences: list[tuple[str, Any, Any]], run_dir: Optional[Path]) -> 
     return fixes
 
 
-def _matching_runs(config: TrainConfig, root: Path, exclude: Path) -> list[Path]:
+def _matching_runs(config: TrainConfig, root: Path, exclude: Optional[Path]) -> list[Path]:
     runs = []
     for last in glob.glob(os.path.join(str(root), config.name, "*", "checkpoints", "last.ckpt")):
         run_dir = Path(last).parent.parent
@@ -464,6 +464,7 @@ def _check_overrides_keep_the_shapes(config: FinetuneConfig) -> None:
     """``model.<field>=...`` on ``model=from_checkpoint`` may change what does not shape the weights (``rope_theta``,
     ``max_seq_len``, ...), not what does: the checkpoint's tensors would not fit the model."""
     model = config.model
+    assert isinstance(model, CheckpointModelConfig)  # the caller checked
     theirs = model._source_arch
     changed = {k: v for k, v in model.overrides().items() if getattr(theirs, k, v) != v}
     if not changed:
@@ -603,6 +604,7 @@ def check_fits_memory(config: TrainConfig) -> None:
         per_param //= 2
     need = params * per_param / shards
     gpu = config.trainer.accelerator in ("gpu", "cuda") and torch.cuda.is_available()
+    have: float
     if gpu:
         have, where = torch.cuda.get_device_properties(0).total_memory, "one GPU's memory"
     else:

@@ -26,7 +26,7 @@ import sys
 import textwrap
 import typing
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union, cast
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -220,7 +220,7 @@ def _value(node: Any, key: str) -> str:
 def _preset_values(node: DictConfig) -> dict[str, Any]:
     """The model's values where the model section leaves a field null (the preset's or the checkpoint's)."""
     try:
-        arch = OmegaConf.to_object(node).build_config()
+        arch = cast(ModelConfig, OmegaConf.to_object(node)).build_config()
     except Exception:  # noqa: BLE001 - an invalid model is reported when the run is checked
         return {}
     return {f.name: getattr(arch, f.name) for f in dataclasses.fields(arch)}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import nullcontext
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union, cast
 
 import hydra.utils
 import torch
@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 
 from lightning_vescale._dtype_kinds import check_dtype_kinds
@@ -168,10 +169,12 @@ class CausalLMModule(LightningModule):
         return isinstance(self.model, MoE)
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None  # built by configure_model
         return self.model(tokens_BT)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs_BT, targets_BT = batch
+        assert self.model is not None
         logits_BTV = self.model(inputs_BT)
         loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
         return loss
@@ -182,7 +185,7 @@ class CausalLMModule(LightningModule):
         # Lightning takes a logged "step" as the row's step: the step this loss belongs to, counted from 1.
         self.log("step", float(self.global_step + 1), on_step=True, on_epoch=False)
         self.log("loss", loss, prog_bar=True, sync_dist=True)
-        if self.is_moe and self.model.config.aux_loss_coef > 0:
+        if isinstance(self.model, MoE) and self.model.config.aux_loss_coef > 0:  # self.is_moe
             aux = self.model.aux_loss()
             self.log("aux_loss", aux)
             loss = loss + aux
@@ -197,7 +200,8 @@ class CausalLMModule(LightningModule):
     # ------------------------------------------------------------------------------------------------
     # Optimization
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
+        assert self.model is not None
         optimizer = build_optimizer_from_config(self.optimizer_config, self.model)
         s = self.scheduler_config
         if s.warmup_steps >= self.max_steps:
@@ -222,6 +226,7 @@ class CausalLMModule(LightningModule):
 
     @torch.no_grad()
     def _balance_experts(self) -> None:
+        assert self.model is not None
         routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]
         counts_LE = torch.stack([r.tokens_per_expert for r in routers]).to(torch.float64)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -246,6 +251,7 @@ class CausalLMModule(LightningModule):
     def on_fit_start(self) -> None:
         if self._init_state_dict is None:
             return
+        assert self.model is not None
         if self.quant is not None and self.quant.mode == "qlora":
             from lightning_vescale.quant.lora import load_base_state_dict
 
@@ -291,6 +297,6 @@ def _apply_fsdp2(model: nn.Module, device_mesh: Any) -> None:
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     mesh = device_mesh["data_parallel"] if device_mesh.ndim > 1 else device_mesh
-    for block in model.layers:
+    for block in cast(nn.ModuleList, model.layers):
         fsdp2_fully_shard(block, mesh=mesh)
     fsdp2_fully_shard(model, mesh=mesh)

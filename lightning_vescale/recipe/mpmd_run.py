@@ -24,7 +24,7 @@ def run_mpmd(config: Any, run_dir: Path) -> dict[str, Any]:
     from lightning.fabric import Fabric
 
     from lightning_vescale.models.vlm import VLM, synthetic_vlm_batch, vlm_config
-    from lightning_vescale.pipeline import save_mpmd
+    from lightning_vescale.pipeline import MPMDModel, save_mpmd
     from lightning_vescale.recipe.module import build_optimizer_from_config, lr_multiplier
 
     mpmd_config: MPMDConfig = config.mpmd
@@ -39,6 +39,7 @@ def run_mpmd(config: Any, run_dir: Path) -> dict[str, Any]:
     from lightning_vescale.parallelize import parallelize
 
     model = parallelize(VLM(arch), plan.to_dict(), example_inputs=(images, tokens), device=fabric.device)
+    assert isinstance(model, MPMDModel)  # a plan with pipeline stages
     optimizer = build_optimizer_from_config(config.optimizer, model)
     peak = [g["lr"] for g in optimizer.param_groups]
     sched = config.scheduler

@@ -79,6 +79,7 @@ class AdapterExport(Callback):
 
         write = trainer.is_global_zero
         model = pl_module.model
+        assert isinstance(model, nn.Module)
         save_peft_adapter(model, self.arch, self.run_dir / ADAPTER_DIR, model_type=self.model_type,
                           base_model_name_or_path=self.base, write=write)
         if write:

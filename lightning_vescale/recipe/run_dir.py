@@ -56,7 +56,9 @@ def claim_run_dir(config: DictConfig) -> Optional[Path]:
     """
     if _get_rank() is not None:
         return None
-    raw = OmegaConf.to_container(config.hydra.run, resolve=False)["dir"]
+    run = OmegaConf.to_container(config.hydra.run, resolve=False)
+    assert isinstance(run, dict)
+    raw = run["dir"]
     generated = isinstance(raw, str) and "${now:" in raw
     claimed = claim_new_folder(Path(str(config.hydra.run.dir)), may_rename=generated)
     with read_write(config), open_dict(config):

@@ -30,7 +30,7 @@ import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -139,6 +139,7 @@ class ModelConfig:
             ValueError: unknown preset (the message lists the valid ones), an override the family does not
                 have, or an invalid value (the model config's message names the field).
         """
+        assert self.family is not None  # checked by __post_init__
         config_cls, presets, lookup, _ = _FAMILIES[self.family]
         if self.preset not in presets:
             raise ValueError(
@@ -217,6 +218,11 @@ def _union_override_fields(*config_classes: type) -> list[tuple[str, Any, Any]]:
 class _CheckpointModelBase(ModelConfig):
     """The behaviour of :class:`CheckpointModelConfig` (its fields are generated below)."""
 
+    if TYPE_CHECKING:
+        path: Optional[str]
+        hf_model_type: Optional[str]
+        _source_arch: ModelArchConfig
+
     def __post_init__(self) -> None:
         if self.path is None:
             raise ValueError(
@@ -265,7 +271,7 @@ def _read_source_config(path: str) -> tuple[ModelArchConfig, Optional[str]]:
 
 
 
-CheckpointModelConfig = dataclasses.make_dataclass(
+CheckpointModelConfig: type[_CheckpointModelBase] = dataclasses.make_dataclass(
     "CheckpointModelConfig",
     [
         ("family", Optional[str], field(default=None)),
@@ -812,8 +818,9 @@ def _check_plan(plan: Any, model: ModelConfig, strategy: StrategyConfig) -> dict
     with torch.device("meta"):
         wrapper = type("CausalLMModule", (nn.Module,), {})()  # named as the recipe's LightningModule
         wrapper.model = model.build_model()  # the attribute CausalLMModule keeps it under
+    assert isinstance(strategy, VeScaleStrategyConfig)
     granularity = strategy.granularity
-    defaults = {"reshard_after_forward": strategy.reshard_after_forward}
+    defaults: dict[str, Any] = {"reshard_after_forward": strategy.reshard_after_forward}
     if isinstance(granularity, (str, int)) and granularity is not None:
         defaults["granularity"] = granularity
     resolve_plan(wrapper, parsed, roots=[wrapper.model], defaults=defaults)
@@ -922,6 +929,7 @@ class TrainConfig:
                     f"strategy.expert_parallel_size={ep} does not divide the world size {world} "
                     f"(trainer.devices={devices} * trainer.num_nodes={self.trainer.num_nodes})",
                 )
+            assert not isinstance(arch, LlamaConfig)  # it has experts
             _check(
                 arch.num_experts % ep == 0,
                 f"strategy.expert_parallel_size={ep} does not divide the {arch.num_experts} experts of {where}",
@@ -1056,7 +1064,7 @@ def check_known_keys(cfg: DictConfig) -> None:
         schema = OmegaConf.get_type(node)
         fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
         for key, value in node.items_ex(resolve=False):
-            full = f"{prefix}{key}"
+            full = f"{prefix}{key!s}"
             if not prefix and full in FREE_FORM_SECTIONS:
                 continue
             if fields is not None and key not in fields:
