@@ -30,6 +30,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -45,6 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 PEAK_BF16_FLOPS = 989e12
 """Dense bf16 tensor-core peak of an H100 / H200 SXM (NVIDIA datasheet: 1979 TFLOPS with 2:4 sparsity, half that
 dense). MFU is achieved model FLOPs per second over this; set ``GPU_CHECK_PEAK_FLOPS`` for another device."""
+
+TRACE_KEEP_BYTES = 40 * 2**20
+"""A compressed trace larger than this is not kept (the top-kernel table and the copy analysis are)."""
 
 PARTS = ("env", "train_vescale", "train_fsdp2", "profile", "host_tier", "quant")
 
@@ -82,9 +86,14 @@ def settings() -> dict[str, Any]:
     }
 
 
+_STORES: list[Path] = []  # the file stores this process made, removed when its part ends
+
+
 def init_process_group(part: str) -> None:
     """A 1-rank process group (NCCL on CUDA, gloo on CPU) from a file store under ``$OUT``."""
-    store = out_dir() / f"pg_{part}_{os.getpid()}"
+    store = Path(tempfile.gettempdir()) / f"gpu_check_pg_{part}_{os.getpid()}"
+    store.unlink(missing_ok=True)
+    _STORES.append(store)
     if cuda():
         torch.cuda.set_device(0)
     dist.init_process_group(settings()["backend"], init_method=f"file://{store}", rank=0, world_size=1)
@@ -307,8 +316,31 @@ def _mark_collective_sites() -> None:
     DBuffer.reduce_grad = named("lv::reduce_grad", DBuffer.reduce_grad)
 
 
-def _enclosing(intervals: list[dict], ts: float, tid: Any) -> list[dict]:
-    return [e for e in intervals if e["tid"] == tid and e["ts"] <= ts <= e["ts"] + e.get("dur", 0)]
+def _end(e: dict) -> float:
+    return e["ts"] + e.get("dur", 0)
+
+
+def _enclosing(intervals: list[dict], points: list[tuple[float, Any]]) -> list[list[dict]]:
+    """For each ``(ts, tid)`` point, the intervals of its thread that contain it, outermost first (one sweep per
+    thread: a step's trace has tens of thousands of ops)."""
+    by_tid: dict[Any, list[dict]] = {}
+    for e in intervals:
+        by_tid.setdefault(e["tid"], []).append(e)
+    order = sorted(range(len(points)), key=lambda i: (points[i][1] is None, str(points[i][1]), points[i][0]))
+    result: list[list[dict]] = [[] for _ in points]
+    tid, stack, pending = object(), [], []
+    for i in order:
+        ts, point_tid = points[i]
+        if point_tid != tid:
+            tid, stack = point_tid, []
+            pending = sorted(by_tid.get(tid, []), key=lambda e: (e["ts"], -e.get("dur", 0)))[::-1]
+        while pending and pending[-1]["ts"] <= ts:
+            e = pending.pop()
+            while stack and _end(stack[-1]) < e["ts"]:
+                stack.pop()
+            stack.append(e)
+        result[i] = [e for e in stack if _end(e) >= ts]
+    return result
 
 
 def copies_at_collectives(trace: dict, engine: str) -> dict[str, Any]:
@@ -329,11 +361,13 @@ def copies_at_collectives(trace: dict, engine: str) -> dict[str, Any]:
     if not kernels:  # CPU: the copy ops themselves (innermost ones: a copy_ inside _to_copy counts once)
         work = [(e["name"], e["ts"], e["tid"]) for e in ops if e["name"] in CPU_COPY_OPS]
     found: dict[tuple, dict] = {}
-    for name, ts, tid in work:
-        enclosing_sites = _enclosing(sites, ts, tid)
+    site_ids = {id(e) for e in sites}
+    stacks = _enclosing(ops + [e for e in sites if e.get("cat") != "cpu_op"], [(ts, tid) for _, ts, tid in work])
+    for (name, _, _), stack in zip(work, stacks):
+        enclosing_sites = [e for e in stack if id(e) in site_ids]
         if not enclosing_sites or "nccl" in name.lower():
             continue
-        enclosing_ops = sorted(_enclosing(ops, ts, tid), key=lambda e: e["ts"])
+        enclosing_ops = [e for e in stack if e.get("cat") == "cpu_op"]
         op = enclosing_ops[-1]["name"] if enclosing_ops else ""
         copy_op = next((e for e in reversed(enclosing_ops) if e["name"] in COPY_OPS), None)
         if not (COPY_KERNEL.search(name) or copy_op is not None):
@@ -370,15 +404,18 @@ def _profile_one(engine: str, config, out: Path) -> dict[str, Any]:
     with profile(activities=activities, record_shapes=True) as prof:
         train_step(model, optimizer, data[-1])
         sync()
-    sort = "self_cuda_time_total" if cuda() else "self_cpu_time_total"
+    sort = "self_device_time_total" if cuda() else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=30)
     (out / f"profile_{engine}_top.txt").write_text(table)
-    trace_path = out / f"profile_{engine}_trace.json"
-    prof.export_chrome_trace(str(trace_path))
-    trace = json.loads(trace_path.read_text())
-    with gzip.open(str(trace_path) + ".gz", "wt") as f:  # keep it small enough to come back
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace_path))
+        trace = json.loads(trace_path.read_text())
+    kept = out / f"profile_{engine}_trace.json.gz"
+    with gzip.open(kept, "wt") as f:
         json.dump(trace, f)
-    trace_path.unlink()
+    if kept.stat().st_size > TRACE_KEEP_BYTES:  # too big to come back from the device: the summaries stay
+        kept.unlink()
     kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
     by_name: dict[str, list[float]] = {}
     for k in kernels:
@@ -396,16 +433,27 @@ def part_profile() -> dict[str, Any]:
     init_process_group("profile")
     _mark_collective_sites()
     config = model_config()
-    result: dict[str, Any] = {"vescale": _profile_one("vescale", config, out)}
-    if os.environ.get("GPU_CHECK_PROFILE_FSDP2", "1") != "0":
-        result["fsdp2"] = _profile_one("fsdp2", config, out)
+    engines = ("vescale", "fsdp2") if os.environ.get("GPU_CHECK_PROFILE_FSDP2", "1") != "0" else ("vescale",)
+    result: dict[str, Any] = {}
+    for engine in engines:  # FSDP2's profile is worth having even when ours fails
+        try:
+            result[engine] = _profile_one(engine, config, out)
+        except Exception as exc:  # noqa: BLE001 - reported in the part's JSON
+            traceback.print_exc()
+            result[engine] = {"error": f"{type(exc).__name__}: {exc}"[:500], "traceback": traceback.format_exc()}
+            _empty_cache()
     dist.destroy_process_group()
     ours = result["vescale"]
+    if "error" in ours:
+        return {"status": "FAIL", "reason": f"profiling lightning-vescale failed: {ours['error']}", **result}
     lines = ["# Copies at the collective sites (one profiled step)", "",
              "kind: `cast` = the mixed-precision cast (input and output dtypes differ; both engines need it), "
              "`n1_stand_in` = the copy lightning-vescale's collectives make at N = 1 in place of the collective, "
              "`staging` = any other copy (FSDP2's copy-in / copy-out / chunk-cat; the engine should have none).", ""]
     for engine, r in result.items():
+        if "error" in r:
+            lines += [f"## {engine}: profiling failed: {r['error']}", ""]
+            continue
         lines += [f"## {engine}: {r['sites']} sites, {r['nccl_kernels']} NCCL kernels, {r['staging_copies']} staging "
                   f"copies, {len(r['copies_adjacent_to_nccl'])} copy kernels next to an NCCL kernel", "",
                   "| site | kind | copy | op | dtypes | count |", "|---|---|---|---|---|---|"]
@@ -418,6 +466,8 @@ def part_profile() -> dict[str, Any]:
                f"{len(ours['copies_adjacent_to_nccl'])} copy kernels next to NCCL kernels")
     if ours["sites"] == 0:
         return {"status": "FAIL", "reason": "no collective site was seen in the profile", **result}
+    if cuda() and not ours["top_kernels"]:
+        return {"status": "FAIL", "reason": "the profile recorded no CUDA kernels (is CUPTI available?)", **result}
     if not cuda():
         return {"status": "SKIP", "reason": skip_reason(f"CUDA kernels and NCCL adjacency (CPU ops checked: {verdict})"),
                 **result}
@@ -494,12 +544,20 @@ def part_quant() -> dict[str, Any]:
     config = model_config(layers=s["side_layers"])
     data = batches(config, s["steps"] + 1)
     runs: dict[str, dict] = {}
-    for fmt in (None, "fp8_e4m3", "int8"):
-        model, optimizer = build("vescale", config, quant=fmt)
-        runs[fmt or "bf16"] = _run_steps(model, optimizer, data)
-        del model, optimizer
+    errors: dict[str, str] = {}
+    for fmt in (None, "fp8_e4m3", "int8"):  # each format on its own: one failing leaves the others' results
+        try:
+            model, optimizer = build("vescale", config, quant=fmt)
+            runs[fmt or "bf16"] = _run_steps(model, optimizer, data)
+            del model, optimizer
+        except Exception as exc:  # noqa: BLE001 - reported in the part's JSON
+            traceback.print_exc()
+            errors[fmt or "bf16"] = f"{type(exc).__name__}: {exc}"[:500]
         _empty_cache()
     dist.destroy_process_group()
+    if errors:
+        return {"status": "FAIL", "reason": "; ".join(f"{k} failed: {v}" for k, v in errors.items()), "runs": runs,
+                "errors": errors}
     checks = [_compare(fmt, runs["bf16"], runs[fmt], rtol=5e-2) for fmt in ("fp8_e4m3", "int8")]
     ok = all(c[0] for c in checks)
     verdict = "; ".join(c[1] for c in checks) + " against the bf16 AllGather"
@@ -530,7 +588,8 @@ def summary() -> dict[str, Any]:
             tail = log.read_text(errors="replace")[-1500:] if log.exists() else "(no log)"
             rc_path = out / "logs" / f"{part}.rc"
             rc = rc_path.read_text().strip() if rc_path.exists() else "not run"
-            why = "timed out" if rc in ("124", "137") else f"exit status {rc}"
+            why = ("timed out" if rc in ("124", "137") else "not run: the time budget was spent" if rc == "budget"
+                   else f"exit status {rc}")
             parts[part] = {"status": "FAIL", "reason": f"no result ({why}); see logs/{part}.log", "log_tail": tail}
     ours, theirs = parts["train_vescale"], parts["train_fsdp2"]
     compare: dict[str, Any] = {}
@@ -555,7 +614,8 @@ def summary() -> dict[str, Any]:
     lines += ["", f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), device {env.get('device_name', 'none')}, "
               f"NCCL {env.get('nccl_version', env.get('nccl_available'))}", ""]
     if "tokens_per_s" in ours or "tokens_per_s" in theirs:
-        lines += ["## Training (N = 1, bf16 mixed precision, AdamW)", "",
+        lines += ["## Training (N = 1, bf16 mixed precision, AdamW)" + ("" if cuda() else
+                  ": CPU dry run, a step or two of the tiny model, not a measurement"), "",
                   "| engine | params | tokens/s | MFU (6N) | MFU (6N + attention) | median step | max allocated | "
                   "max reserved | first loss |", "|---|---|---|---|---|---|---|---|---|"]
         for r in (ours, theirs):
@@ -573,8 +633,10 @@ def summary() -> dict[str, Any]:
                   "memory is the steady state after warm-up (torch.cuda.max_memory_allocated / reserved)."]
     lines += ["", "Files: parts/*.json, logs/*.log, profile_copies.md, profile_*_top.txt, profile_*_trace.json.gz", ""]
     for part in PARTS:
-        if "log_tail" in parts[part]:
-            lines += [f"## {part}: log tail", "", "```", parts[part]["log_tail"], "```", ""]
+        tail = parts[part].get("log_tail") or parts[part].get("traceback", "")[-1500:]
+        if tail:
+            lines += [f"## {part}: {'log tail' if 'log_tail' in parts[part] else 'traceback'}", "", "```", tail, "```",
+                      ""]
     (out / "gpu_check_summary.md").write_text("\n".join(lines))
     print("\n".join(lines[:len(PARTS) + 6]))
     return result
@@ -600,6 +662,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure is reported in the part's JSON
         traceback.print_exc()
         result = {"status": "FAIL", "reason": f"{type(exc).__name__}: {exc}"[:500], "traceback": traceback.format_exc()}
+    finally:
+        for store in _STORES:
+            store.unlink(missing_ok=True)
     result["wall_s"] = time.perf_counter() - started
     write_part(name, result)
     return 0 if result["status"] != "FAIL" else 1
