@@ -20,7 +20,7 @@ OUT="${OUT:-$REPO/gpu_check_out}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"
 PART_TIMEOUT_S="${GPU_CHECK_PART_TIMEOUT_S:-150}"
 RESERVE_S=20  # kept back for the summary
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python || command -v python3 || echo python)}"
 mkdir -p "$OUT/logs" "$OUT/parts"
 export OUT
 START=$(date +%s)
