@@ -23,7 +23,7 @@ Arguments (``key=value``, as the recipes take them):
   scales, frozen ones stored as codes + scales);
 * ``hardware``: ``h200`` (public specifications) or ``cpu`` (this machine, measured), or a profile file;
 * ``batch_size`` (sequences per rank per micro-batch, 1), ``seq_len`` (4096), ``precision`` (``bf16-mixed``,
-  ``32-true``, ``bf16-true``), ``optimizer`` (``adamw``, ``muon``), ``clip_grad`` (true), ``checkpointing``
+  ``32-true``, ``bf16-true``), ``optimizer`` (``adamw``, ``muon``, ``adamw8bit``), ``clip_grad`` (true), ``checkpointing``
   (false: activation checkpointing of every block);
 * ``params=true``: also one line per parameter of the resolved plan; ``out=<file.yaml|.json>``: write the
   resolved plan and every figure.

@@ -78,7 +78,8 @@ class Workload:
     precision: str = "bf16-mixed"
     """``32-true``, ``bf16-mixed`` (bf16 compute, fp32 reduction and master weights) or ``bf16-true``."""
     optimizer: str = "adamw"
-    """``adamw`` (two fp32 states per element) or ``muon`` (one for Muon's matrices, two for the rest)."""
+    """``adamw`` (two fp32 states per element), ``muon`` (one for Muon's matrices, two for the rest) or ``adamw8bit``
+    (two 1-byte codes per element and two fp32 scales per block of 256; fp32 states under 1024 elements)."""
     clip_grad: bool = True
     """Gradient clipping by the global norm (one small all-reduce)."""
     checkpointing: bool = False
@@ -88,8 +89,8 @@ class Workload:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.optimizer not in ("adamw", "muon"):
-            raise ValueError(f"optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
+        if self.optimizer not in ("adamw", "muon", "adamw8bit"):
+            raise ValueError(f"optimizer must be 'adamw', 'muon' or 'adamw8bit', got {self.optimizer!r}")
         if self.batch_size < 1 or self.seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {self.batch_size}, {self.seq_len}")
 
@@ -178,15 +179,21 @@ class DryRun:
 # Per-rank optimizer states
 
 
-def _state_multiplier(optimizer: str, route: str) -> int:
+def _state_bytes(optimizer: str, route: str, numel: int, itemsize: int) -> float:
+    """Optimizer-state bytes per element of a parameter of ``numel`` elements in a master dtype of ``itemsize``."""
     if route == "none":
         return 0
     if optimizer == "muon" and route == "muon":
-        return 1  # momentum
-    return 2  # AdamW's exp_avg and exp_avg_sq
+        return itemsize  # momentum
+    if optimizer == "adamw8bit":
+        from lightning_vescale.optim.adamw8bit import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_8BIT_SIZE
+
+        if numel >= DEFAULT_MIN_8BIT_SIZE:  # two 1-byte codes and two fp32 scales per block
+            return 2 + 2 * 4 / DEFAULT_BLOCK_SIZE
+    return 2 * itemsize  # AdamW's exp_avg and exp_avg_sq
 
 
-def _per_rank_state_elements(layout: BufferLayout, weights: list[int]) -> torch.Tensor:
+def _per_rank_state_elements(layout: BufferLayout, weights: list[float]) -> torch.Tensor:
     """Per rank: sum over tensors of (elements of the tensor on that rank) * weight (a tensor of length N)."""
     plan = layout.plan
     N, S = plan.world_size, plan.shard_size
@@ -553,8 +560,8 @@ def dry_run(
             routes = [resolved.params[n].optimizer for n in names]
             where = [tier(n, "optimizer_states") for n in names]
             for t in sorted(set(where)):
-                weights = tuple(_state_multiplier(workload.optimizer, r) * mb if w == t else 0
-                                for r, w in zip(routes, where))
+                weights = tuple(_state_bytes(workload.optimizer, r, resolved.params[n].numel, mb) if w == t else 0
+                                for n, r, w in zip(names, routes, where))
                 key = (id(lay.plan), weights)  # identical groups share one BufferPlan (the planner's cache)
                 if key not in per_rank_cache:
                     per_rank_cache[key] = _per_rank_state_elements(lay, list(weights))
@@ -600,7 +607,7 @@ def dry_run(
             f_shard += piece * mb
             f_gathered += N * piece * pb
             f_real += p.numel
-            fs_state += _state_multiplier(workload.optimizer, p.optimizer) * piece * mb
+            fs_state += _state_bytes(workload.optimizer, p.optimizer, p.numel, mb) * piece
             if p.requires_grad:
                 f_grad += N * piece * pb
                 f_rs_input += N * piece * rb

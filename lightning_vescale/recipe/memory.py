@@ -53,7 +53,7 @@ def estimate_for(config, world_size: int) -> MemoryEstimate:
         model = config.model.build_model()
     resolved = resolve_for(model, config.plan)
     precision = _PRECISION.get(str(getattr(config.trainer, "precision", "32-true")), "32-true")
-    optimizer = "muon" if type(config.optimizer).__name__ == "MuonConfig" else "adamw"
+    optimizer = {"MuonConfig": "muon", "AdamW8bitConfig": "adamw8bit"}.get(type(config.optimizer).__name__, "adamw")
     workload = Workload(batch_size=config.data.batch_size, seq_len=config.data.seq_len, precision=precision,
                         optimizer=optimizer)
     hardware = load_profile("cpu" if not torch.cuda.is_available() else "h200")

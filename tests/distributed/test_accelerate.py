@@ -195,6 +195,37 @@ def _memory(rank: int, world: int, tmp: str) -> None:
         assert all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(plain.parameters(), offloaded.parameters()))
     with pytest.raises(ValueError, match="takes explicit placements"):
         VeScaleConfig(memory=MemoryPolicy(budget="1GiB"))
+    _adamw8bit_in_the_accelerate_loop(data, os.path.join(tmp, "a8_ckpt"))
+
+
+def _adamw8bit_in_the_accelerate_loop(data: torch.Tensor, ckpt: str) -> None:
+    """AdamW8bit prepared as any optimizer (its block granularity in VeScaleConfig): it trains as AdamW does, its
+    8-bit states are sharded, and save_state / load_state into another init replays the same losses."""
+    from lightning_vescale.optim import AdamW8bit, adamw8bit_granularity
+
+    def loop(make_opt, seed: int, *, stop_at=None, on_stop=None, load=None, skip=0):
+        accelerator = VeScaleAccelerator(cpu=True, gradient_accumulation_steps=ACCUM,
+                                         vescale=VeScaleConfig(granularity=adamw8bit_granularity()))
+        torch.manual_seed(seed)
+        model = TinyTransformer()
+        opt = make_opt(model.parameters())
+        model, opt, dl = accelerator.prepare(model, opt, DataLoader(TensorDataset(data), batch_size=LOCAL_BATCH))
+        if load is not None:
+            accelerator.load_state(load)
+            dl = accelerator.skip_first_batches(dl, skip)
+        losses, _, _ = run_loop(accelerator, model, opt, dl, stop_at=stop_at,
+                                on_stop=(lambda: accelerator.save_state(ckpt)) if stop_at else None)
+        states = list(opt.state.values())
+        accelerator.free_memory()
+        AcceleratorState._reset_state(True)
+        return losses, states
+
+    eight, states = loop(lambda ps: AdamW8bit(ps, lr=1e-2), 0, stop_at=4)
+    fp32, _ = loop(lambda ps: torch.optim.AdamW(ps, lr=1e-2), 0)
+    assert any(s.get("exp_avg_codes", torch.empty(0)).dtype == torch.uint8 for s in states), "no 8-bit states"
+    assert eight[-1] < eight[0] and abs(eight[-1] - fp32[-1]) <= 0.05 * fp32[-1], (eight, fp32)
+    replay, _ = loop(lambda ps: AdamW8bit(ps, lr=1e-2), 1, load=ckpt, skip=4)
+    assert replay == pytest.approx(eight[4:], abs=1e-6), (replay, eight[4:])
 
 
 def test_accelerate_memory_policy_trains_bitwise(tmp_path) -> None:

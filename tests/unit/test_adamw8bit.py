@@ -224,3 +224,25 @@ def test_code_table_is_nearest_rounding(signed: bool) -> None:
                    torch.nextafter(m.midpoints, torch.tensor(-2.0)), m.values,
                    torch.rand(10**5, generator=g) ** 12 * sign, torch.tensor([0.0, -0.0, 1.0, 1e-30])]).clamp(-1, 1)
     assert torch.equal(m.codes(x), torch.bucketize(x, m.midpoints, right=True))
+
+
+def test_dry_run_sizes_adamw8bit_states_as_the_optimizer_holds_them() -> None:
+    from lightning_vescale.plan import resolve_plan
+    from lightning_vescale.plan._dry_run import Workload, dry_run
+    from lightning_vescale.plan._hardware import load_profile
+
+    torch.manual_seed(0)
+    model = Llama(llama_config("tiny"))
+    opt = AdamW8bit(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    held = optimizer_state_bytes(opt)
+    with torch.device("meta"):
+        meta = Llama(llama_config("tiny"))
+    predicted = {o: dry_run(meta, resolve_plan(meta), 1, workload=Workload(precision="32-true", optimizer=o),
+                            hardware=load_profile("cpu"), activations={}).vescale.optimizer
+                 for o in ("adamw8bit", "adamw")}
+    # The held bytes also count each tensor's step counter (and rounding of the last block): within 2%.
+    assert abs(predicted["adamw8bit"] / held - 1) <= 0.02, (predicted, held)
+    assert predicted["adamw"] / held > 3, "the control: AdamW's fp32 states are about 4x"
