@@ -230,7 +230,7 @@ def check_tensor_parallel_plan(module: nn.Module, resolved: Any, tensor_parallel
     if tensor_parallel_size <= 1:
         return
     styles = dict(resolved.tensor_parallel)
-    if not any(style != "replicate" for style in styles.values()):
+    if not any((s if isinstance(s, str) else s["style"]) != "replicate" for s in styles.values()):
         raise ValueError(
             f"{who}: tensor_parallel_size={tensor_parallel_size}, but the plan {resolved.plan.name or ''!r} splits no "
             f"module over tp: give a plan with tp rules (e.g. plan='llama', or rules like {{match: '**.wq', tp: "

@@ -9,7 +9,7 @@ the data-parallel dimension (see [Note: RaggedTensor as a DTensor] in :mod:`ligh
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,16 +38,29 @@ def split_tensor_parallel_mesh(mesh: Optional[DeviceMesh]) -> Optional[tuple[Dev
     return dp, mesh[names[-1]]
 
 
-def tensor_parallel_style(style: str):  # -> ParallelStyle (torch.distributed.tensor.parallel)
-    """The torch ``ParallelStyle`` for a plan's ``tp`` word (None for ``replicate``: nothing is split)."""
+def _style_name(value: Union[str, Mapping[str, str]]) -> str:
+    return value if isinstance(value, str) else value["style"]
+
+
+def tensor_parallel_style(value: Union[str, Mapping[str, str]]) -> Any:  # a torch ParallelStyle, or None
+    """The torch ``ParallelStyle`` for a plan's ``tp`` value (None for ``replicate``: nothing is split); the mapping
+    form's ``input`` / ``output`` become the style's ``input_layouts`` / ``output_layouts``."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+    style = _style_name(value)
     if style == "replicate":
         return None
     if style not in styles:
         raise ValueError(f"unknown tensor-parallel style {style!r}: expected colwise, rowwise, sequence or replicate")
-    return styles[style]()
+    layouts = {"replicate": Replicate(), "sequence": Shard(1), "split": Shard(-1)}
+    kwargs = {}
+    if not isinstance(value, str):
+        for key, arg in (("input", "input_layouts"), ("output", "output_layouts")):
+            if key in value:
+                kwargs[arg] = layouts[value[key]]
+    return styles[style](**kwargs)
 
 
 def _split_size(module: nn.Module, style: str) -> Optional[tuple[str, int]]:
@@ -59,7 +72,7 @@ def _split_size(module: nn.Module, style: str) -> Optional[tuple[str, int]]:
     return None
 
 
-def check_tensor_parallel(model: nn.Module, styles: Mapping[str, str], tp_size: int) -> None:
+def check_tensor_parallel(model: nn.Module, styles: Mapping[str, Any], tp_size: int) -> None:
     """Raise ``ValueError`` listing every module whose shapes ``tp_size`` does not divide: a colwise / rowwise
     split dimension, and the head counts (``n_heads``, ``n_kv_heads``) of a module whose projections are split
     (attention reshapes its output into heads: each tp rank must hold whole heads). Runs on a meta model."""
@@ -68,8 +81,8 @@ def check_tensor_parallel(model: nn.Module, styles: Mapping[str, str], tp_size: 
     modules = dict(model.named_modules())
     problems = []
     split_parents = set()
-    for name, style in styles.items():
-        module = modules.get(name)
+    for name, value in styles.items():
+        module, style = modules.get(name), _style_name(value)
         if module is None or style in ("replicate", "sequence"):
             continue
         split = _split_size(module, style)
@@ -105,12 +118,12 @@ def _tied_across(model: nn.Module, names: set[str]) -> list[str]:
     return tied
 
 
-def apply_tensor_parallel(model: nn.Module, styles: Mapping[str, str], tp_mesh: DeviceMesh) -> int:
+def apply_tensor_parallel(model: nn.Module, styles: Mapping[str, Any], tp_mesh: DeviceMesh) -> int:
     """Split the modules ``styles`` names over ``tp_mesh`` (``parallelize_module``); returns how many were split.
     Modules on the meta device are split too (their DTensors stay meta until ``materialize``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = {name: tensor_parallel_style(style) for name, style in styles.items() if style != "replicate"}
+    plan = {name: tensor_parallel_style(style) for name, style in styles.items() if _style_name(style) != "replicate"}
     if not plan:
         return 0
     check_tensor_parallel(model, styles, tp_mesh.size())

@@ -50,6 +50,7 @@ from lightning_vescale.plan._spec import (
     _check_value,
     dtype_name,
     tier_classes,
+    tp_style_name,
 )
 from lightning_vescale.planner import granularity_numel
 from lightning_vescale.tensor import is_sharded_param
@@ -169,7 +170,7 @@ class ResolvedPlan:
     model_type: str
     groups: tuple[GroupPolicy, ...]
     params: Mapping[str, ParamPolicy]
-    tensor_parallel: Mapping[str, str] = field(default_factory=dict)
+    tensor_parallel: Mapping[str, Any] = field(default_factory=dict)
     """Module name -> tensor-parallel style (``colwise``, ``rowwise``, ``sequence``, ``replicate``) from the plan's
     ``tp`` rules; applied only on a mesh with a ``tp`` dimension."""
 
@@ -643,7 +644,7 @@ _TP_MODULE_TYPES = {"colwise": (nn.Linear, nn.Embedding), "rowwise": (nn.Linear,
 
 def _tensor_parallel_styles(plan: Plan, module_names: Mapping[int, list[str]], modules_by_name: Mapping[str, nn.Module],
                             rules_for: Callable[..., list[Rule]], rule_modules: Mapping[int, set[str]],
-                            chooser: _Chooser) -> dict[str, str]:
+                            chooser: _Chooser) -> dict[str, Any]:
     """Module name -> tp style for every module a ``tp`` rule matches (``replicate`` included), in module order."""
     for rule in plan.rules:
         if rule.tp is not None and not rule_modules.get(rule.index):
@@ -651,17 +652,17 @@ def _tensor_parallel_styles(plan: Plan, module_names: Mapping[int, list[str]], m
                 f"{rule.describe()} sets tp (per module) but matches only parameters: match the module to split "
                 f"(e.g. '**.attention.wq', not '**.attention.wq.weight')"
             )
-    styles: dict[str, str] = {}
+    styles: dict[str, Any] = {}
     for names in module_names.values():
         rules = [r for r in rules_for(names, by_module=True) if r.tp is not None]
         if not rules:
             continue
         style = chooser.choose("module", names[0], [_PartialRule(r, ("tp",)) for r in rules])["tp"][0]
         module = modules_by_name[names[0]]
-        allowed = _TP_MODULE_TYPES.get(style)
+        allowed = _TP_MODULE_TYPES.get(tp_style_name(style))
         if allowed is not None and not isinstance(module, allowed):
             chooser.problems.append(
-                f"module {names[0]} ({type(module).__name__}) gets tp: {style}, which splits an nn.Linear or "
+                f"module {names[0]} ({type(module).__name__}) gets tp: {tp_style_name(style)}, which splits an nn.Linear or "
                 f"nn.Embedding: match its Linear children instead (e.g. '{names[0]}.*')"
             )
             continue

@@ -41,7 +41,10 @@ before the groups are sharded over the data-parallel dimension: ``colwise`` (``C
 ``nn.Linear``'s output features or an ``nn.Embedding``'s columns split, the output stays split),
 ``rowwise`` (``RowwiseParallel``: input features split, outputs summed over tp), ``sequence``
 (``SequenceParallel``: a norm's input and output split on the sequence dimension; its neighbours must
-produce and take sequence-split activations) and ``replicate`` (no split: stops a broader rule). A rule
+produce and take sequence-split activations) and ``replicate`` (no split: stops a broader rule). The mapping form
+``{style: colwise, input: sequence}`` / ``{style: rowwise, output: sequence}`` sets a projection's input or output
+layout (``replicate``, ``sequence``: split on dim 1, ``split``: on the last dim) as the styles' ``input_layouts`` /
+``output_layouts`` do, which sequence parallelism needs (``configs/plan/llama_sp.yaml``). A rule
 setting ``tp`` matches modules; on a mesh without a ``tp`` dimension the styles are not applied, so one
 plan serves ``tp=1`` and ``tp>1``. Shapes are checked against the tp size before any process group
 exists (:func:`~lightning_vescale.parallel.check_tensor_parallel`).
@@ -68,6 +71,7 @@ __all__ = [
     "MODULE_FIELDS",
     "PARAM_FIELDS",
     "TIER_CLASSES",
+    "TP_LAYOUTS",
     "TP_STYLES",
     "Plan",
     "PlanError",
@@ -76,6 +80,8 @@ __all__ = [
     "is_mpmd_plan",
     "parse_dtype",
     "tier_classes",
+    "tp_label",
+    "tp_style_name",
 ]
 
 PLAN_VERSION = 1
@@ -94,6 +100,9 @@ QUANTIZATION_FORMATS = ("none", "fp8_block", "int8_block")
 """``none``, or block quantization with 128x128 blocks."""
 TP_STYLES = ("colwise", "rowwise", "sequence", "replicate")
 """How a module is split over the ``tp`` mesh dimension (see [Note: tensor parallelism in a plan])."""
+TP_LAYOUTS = ("replicate", "sequence", "split")
+"""How an activation lies over tp at a colwise / rowwise module's input or output: whole on every rank, split on
+the sequence dimension (sequence parallelism), or split on the last (features) dimension."""
 TIERS = ("device", "host", "disk")
 """Where a parameter's persistent state lives (see [Note: tiers in a plan])."""
 TIER_CLASSES = ("params", "grads", "optimizer_states")
@@ -162,12 +171,41 @@ def _check_value(name: str, value: Any, what: str) -> Any:
     if name == "tier":
         return _check_tier(value, what)
     if name == "tp":
-        if value not in TP_STYLES:
-            raise PlanError(f"{what}: tp must be one of {', '.join(TP_STYLES)}, got {value!r}")
-        return value
+        return _check_tp(value, what)
     if value not in QUANTIZATION_FORMATS:
         raise PlanError(f"{what}: {name} must be one of {', '.join(QUANTIZATION_FORMATS)}, got {value!r}")
     return value
+
+
+def _check_tp(value: Any, what: str) -> Union[str, dict[str, str]]:
+    """A tp style, or ``{style: colwise | rowwise, input: <layout>, output: <layout>}`` (stored in that key order)."""
+    if isinstance(value, Mapping):
+        _unknown_keys(value, ("style", "input", "output"), f"{what}: tp")
+        style = value.get("style")
+        if style not in ("colwise", "rowwise"):
+            raise PlanError(f"{what}: tp as a mapping needs style: colwise or rowwise (the styles with input and output "
+                            f"layouts), got {dict(value)!r}")
+        bad = {k: v for k, v in value.items() if k != "style" and v not in TP_LAYOUTS}
+        if bad:
+            raise PlanError(f"{what}: tp input / output must be one of {', '.join(TP_LAYOUTS)}, got {bad!r}")
+        return {k: value[k] for k in ("style", "input", "output") if k in value}
+    if value not in TP_STYLES:
+        raise PlanError(f"{what}: tp must be one of {', '.join(TP_STYLES)} (or {{style: colwise | rowwise, input: ..., "
+                        f"output: ...}}), got {value!r}")
+    return value
+
+
+def tp_style_name(value: Union[str, Mapping[str, str]]) -> str:
+    """The style of a ``tp`` value (``colwise`` for ``{style: colwise, input: sequence}``)."""
+    return value if isinstance(value, str) else value["style"]
+
+
+def tp_label(value: Union[str, Mapping[str, str]]) -> str:
+    """For tables: ``colwise``, ``colwise(in=sequence)``, ``rowwise(out=sequence)``."""
+    if isinstance(value, str):
+        return value
+    extra = ",".join(f"{k[:3] if k == 'output' else 'in'}={v}" for k, v in value.items() if k != "style")
+    return f"{value['style']}({extra})" if extra else value["style"]
 
 
 def _check_tier(value: Any, what: str) -> Union[str, dict[str, str]]:
@@ -230,9 +268,10 @@ class Rule:
     tier: Optional[Union[str, dict[str, str]]] = None
     """``device``, ``host``, ``disk``, or a mapping per class (``{optimizer_states: disk}``); see
     [Note: tiers in a plan]."""
-    tp: Optional[str] = None
-    """``colwise``, ``rowwise``, ``sequence`` or ``replicate``: how the matched modules are split over the mesh's
-    ``tp`` dimension; see [Note: tensor parallelism in a plan]."""
+    tp: Optional[Union[str, dict[str, str]]] = None
+    """``colwise``, ``rowwise``, ``sequence`` or ``replicate``, or ``{style: colwise | rowwise, input: <layout>,
+    output: <layout>}``: how the matched modules are split over the mesh's ``tp`` dimension; see
+    [Note: tensor parallelism in a plan]."""
     override: bool = False
     """Replace values that earlier rules set for the same names; otherwise a different value is a conflict."""
     index: int = field(default=-1, compare=False)

@@ -70,7 +70,7 @@ def format_table(resolved: ResolvedPlan, world_size: Optional[int] = None, *, pa
             row.append(", ".join(f"{k} x{c}" if len(labels) > 1 else k for k, c in labels.most_common()) or "-")
         if tp_by_group:
             styles = tp_by_group.get(g.name, Counter())
-            row.append(", ".join(f"{k} x{c}" for k, c in styles.most_common()) or "-")
+            row.append(", ".join(f"{k} x{c}" for k, c in styles.most_common()) or "-")  # (tp_label strings)
         if world_size:
             layouts = group_layouts(resolved, g, world_size)
             shard = sum(lay.shard_bytes for lay in layouts)
@@ -105,9 +105,11 @@ def _tp_styles_by_group(resolved: ResolvedPlan) -> dict[str, Counter]:
     """Group name -> counts of the tp styles of the modules it holds (a module belongs to its innermost group)."""
     names = sorted((g.name for g in resolved.groups), key=len, reverse=True)
     out: dict[str, Counter] = {}
+    from lightning_vescale.plan._spec import tp_label
+
     for module, style in resolved.tensor_parallel.items():
         owner = next((n for n in names if n == "" or module == n or module.startswith(n + ".")), "")
-        out.setdefault(owner, Counter())[style] += 1
+        out.setdefault(owner, Counter())[tp_label(style)] += 1
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -34,7 +35,7 @@ def check_tensor_parallel_size(world_size: int, replicate: int, tp: int) -> int:
     return tp
 
 
-def _local_shapes(model: nn.Module, styles: Mapping[str, str], tp: int) -> dict[str, tuple[int, ...]]:
+def _local_shapes(model: nn.Module, styles: Mapping[str, Any], tp: int) -> dict[str, tuple[int, ...]]:
     modules = dict(model.named_modules())
     shapes: dict[str, tuple[int, ...]] = {}
     for name, style in styles.items():
@@ -63,6 +64,9 @@ def tensor_parallel_view(model: nn.Module, resolved: ResolvedPlan, tp: int) -> t
     if tp == 1:
         return model, resolved
     styles = dict(resolved.tensor_parallel)
+    if any(not isinstance(s, str) and set(s) - {"style"} or s == "sequence" for s in styles.values()):
+        raise PlanError("the dry run does not size sequence-parallel layouts yet (tp: sequence, or input / output "
+                        "layouts on a colwise / rowwise module): size the plan without them")
     if not any(s != "replicate" for s in styles.values()):
         raise PlanError(f"tp={tp}, but the plan {resolved.plan.name or ''!r} splits no module over tp: give a plan with "
                         f"tp rules (e.g. plan=llama)")
@@ -85,7 +89,7 @@ def tensor_parallel_view(model: nn.Module, resolved: ResolvedPlan, tp: int) -> t
                                params=params, tensor_parallel=resolved.tensor_parallel)
 
 
-def tensor_parallel_bytes(local: nn.Module, styles: Mapping[str, str], tp: int, tokens: int, itemsize: int,
+def tensor_parallel_bytes(local: nn.Module, styles: Mapping[str, Any], tp: int, tokens: int, itemsize: int,
                           checkpointed: frozenset[str] = frozenset()) -> tuple[float, int]:
     """``(bytes, calls)`` per step of the tp AllReduces of one rank, counted as ``comm_stats`` counts an AllReduce
     (``2 (tp - 1) / tp`` of the payload): rowwise outputs in forward (twice under ``checkpointed`` groups: the

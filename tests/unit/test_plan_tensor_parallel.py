@@ -48,7 +48,7 @@ def test_table_shows_each_groups_tp_styles():
 
 
 def test_unknown_tp_style_is_refused():
-    with pytest.raises(PlanError, match=r"tp must be one of colwise, rowwise, sequence, replicate, got 'column'"):
+    with pytest.raises(PlanError, match=r"tp must be one of colwise, rowwise, sequence, replicate \(or .*\), got .column."):
         load_plan(_plan({"match": "**.wq", "tp": "column"}))
 
 
@@ -141,3 +141,26 @@ def test_dry_run_tp_errors_name_the_fix(capsys):
     assert "splits no module over tp: give a plan with tp rules (e.g. plan=llama)" in capsys.readouterr().err
     assert main(["model=llama_tiny", "world_size=8", "plan=llama", "tp=4"]) == 2
     assert "n_kv_heads=2, not divisible by tp=4" in capsys.readouterr().err
+
+
+def test_sequence_parallel_plan_states_each_projections_layouts():
+    resolved = resolve_plan(_llama(), load_plan("llama_sp"))
+    tp = resolved.tensor_parallel
+    assert tp["layers.0.attention_norm"] == "sequence" and tp["norm"] == "sequence"
+    assert tp["layers.0.attention.wq"] == {"style": "colwise", "input": "sequence"}
+    assert tp["tok_embeddings"] == {"style": "rowwise", "input": "replicate", "output": "sequence"}
+    assert "colwise(in=sequence) x5, sequence x2, rowwise(out=sequence) x2" in resolved.table()
+
+
+def test_tp_layouts_are_checked():
+    with pytest.raises(PlanError, match=r"tp input / output must be one of replicate, sequence, split, got \{'input': 'seq'\}"):
+        load_plan(_plan({"match": "**.wq", "tp": {"style": "colwise", "input": "seq"}}))
+    with pytest.raises(PlanError, match=r"tp as a mapping needs style: colwise or rowwise"):
+        load_plan(_plan({"match": "**.norm", "tp": {"style": "sequence"}}))
+
+
+def test_dry_run_says_it_does_not_size_sequence_parallel_yet(capsys):
+    from lightning_vescale.plan.__main__ import main
+
+    assert main(["model=llama_tiny", "world_size=4", "plan=llama_sp", "tp=2"]) == 2
+    assert "does not size sequence-parallel layouts yet" in capsys.readouterr().err
