@@ -72,6 +72,7 @@ def ranks_process_group(ranks: list[int]) -> dist.ProcessGroup:
     every one of them must call this with the same ranks, and no other rank needs to."""
     ranks = sorted(int(r) for r in ranks)
     world = dist.group.WORLD
+    assert world is not None, "ranks_process_group needs an initialized default process group"
     if len(ranks) == dist.get_world_size():
         return world
     key = tuple(ranks)

@@ -448,8 +448,8 @@ class Muon(Optimizer):
                 bucket.layout()
             out_buckets.append(bucket)
         if split:
-            mine = sum(loads[bi][b.rank] for bi, b in enumerate(out_buckets))
-            bucket, initial = self._plan_tensor_parallel(split, mine)
+            own_load = sum(loads[bi][b.rank] for bi, b in enumerate(out_buckets))
+            bucket, initial = self._plan_tensor_parallel(split, own_load)
             matrices += bucket.matrices
             loads[len(out_buckets)] = self._assign(bucket, initial_loads=initial)
             bucket.layout()
