@@ -67,7 +67,7 @@ from torch.optim.optimizer import Optimizer, ParamsT, _to_scalar
 from lightning_vescale import collectives
 from lightning_vescale._groups import ranks_process_group
 from lightning_vescale.optim.owner import assign_owners, newton_schulz_cost
-from lightning_vescale.tensor import is_ragged, local_tensor
+from lightning_vescale.tensor import OuterShard, RaggedLayout, RaggedTensor, is_ragged, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -231,12 +231,32 @@ def _is_sharded(p: Tensor) -> bool:
     return is_ragged(p)
 
 
+def _layout_of(p: Tensor) -> RaggedLayout:
+    """The layout of sharded ``p``."""
+    assert isinstance(p, RaggedTensor), f"a sharded parameter is a RaggedTensor, got {type(p).__name__}"
+    return p.layout_info
+
+
+def _tp_outer(p: Tensor) -> Optional[OuterShard]:
+    """How tensor parallelism splits sharded ``p`` over more than one tp rank; None if it does not (not sharded, no
+    tensor parallelism, or ``Replicate()`` on tp)."""
+    if not is_ragged(p):
+        return None
+    outer = _layout_of(p).outer
+    return outer if outer is not None and outer.is_sharded and outer.mesh.size() > 1 else None
+
+
 def _tp_split(p: Tensor) -> bool:
     """Whether tensor parallelism splits sharded ``p`` over more than one tp rank (not a ``Replicate()`` on tp)."""
-    if not is_ragged(p):
-        return False
-    outer = p.layout_info.outer
-    return outer is not None and outer.is_sharded and outer.mesh.size() > 1
+    return _tp_outer(p) is not None
+
+
+def _mesh_ranks(p: Tensor) -> list[int]:
+    """The global ranks of the ``(dp, tp)`` mesh a tensor-parallel sharded ``p`` lies on, sorted."""
+    layout, outer = _layout_of(p), _tp_outer(p)
+    assert outer is not None
+    mesh = layout.mesh if layout.mesh is not None else outer.mesh
+    return sorted(int(r) for r in mesh.mesh.flatten().tolist())
 
 
 def _local(t: Tensor) -> Tensor:
@@ -349,17 +369,18 @@ class Muon(Optimizer):
         if group["mode"] not in _MODES:
             raise ValueError(f"Muon mode must be one of {_MODES}, got {group['mode']!r}")
         for p, name in zip(group["params"], self._names(group)):
-            if _tp_split(p) and len(global_shape(p)) != 2:
+            outer = _tp_outer(p)
+            if outer is not None and len(global_shape(p)) != 2:
                 raise ValueError(
                     f"Muon cannot step {name}: it is a {len(global_shape(p))}-D tensor that tensor parallelism splits "
-                    f"over {p.layout_info.outer.mesh} ({p.layout_info.outer.placement}); Muon orthogonalizes "
+                    f"over {outer.mesh} ({outer.placement}); Muon orthogonalizes "
                     f"tensor-parallel 2-D matrices only. Give it to AdamW (build_optimizer(..., adamw_patterns=[...])) "
                     f"or do not split it over tp."
                 )
-            if _tp_split(p) and group["mode"] == "local":
+            if outer is not None and group["mode"] == "local":
                 raise ValueError(
                     f"Muon mode='local' needs every matrix whole on one rank, but tensor parallelism splits {name} "
-                    f"over {p.layout_info.outer.mesh} ({p.layout_info.outer.placement}). Use mode='auto' or 'gather': "
+                    f"over {outer.mesh} ({outer.placement}). Use mode='auto' or 'gather': "
                     f"its tp pieces are then gathered to one owner rank of the (dp, tp) mesh and orthogonalized whole."
                 )
             for start, shape in self._matrix_shapes(name, p):  # raises on 1-D / undeclared 3-D tensors
@@ -474,23 +495,21 @@ class Muon(Optimizer):
         every matrix redundantly (``tp`` times the Newton–Schulz flops, for the same bytes as one gather per tp rank).
         Ranks learn the other tp ranks' blocks and parts once, when the plan is built (one AllGather).
         """
-        layout = split[0][3].layout_info
-        mesh = layout.mesh if layout.mesh is not None else layout.outer.mesh
-        ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+        ranks = _mesh_ranks(split[0][3])
         for _, _, name, p in split:
-            other = p.layout_info.mesh if p.layout_info.mesh is not None else p.layout_info.outer.mesh
-            if sorted(int(r) for r in other.mesh.flatten().tolist()) != ranks:
-                raise ValueError(f"Muon steps tensor-parallel weights of one (dp, tp) mesh ({mesh}), but {name} lies on "
-                                 f"{other}: give each mesh's weights their own optimizer")
+            if _mesh_ranks(p) != ranks:
+                raise ValueError(f"Muon steps the tensor-parallel weights of one (dp, tp) mesh (ranks {ranks}), but {name} "
+                                 f"lies on ranks {_mesh_ranks(p)}: give each mesh's weights their own optimizer")
         group = ranks_process_group(ranks)
         world, me, device = len(ranks), dist.get_rank(group), split[0][3].device
         # This rank's part of every matrix: its block's offset and shape, and its flat range of that block.
         rows: list[list[int]] = []
         for _, _, _, p in split:
-            lay = p.layout_info
+            lay, outer = _layout_of(p), _tp_outer(p)
+            assert outer is not None
             numel = lay.shape[0] * lay.shape[1]
             lo, hi = _intersect(lay.local_range, (0, numel))
-            rows.append([*lay.outer.offset, *lay.shape, lo, hi])
+            rows.append([*outer.offset, *lay.shape, lo, hi])
         mine = torch.tensor([len(split), round(load)] + [x for row in rows for x in row], dtype=torch.int64, device=device)
         counts = torch.empty(world, dtype=torch.int64, device=device)
         collectives.all_gather_into_tensor(counts, mine[:1].clone(), group, kind="setup")
@@ -511,7 +530,7 @@ class Muon(Optimizer):
             ranges = [(row[4], row[5]) if row[5] > row[4] else (0, 0) for row in parts]
             self._check_blocks_tile(name, tuple(global_shape(p)), blocks, block_of, ranges)
             lo, hi = ranges[me]
-            here = p.layout_info.local_range[0]
+            here = _layout_of(p).local_range[0]
             local = (lo - here, hi - here) if hi > lo else (0, 0)
             shape = (int(global_shape(p)[0]), int(global_shape(p)[1]))
             cost = newton_schulz_cost(shape, group_["ns_steps"])
