@@ -12,7 +12,7 @@ from typing import Optional
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["model_process_group", "model_ranks"]
+__all__ = ["model_process_group", "model_ranks", "ranks_process_group"]
 
 _CREATED: dict[tuple[int, ...], tuple[object, dist.ProcessGroup]] = {}
 
@@ -63,8 +63,19 @@ def model_process_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
     for g in _known_groups(model):
         if sorted(dist.get_process_group_ranks(g)) == ranks:
             return g
-    key = tuple(ranks)
+    return ranks_process_group(ranks)
+
+
+def ranks_process_group(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group of exactly ``ranks`` (global ranks; its rank order is theirs sorted): the default group
+    when they are every rank, else one created once by those ranks only (``use_local_synchronization``), so
+    every one of them must call this with the same ranks, and no other rank needs to."""
+    ranks = sorted(int(r) for r in ranks)
     world = dist.group.WORLD
+    assert world is not None, "ranks_process_group needs an initialized default process group"
+    if len(ranks) == dist.get_world_size():
+        return world
+    key = tuple(ranks)
     cached = _CREATED.get(key)
     if cached is None or cached[0] is not world:  # a group of a destroyed default group is gone with it
         _CREATED[key] = (world, dist.new_group(ranks, use_local_synchronization=True))

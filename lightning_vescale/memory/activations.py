@@ -7,7 +7,9 @@ Between a block's forward and its backward, autograd keeps the tensors the block
 copied on a side stream on CUDA; on a CPU-only machine host memory is the device's, so nothing moves) or to
 the ``disk`` tier (one file per tensor, deleted as soon as backward has read it, or when autograd drops the
 graph without a backward; the ledger counts what is on disk). Parameters are never
-offloaded: the engine gathers them again for backward. When backward unpacks the first tensor of a block, the
+offloaded: the engine gathers them again for backward. A DTensor that tensor parallelism saves (the inputs of a
+``ColwiseParallel`` / ``RowwiseParallel`` module) moves as its local tensor and is rebuilt on the same mesh with
+the same placements when backward reads it. When backward unpacks the first tensor of a block, the
 rest of that block's tensors are read on a background thread (prefetch).
 
 Activation checkpointing (:func:`checkpoint_blocks`) keeps only a block's inputs and recomputes its forward in
@@ -25,6 +27,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_vescale.memory.disk import DiskStore, DiskTierError
@@ -46,6 +49,20 @@ class _Handle:
         self.release: Optional[weakref.finalize] = None
         """Disk tier: deletes the file and takes it off the ledger, once (after backward read it, or when autograd
         drops the handle unread)."""
+
+
+class _DTensorPacked:
+    """A DTensor saved for backward: its local tensor, packed, and how to rebuild it around the unpacked one."""
+
+    __slots__ = ("inner", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, inner: Any, t: DTensor) -> None:
+        self.inner, self.mesh, self.placements, self.shape, self.stride = (
+            inner, t.device_mesh, t.placements, t.shape, t.stride())
+
+    def rebuild(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                                  stride=self.stride)
 
 
 def _drop_file(store: DiskStore, key: str, tier: str, nbytes: int) -> None:
@@ -78,6 +95,8 @@ class ActivationOffload:
             nbytes = t.numel() * t.element_size()
             if isinstance(t, nn.Parameter) or t.requires_grad and t.is_leaf:
                 return t
+            if type(t) is DTensor:  # tensor parallelism's: its storage is the local tensor's
+                return _DTensorPacked(hook(t._local_tensor.detach()), t)
             if nbytes < self.min_bytes or self.tier == "host" and t.device.type == "cpu":
                 # Kept as it is (too small to move; host memory is the device's), as an alias without grad_fn:
                 # the node's own output returned whole would hold the graph in a cycle that outlives a dropped
@@ -108,6 +127,8 @@ class ActivationOffload:
 
     def unpack(self, block: int):
         def hook(packed: Any) -> torch.Tensor:
+            if isinstance(packed, _DTensorPacked):
+                return packed.rebuild(hook(packed.inner))
             if not isinstance(packed, _Handle):
                 return packed
             if packed.release is not None and not packed.release.alive:

@@ -65,8 +65,9 @@ from torch.optim._muon import (
 from torch.optim.optimizer import Optimizer, ParamsT, _to_scalar
 
 from lightning_vescale import collectives
+from lightning_vescale._groups import ranks_process_group
 from lightning_vescale.optim.owner import assign_owners, newton_schulz_cost
-from lightning_vescale.tensor import RaggedTensor, is_ragged, local_tensor
+from lightning_vescale.tensor import OuterShard, RaggedLayout, RaggedTensor, is_ragged, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +130,32 @@ class _Matrix:
     owner: int = 0
     holder: int = -1
     """The rank holding the whole matrix, or -1 when it is split."""
+    blocks: Optional[tuple[tuple[tuple[int, int], tuple[int, int]], ...]] = None
+    """Tensor parallelism: the ``((row, col) offset, (rows, cols))`` of each tp-local piece the matrix is split into;
+    ``ranges[r]`` is then a range of the flat elements of block ``block_of[r]``. None: of the matrix's."""
+    block_of: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
+
+    def assemble(self, parts: Sequence[Tensor]) -> Tensor:
+        """The whole matrix from ``parts[r]``, rank ``r``'s flat part (of ``ranges[r]``)."""
+        if self.blocks is None:
+            return torch.cat(list(parts)).view(self.shape)  # the ranges tile the matrix in rank order
+        full = parts[0].new_empty(self.shape)
+        for b, ((row, col), (rows, cols)) in enumerate(self.blocks):
+            ranks = sorted((r for r in range(len(parts)) if self.block_of[r] == b), key=lambda r: self.ranges[r])
+            full[row : row + rows, col : col + cols] = torch.cat([parts[r] for r in ranks]).view(rows, cols)
+        return full
+
+    def parts(self, full: Tensor) -> list[Tensor]:
+        """Per rank ``r``, its flat part (of ``ranges[r]``) of the whole matrix ``full``: :meth:`assemble` undone."""
+        if self.blocks is None:
+            flat = full.reshape(-1)
+            return [flat[lo:hi] for lo, hi in self.ranges]
+        flats = [full[row : row + rows, col : col + cols].reshape(-1) for (row, col), (rows, cols) in self.blocks]
+        return [flats[b][lo:hi] for b, (lo, hi) in zip(self.block_of, self.ranges)]
 
 
 @dataclass
@@ -206,6 +229,34 @@ def _matrix_ranges(p: RaggedTensor, start: int, numel: int) -> list[tuple[int, i
 
 def _is_sharded(p: Tensor) -> TypeGuard[RaggedTensor]:
     return is_ragged(p)
+
+
+def _layout_of(p: Tensor) -> RaggedLayout:
+    """The layout of sharded ``p``."""
+    assert isinstance(p, RaggedTensor), f"a sharded parameter is a RaggedTensor, got {type(p).__name__}"
+    return p.layout_info
+
+
+def _tp_outer(p: Tensor) -> Optional[OuterShard]:
+    """How tensor parallelism splits sharded ``p`` over more than one tp rank; None if it does not (not sharded, no
+    tensor parallelism, or ``Replicate()`` on tp)."""
+    if not is_ragged(p):
+        return None
+    outer = _layout_of(p).outer
+    return outer if outer is not None and outer.is_sharded and outer.mesh.size() > 1 else None
+
+
+def _tp_split(p: Tensor) -> bool:
+    """Whether tensor parallelism splits sharded ``p`` over more than one tp rank (not a ``Replicate()`` on tp)."""
+    return _tp_outer(p) is not None
+
+
+def _mesh_ranks(p: Tensor) -> list[int]:
+    """The global ranks of the ``(dp, tp)`` mesh a tensor-parallel sharded ``p`` lies on, sorted."""
+    layout, outer = _layout_of(p), _tp_outer(p)
+    assert outer is not None
+    mesh = layout.mesh if layout.mesh is not None else outer.mesh
+    return sorted(int(r) for r in mesh.mesh.flatten().tolist())
 
 
 def _local(t: Tensor) -> Tensor:
@@ -318,12 +369,19 @@ class Muon(Optimizer):
         if group["mode"] not in _MODES:
             raise ValueError(f"Muon mode must be one of {_MODES}, got {group['mode']!r}")
         for p, name in zip(group["params"], self._names(group)):
-            if is_ragged(p) and p.layout_info.outer is not None and p.layout_info.outer.is_sharded:
+            outer = _tp_outer(p)
+            if outer is not None and len(global_shape(p)) != 2:
                 raise ValueError(
-                    f"Muon cannot step {name}: tensor parallelism splits it over {p.layout_info.outer.mesh} "
-                    f"({p.layout_info.outer.placement}), and orthogonalizing a piece is not orthogonalizing the matrix. "
-                    f"Give tensor-parallel weights to AdamW (lightning_vescale.optim.build_optimizer(..., "
-                    f"adamw_patterns=[...])), or train without tensor parallelism."
+                    f"Muon cannot step {name}: it is a {len(global_shape(p))}-D tensor that tensor parallelism splits "
+                    f"over {outer.mesh} ({outer.placement}); Muon orthogonalizes "
+                    f"tensor-parallel 2-D matrices only. Give it to AdamW (build_optimizer(..., adamw_patterns=[...])) "
+                    f"or do not split it over tp."
+                )
+            if outer is not None and group["mode"] == "local":
+                raise ValueError(
+                    f"Muon mode='local' needs every matrix whole on one rank, but tensor parallelism splits {name} "
+                    f"over {outer.mesh} ({outer.placement}). Use mode='auto' or 'gather': "
+                    f"its tp pieces are then gathered to one owner rank of the (dp, tp) mesh and orthogonalized whole."
                 )
             for start, shape in self._matrix_shapes(name, p):  # raises on 1-D / undeclared 3-D tensors
                 if group["mode"] == "local" and _is_sharded(p):
@@ -368,8 +426,12 @@ class Muon(Optimizer):
     def _build_plan(self, entries: list[tuple[dict, str, Tensor]]) -> _Plan:
         matrices: list[_Matrix] = []
         buckets: dict[Any, _Bucket] = {}
+        split: list[tuple[int, dict, str, Tensor]] = []  # split by tensor parallelism: planned after the others
         for slot, (group, name, p) in enumerate(entries):
             steps = group["ns_steps"]
+            if _tp_split(p):
+                split.append((slot, group, name, p))
+                continue
             for start, shape in self._matrix_shapes(name, p):
                 numel = shape[0] * shape[1]
                 if numel == 0:
@@ -396,7 +458,7 @@ class Muon(Optimizer):
                     bucket = buckets[key] = _Bucket(layout.group, layout.rank, layout.world_size, p.device)
                 bucket.matrices.append(m)  # every sharded matrix for now; _assign keeps the gathered ones
                 matrices.append(m)
-        names = [m.name for m in matrices]
+        names = [m.name for m in matrices] + [name for _, _, name, _ in split]
         if len(set(names)) != len(names):
             raise ValueError(f"Muon matrices need unique names (they order the owners); got duplicates in {names}")
         loads = {}
@@ -406,12 +468,98 @@ class Muon(Optimizer):
             if bucket.matrices:
                 bucket.layout()
             out_buckets.append(bucket)
+        if split:
+            own_load = sum(loads[bi][b.rank] for bi, b in enumerate(out_buckets))
+            bucket, initial = self._plan_tensor_parallel(split, own_load)
+            matrices += bucket.matrices
+            loads[len(out_buckets)] = self._assign(bucket, initial_loads=initial)
+            bucket.layout()
+            out_buckets.append(bucket)
         return _Plan(matrices, out_buckets, loads)
 
-    def _assign(self, bucket: _Bucket) -> list[float]:
-        """Choose path and owner of every matrix of a bucket; keep only the gathered ones in it."""
+    def _plan_tensor_parallel(
+        self, split: list[tuple[int, dict, str, Tensor]], load: float
+    ) -> tuple[_Bucket, list[float]]:
+        """The bucket of the matrices tensor parallelism splits, over every rank of their ``(dp, tp)`` mesh.
+
+        [Note: Muon under tensor parallelism]
+        A weight ``ColwiseParallel`` / ``RowwiseParallel`` splits is ``Shard(0)`` / ``Shard(1)`` on ``mesh["tp"]``, and
+        ``fully_shard`` cuts each tp-local piece over ``mesh["dp"]``: the matrix lies on all ``dp x tp`` ranks, each
+        holding a flat range of its tp block. Its owner is one rank of the whole mesh: every rank sends its part there
+        (one all-to-all over the mesh's ranks for all such matrices), the owner puts the blocks together, runs
+        Newton–Schulz on the whole matrix and sends every rank its part of the result (one all-to-all back). The owner
+        is chosen by longest-processing-time-first among the ranks already holding a part (that part stays put), with
+        each rank's Newton–Schulz load from the other matrices as the seed: with granularity ``"matrix"`` every tp
+        piece is whole on one dp rank, so the owner is one of the tp ranks holding a piece, and distinct matrices
+        spread over the tp ranks (and over dp by the planner's own balance) instead of every tp rank orthogonalizing
+        every matrix redundantly (``tp`` times the Newton–Schulz flops, for the same bytes as one gather per tp rank).
+        Ranks learn the other tp ranks' blocks and parts once, when the plan is built (one AllGather).
+        """
+        ranks = _mesh_ranks(split[0][3])
+        for _, _, name, p in split:
+            if _mesh_ranks(p) != ranks:
+                raise ValueError(f"Muon steps the tensor-parallel weights of one (dp, tp) mesh (ranks {ranks}), but {name} "
+                                 f"lies on ranks {_mesh_ranks(p)}: give each mesh's weights their own optimizer")
+        group = ranks_process_group(ranks)
+        world, me, device = len(ranks), dist.get_rank(group), split[0][3].device
+        # This rank's part of every matrix: its block's offset and shape, and its flat range of that block.
+        rows: list[list[int]] = []
+        for _, _, _, p in split:
+            lay, outer = _layout_of(p), _tp_outer(p)
+            assert outer is not None
+            numel = lay.shape[0] * lay.shape[1]
+            lo, hi = _intersect(lay.local_range, (0, numel))
+            rows.append([*outer.offset, *lay.shape, lo, hi])
+        mine = torch.tensor([len(split), round(load)] + [x for row in rows for x in row], dtype=torch.int64, device=device)
+        counts = torch.empty(world, dtype=torch.int64, device=device)
+        collectives.all_gather_into_tensor(counts, mine[:1].clone(), group, kind="setup")
+        if any(c != len(split) for c in counts.tolist()):
+            raise RuntimeError(
+                f"ranks step different numbers of tensor-parallel Muon matrices ({counts.tolist()} per rank of {ranks}): "
+                f"every rank must step the same parameters; a parameter's .grad must be set on all ranks or on none."
+            )
+        everyone = torch.empty(world, mine.numel(), dtype=torch.int64, device=device)
+        collectives.all_gather_into_tensor(everyone.view(-1), mine, group, kind="setup")
+        table = everyone.tolist()
+        initial = [float(table[q][1]) for q in range(world)]
+        bucket = _Bucket(group, me, world, device)
+        for i, (slot, group_, name, p) in enumerate(split):
+            parts = [table[q][2 + 6 * i : 8 + 6 * i] for q in range(world)]
+            blocks = sorted({(tuple(row[0:2]), tuple(row[2:4])) for row in parts})
+            block_of = tuple(blocks.index((tuple(row[0:2]), tuple(row[2:4]))) for row in parts)
+            ranges = [(row[4], row[5]) if row[5] > row[4] else (0, 0) for row in parts]
+            self._check_blocks_tile(name, tuple(global_shape(p)), blocks, block_of, ranges)
+            lo, hi = ranges[me]
+            here = _layout_of(p).local_range[0]
+            local = (lo - here, hi - here) if hi > lo else (0, 0)
+            shape = (int(global_shape(p)[0]), int(global_shape(p)[1]))
+            cost = newton_schulz_cost(shape, group_["ns_steps"])
+            bucket.matrices.append(_Matrix(name, slot, shape, cost, ranges, local, group_, mode="gather",
+                                           blocks=tuple(blocks), block_of=block_of))
+        return bucket, initial
+
+    @staticmethod
+    def _check_blocks_tile(name: str, shape: tuple[int, ...], blocks: list, block_of: tuple[int, ...],
+                           ranges: list[tuple[int, int]]) -> None:
+        """The tp blocks tile the matrix and the parts of each block tile it (else the plan is not one matrix)."""
+        covered = sum(rows * cols for _, (rows, cols) in blocks)
+        ok = covered == shape[0] * shape[1] and all(
+            r + n <= s for (offset, size) in blocks for r, n, s in zip(offset, size, shape))
+        for b, (_, (rows, cols)) in enumerate(blocks):
+            cursor = 0
+            for lo, hi in sorted(rg for rg, of in zip(ranges, block_of) if of == b and rg[1] > rg[0]):
+                ok &= lo == cursor
+                cursor = hi
+            ok &= cursor == rows * cols
+        if not ok:
+            raise RuntimeError(f"the tensor-parallel pieces of {name} {shape} do not tile it (blocks {blocks}, parts "
+                               f"{list(zip(block_of, ranges))} per rank): the (dp, tp) mesh is not the one it was sharded on")
+
+    def _assign(self, bucket: _Bucket, initial_loads: Optional[list[float]] = None) -> list[float]:
+        """Choose path and owner of every matrix of a bucket; keep only the gathered ones in it. A tensor-parallel
+        matrix goes to one of the ranks holding a part of it, seeded with ``initial_loads``."""
         N = bucket.world_size
-        costs_ns = [0.0] * N
+        costs_ns = [0.0] * N if initial_loads is None else list(initial_loads)
         gather: dict[str, _Matrix] = {}
         local: list[_Matrix] = []
         for m in bucket.matrices:
@@ -424,12 +572,15 @@ class Muon(Optimizer):
                 m.mode, m.owner = "local", m.holder
                 costs_ns[m.holder] += m.cost
                 local.append(m)
-        assignment = assign_owners({n: m.cost for n, m in gather.items()}, N, initial_loads=costs_ns)
+        candidates = {n: [r for r, (lo, hi) in enumerate(m.ranges) if hi > lo]
+                      for n, m in gather.items() if m.blocks is not None}
+        assignment = assign_owners({n: m.cost for n, m in gather.items()}, N, initial_loads=costs_ns,
+                                   candidates=candidates)
         for n, m in gather.items():
             m.owner = assignment.owners[n]
         self._rebalance(bucket, local)
         bucket.matrices = sorted((m for m in bucket.matrices if m.mode == "gather"), key=lambda m: (m.owner, m.name))
-        loads = [0.0] * N
+        loads = [0.0] * N  # this bucket's own work (a tensor-parallel bucket's seed is other buckets' work)
         for m in local + list(gather.values()):
             loads[m.owner] += m.cost
         return loads
@@ -478,7 +629,7 @@ class Muon(Optimizer):
         for bucket in plan.buckets:
             if bucket.world_size == 1:
                 continue
-            text = repr([(m.name, m.shape, m.ranges, m.owner) for m in bucket.matrices])
+            text = repr([(m.name, m.shape, m.ranges, m.owner, m.blocks, m.block_of) for m in bucket.matrices])
             digest = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
             mine = torch.tensor([digest], dtype=torch.int64, device=bucket.device)
             everyone = torch.empty(bucket.world_size, dtype=torch.int64, device=bucket.device)
@@ -627,11 +778,10 @@ class Muon(Optimizer):
         for m in bucket.owned:
             offsets = bucket.recv_offsets[id(m)]
             parts = [recv[offsets[r] : offsets[r] + hi - lo] for r, (lo, hi) in enumerate(m.ranges)]
-            full = torch.cat(parts).view(m.shape)  # pieces tile the matrix in rank order
-            ortho = self._orthogonalize(full, m).reshape(-1)
-            for r, (lo, hi) in enumerate(m.ranges):
+            ortho = self._orthogonalize(m.assemble(parts), m)
+            for r, ((lo, hi), part) in enumerate(zip(m.ranges, m.parts(ortho))):
                 if hi > lo:
-                    send[offsets[r] : offsets[r] + hi - lo].copy_(ortho[lo:hi])
+                    send[offsets[r] : offsets[r] + hi - lo].copy_(part)
         back = torch.empty(sum(bucket.send_splits), dtype=_WIRE_DTYPE, device=recv.device)
         if N == 1:
             back.copy_(send)

@@ -55,7 +55,11 @@ class OwnerAssignment:
 
 
 def assign_owners(
-    costs: Mapping[str, float], num_ranks: int, *, initial_loads: Optional[Sequence[float]] = None
+    costs: Mapping[str, float],
+    num_ranks: int,
+    *,
+    initial_loads: Optional[Sequence[float]] = None,
+    candidates: Optional[Mapping[str, Sequence[int]]] = None,
 ) -> OwnerAssignment:
     """Assign each named matrix to a rank by longest-processing-time-first on ``costs``.
 
@@ -64,6 +68,9 @@ def assign_owners(
         num_ranks: number of ranks to spread the matrices over.
         initial_loads: cost each rank already carries (e.g. matrices it orthogonalizes in place); LPT
             fills the least loaded ranks first. Default: zeros.
+        candidates: ``{name: ranks}`` restricting where a matrix may go (e.g. the ranks already holding a
+            piece of it, so that piece need not travel); a matrix not named may go to any rank. Among its
+            candidates a matrix goes to the least loaded, ties to the lowest rank.
 
     Returns:
         The assignment; identical on every rank for identical inputs (ties: name, then lowest rank).
@@ -76,11 +83,24 @@ def assign_owners(
     for name, cost in costs.items():
         if not (cost >= 0 and math.isfinite(cost)):
             raise ValueError(f"cost of {name!r} must be a finite non-negative number, got {cost}")
+    candidates = dict(candidates or {})
+    for name, ranks in candidates.items():
+        if name not in costs:
+            raise ValueError(f"candidates name {name!r}, which is not in costs; give candidates only for matrices assigned")
+        if not ranks or any(not 0 <= r < num_ranks for r in ranks):
+            raise ValueError(f"candidates of {name!r} must be a non-empty list of ranks in [0, {num_ranks}), got {ranks}")
     heap = [(load, r) for r, load in enumerate(loads)]
     heapq.heapify(heap)
     owners = {}
     for name, cost in sorted(costs.items(), key=lambda item: (-item[1], item[0])):
-        load, r = heapq.heappop(heap)
+        allowed = candidates.get(name)
+        if allowed is None:
+            load, r = heapq.heappop(heap)
+            while load != loads[r]:  # a stale entry: the rank took a matrix through its candidates since
+                load, r = heapq.heappop(heap)
+        else:  # the least loaded allowed rank; its heap entry goes stale and is dropped when popped
+            r = min(allowed, key=lambda q: (loads[q], q))
+            load = loads[r]
         owners[name] = r
         loads[r] = load + cost
         heapq.heappush(heap, (loads[r], r))

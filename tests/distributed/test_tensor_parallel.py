@@ -5,7 +5,7 @@ One process group checks: the parameters are DTensors on the (dp, tp) mesh with 
 the global shapes (and HSDP parameters their (replicate, shard) mesh); training (AdamW, gradient accumulation with no_sync, clipping by the global norm) equals one
 process on the whole batch (fp32, 1e-5: reductions run in other orders); a tensor-parallel-unaware norm (each
 rank's pieces summed over dp only) differs from the true one (the negative control: the test can tell); a sharded
-Muon and block quantization refuse tensor-parallel weights; a
+Muon takes tensor-parallel weights except in mode="local", which refuses them, and block quantization refuses them; a
 checkpoint saved on dp2 x tp2 loads bitwise into the same model sharded over 4 ranks without tensor parallelism.
 """
 
@@ -129,9 +129,11 @@ def _run(rank: int, world: int, tmp: str) -> None:
     worst = max((_full(model)[n] - p).abs().max().item() for n, p in ref.named_parameters())
     assert worst <= 1e-5, f"dp2 x tp2 differs from one process by {worst}"
 
-    # What cannot work on a piece of a tensor-parallel matrix is refused, naming the parameter.
-    with pytest.raises(ValueError, match=r"Muon cannot step .*: tensor parallelism splits it"):
-        Muon([model.blocks[0].up.weight])
+    # Muon orthogonalizes a tensor-parallel matrix whole (tests/distributed/test_muon_tensor_parallel.py); only
+    # mode="local" (no communication) cannot, and says so, naming the parameter. Block quantization refuses.
+    Muon([("blocks.0.up.weight", model.blocks[0].up.weight)])
+    with pytest.raises(ValueError, match=r"mode='local' .* tensor parallelism splits blocks\.0\.up\.weight"):
+        Muon([("blocks.0.up.weight", model.blocks[0].up.weight)], mode="local")
     quantized = Net()
     parallelize_module(quantized.blocks[0], mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     quantize_all_gather(quantized.blocks[0], BlockFormat("fp8_e4m3", 8), targets=["up.weight"])

@@ -55,6 +55,22 @@ def test_lpt_known_answer_and_ties() -> None:
         assign_owners({"x": float("nan")}, 2)
 
 
+def test_lpt_with_candidates() -> None:
+    # Tensor parallelism: a matrix may only go to the ranks holding a piece of it (here the tp ranks of one dp
+    # rank: {0, 1} or {2, 3}); among them, the least loaded. Matrices without candidates go anywhere, and the
+    # ranks that took candidate-bound matrices are seen with their new load (no stale heap entry wins).
+    costs = {"a": 8.0, "b": 8.0, "c": 4.0, "d": 4.0, "free": 3.0, "free2": 1.0}
+    out = assign_owners(costs, 4, candidates={"a": [0, 1], "b": [0, 1], "c": [2, 3], "d": [0, 1]})
+    assert out.owners == {"a": 0, "b": 1, "c": 2, "d": 0, "free": 3, "free2": 3}, out.owners
+    assert out.loads == (12.0, 8.0, 4.0, 4.0)
+    seeded = assign_owners({"x": 1.0}, 3, initial_loads=[0.0, 2.0, 1.0], candidates={"x": [1, 2]})
+    assert seeded.owners == {"x": 2}
+    with pytest.raises(ValueError, match="non-empty list of ranks"):
+        assign_owners({"x": 1.0}, 2, candidates={"x": [2]})
+    with pytest.raises(ValueError, match="not in costs"):
+        assign_owners({"x": 1.0}, 2, candidates={"y": [0]})
+
+
 def test_lpt_deterministic_and_balanced() -> None:
     # A Llama-like stack: 16 layers of 7 matrices; insertion order must not matter.
     dim, hidden, kv = 512, 1376, 128
