@@ -1014,6 +1014,18 @@ def _norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     return _vector_norm(aten.linalg_vector_norm.default, (args[0], p, dims, keepdim), {"dtype": kwargs.get("dtype")})
 
 
+def _check_resident(t: RaggedTensor) -> None:
+    """A piece whose storage a memory tier released (gradients on disk between steps) cannot be read: say how to
+    read it instead of letting a kernel read freed memory."""
+    local = t._local_tensor
+    if local.numel() and local.untyped_storage().nbytes() == 0:
+        raise RuntimeError(
+            "this sharded tensor's piece is not in memory (a memory tier keeps it off the device between steps, e.g. "
+            "MemoryPolicy(grads='disk')): clip with lightning_vescale.clip_grad_norm_ (the strategies and the "
+            "Accelerate adapter do), or read it inside lightning_vescale.memory.resident_pieces(model)"
+        )
+
+
 def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list:
     """The global norm of every tensor: one all-reduce per process group for the whole list
     (``clip_grad_norm_``'s fast path)."""
@@ -1028,6 +1040,8 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> list:
         else:  # a plain tensor is whole on this rank: its norm is local (each output is one tensor's norm)
             out[i] = torch.linalg.vector_norm(t, p, dtype=dtype)
     for idx in by_group.values():
+        for i in idx:
+            _check_resident(tensors[i])
         powers = torch.stack([_local_norm_power(tensors[i]._local_tensor, p) for i in idx])
         _all_reduce(powers, tensors[idx[0]]._layout, _norm_op(p))
         for k, i in enumerate(idx):

@@ -210,6 +210,9 @@ def _pieces(rank: int, world: int, tmp: str) -> None:
         swapped(x[rank::world]).sum().backward()
         grads = [p.grad for p in swapped.parameters() if p.grad.to_local().numel()]
         assert grads and all(gr.to_local().untyped_storage().nbytes() == 0 for gr in grads), "gradients on disk"
+        # torch's own clip_grad_norm_ cannot read pieces on disk: a clear error (it read freed memory before).
+        with pytest.raises(RuntimeError, match=r"not in memory .* clip with lightning_vescale.clip_grad_norm_"):
+            torch.nn.utils.clip_grad_norm_(swapped.parameters(), 1.0)
         assert memory_stats.current[("grads", "disk")] > 0 and memory_stats.current[("params", "disk")] > 0
         assert memory_stats.peak[("params", "device")] > 0, "the ledger follows the pieces' trips to memory"
         opt.zero_grad()
