@@ -3,7 +3,7 @@
     python -m lightning_vescale.plan model=llama_70b world_size=1024
     python -m lightning_vescale.plan model=deepseek_v3_671b world_size=8..16384 plan=moe hardware=h200
     python -m lightning_vescale.plan model=llama_70b world_size=1024 replicate=8   # HSDP: 8 replicas of 128 ranks
-    python -m lightning_vescale.plan model=llama_70b world_size=16384 plan=llama tp=8   # dp 2048 x tp 8
+    python -m lightning_vescale.plan model=llama_70b world_size=16384 tp=8   # dp 2048 x tp 8 (plan llama: its tp rules)
     python -m lightning_vescale.plan model=llama_8b world_size=64 plan=configs/plan/llama.yaml seq_len=8192 \\
         batch_size=2 precision=bf16-mixed optimizer=muon model.n_layers=16 out=plan_llama_8b.yaml
     python -m lightning_vescale.plan --measure-hardware > my_machine.yaml   # then hardware=my_machine.yaml
@@ -17,7 +17,8 @@ Arguments (``key=value``, as the recipes take them):
   gradients AllReduced across the ``replicate`` replicas (must divide every world size); 1 (default): a 1-D mesh;
 * ``tp``: tensor parallelism, a ``(world_size / tp, tp)`` mesh: the plan's ``tp`` rules split modules over ``tp``
   ranks (``plan=llama``), each group of the tp-local model is sharded over ``world_size / tp`` ranks, and the
-  tensor-parallel AllReduces per layer are counted (``all-reduce tp/step``); 1 (default): none;
+  tensor-parallel AllReduces per layer are counted (``all-reduce tp/step``); without ``plan=`` the model family's plan
+  (``llama``); 1 (default): none;
 * ``plan``: a plan name (``configs/plan/``) or YAML file; default: every transformer block a group. A plan's
   ``quantization: fp8_block | int8_block`` is sized as the engine applies it (trained weights gathered as codes +
   scales, frozen ones stored as codes + scales);
@@ -242,6 +243,15 @@ def _run(argv: list[str]) -> int:
     if workload.precision == "bf16-true":
         model = model.to(torch.bfloat16)
     plan = load_plan(args["plan"]) if "plan" in args else None
+    if plan is None and tp > 1:
+        # The default plan splits nothing over tp: take the model family's plan (configs/plan/<family>.yaml), whose
+        # tp rules say what to split, and say so.
+        family = args["model"].split("_")[0]
+        try:
+            plan = load_plan(family)
+        except (PlanError, FileNotFoundError, ValueError):
+            raise PlanError(f"tp={tp} needs a plan with tp rules and there is no plan {family!r}: give plan=...") from None
+        print(f"(tp={tp} without plan=: using plan {family!r}, whose tp rules split the model)")
     resolved = resolve_plan(model, plan)
     try:
         model, resolved = tensor_parallel_view(model, resolved, tp)  # one tp rank's model: sized as the engine sees it

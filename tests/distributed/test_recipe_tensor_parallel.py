@@ -15,10 +15,15 @@ from safetensors.torch import load_file
 from lightning_vescale.export import export_hf, read_model_state
 from tests.distributed.test_recipes import run_recipe
 
+WEIGHT_TOLERANCE = 2e-2
+"""Max |w_tp - w_dp| after 6 Muon steps: measured 3.9e-3 (Newton-Schulz runs in bf16: fp32 reduction-order differences
+flip its roundings, and each Muon update moves every element by about lr); a wrong split is off by the weights' scale."""
+
 
 def test_tensor_parallel_recipe_equals_data_parallel_and_exports(tmp_path):
-    common = ("plan=llama", "trainer.max_steps=6", "trainer.val_every_n_steps=6", "trainer.checkpoint_every_n_steps=6",
-              f"output_root={tmp_path}")
+    # optimizer=muon: the Muon matrices are tensor-parallel (orthogonalized whole), the rest AdamW.
+    common = ("plan=llama", "optimizer=muon", "trainer.max_steps=6", "trainer.val_every_n_steps=6",
+              "trainer.checkpoint_every_n_steps=6", f"output_root={tmp_path}")
     tp_run, dp_run = tmp_path / "tp", tmp_path / "dp"
     proc = run_recipe("train.py", *common, "trainer.devices=4", "strategy.tensor_parallel_size=2",
                       f"hydra.run.dir={tp_run}", timeout=400)
@@ -26,33 +31,22 @@ def test_tensor_parallel_recipe_equals_data_parallel_and_exports(tmp_path):
     run_recipe("train.py", *common, "trainer.devices=2", f"hydra.run.dir={dp_run}", timeout=300)
     tp, dp = (json.loads((run / "summary.json").read_text()) for run in (tp_run, dp_run))
     assert tp["world_size"] == 4 and dp["world_size"] == 2
+    assert tp["optimizer"] == dp["optimizer"] == "lightning_vescale.optim.build_optimizer"
     tp_losses, dp_losses = ([r["loss"] for r in s["losses"]] for s in (tp, dp))
-    assert len(tp_losses) == len(dp_losses) == 6
-    assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(tp_losses, dp_losses)), (tp_losses, dp_losses)
-    assert abs(tp["val_loss"] - dp["val_loss"]) <= 1e-5 * max(1.0, dp["val_loss"])
+    assert len(tp_losses) == len(dp_losses) == 6 and tp_losses[-1] < tp_losses[0]
+    # Measured: 0, 0, 2e-6, 1.5e-5 over the first 4 (fp32 reduction order flips bf16 roundings inside Newton-Schulz
+    # from step 3; with AdamW only the runs agree to 1e-6, test_tensor_parallel_plan.py checks that at 1e-5).
+    assert all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(tp_losses, dp_losses)), (tp_losses, dp_losses)
+    assert abs(tp["val_loss"] - dp["val_loss"]) <= 1e-4 * max(1.0, dp["val_loss"])
 
-    tp_state, dp_state = read_model_state(tp_run), read_model_state(dp_run)
+    tp_state, dp_state = (read_model_state(run / "checkpoints" / "last.ckpt") for run in (tp_run, dp_run))
     assert tp_state.keys() == dp_state.keys()
     worst = max((tp_state[n] - dp_state[n]).abs().max().item() for n in dp_state)
-    assert worst <= 1e-5, f"the tp run's weights differ from the dp run's by {worst}"
+    assert worst <= WEIGHT_TOLERANCE, f"the tp run's weights differ from the dp run's by {worst}"
     exported = load_file(str(export_hf(tp_run, tmp_path / "hf") / "model.safetensors"))
     wq = exported["model.layers.0.self_attn.q_proj.weight"]
     assert wq.shape == tp_state["layers.0.attention.wq.weight"].shape == (64, 64)
     assert torch.isfinite(wq).all() and len(exported) >= len(tp_state)
-
-
-def test_tensor_parallel_recipe_with_muon_equals_data_parallel(tmp_path):
-    common = ("plan=llama", "optimizer=muon", "trainer.max_steps=4", f"output_root={tmp_path}")
-    tp_run, dp_run = tmp_path / "tp", tmp_path / "dp"
-    run_recipe("train.py", *common, "trainer.devices=4", "strategy.tensor_parallel_size=2", f"hydra.run.dir={tp_run}",
-               timeout=400)
-    run_recipe("train.py", *common, "trainer.devices=2", f"hydra.run.dir={dp_run}", timeout=300)
-    tp, dp = (json.loads((run / "summary.json").read_text()) for run in (tp_run, dp_run))
-    assert tp["optimizer"] == dp["optimizer"] == "lightning_vescale.optim.build_optimizer"
-    tp_losses, dp_losses = ([r["loss"] for r in s["losses"]] for s in (tp, dp))
-    assert len(tp_losses) == len(dp_losses) == 4 and tp_losses[-1] < tp_losses[0]
-    # Measured: 0, 0, 2e-6, 1.5e-5 (fp32 reduction order flips bf16 roundings inside Newton-Schulz from step 3).
-    assert all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(tp_losses, dp_losses)), (tp_losses, dp_losses)
 
 
 def test_tensor_parallel_size_not_dividing_the_processes_stops_before_launch(tmp_path):

@@ -126,8 +126,9 @@ def test_recipe_refuses_bad_tensor_parallel_settings(overrides, message):
 def test_dry_run_sizes_a_tensor_parallel_mesh(capsys):
     from lightning_vescale.plan.__main__ import main
 
-    assert main(["model=llama_70b", "world_size=16384", "plan=llama", "tp=8", "hardware=h200"]) == 0
+    assert main(["model=llama_70b", "world_size=16384", "tp=8", "hardware=h200"]) == 0
     out = capsys.readouterr().out
+    assert "(tp=8 without plan=: using plan 'llama', whose tp rules split the model)" in out
     assert "mesh: 2-D (dp=2048, tp=8)" in out and "all-reduce tp/step" in out
     assert "llama_70b (70.55B parameters)" in out, "the parameter count is the whole model's, not one tp rank's"
 
@@ -137,7 +138,7 @@ def test_dry_run_tp_errors_name_the_fix(capsys):
 
     assert main(["model=llama_tiny", "world_size=4", "plan=llama", "tp=3"]) == 2
     assert "tp=3 does not divide world_size=4" in capsys.readouterr().err
-    assert main(["model=llama_tiny", "world_size=4", "tp=2"]) == 2
+    assert main(["model=moe_tiny", "world_size=4", "tp=2"]) == 2  # the moe plan has no tp rules
     assert "splits no module over tp: give a plan with tp rules (e.g. plan=llama)" in capsys.readouterr().err
     assert main(["model=llama_tiny", "world_size=8", "plan=llama", "tp=4"]) == 2
     assert "n_kv_heads=2, not divisible by tp=4" in capsys.readouterr().err
