@@ -63,7 +63,7 @@ def _run(rank: int, world: int) -> None:
         mean = fabric.all_reduce(loss.detach(), reduce_op="mean").item()
         assert abs(mean - ref_loss.item()) <= 1e-5, (step, mean, ref_loss.item())
     assert len(seen) == STEPS
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    full = {n: p.full_tensor() for n, p in model.module.named_parameters()}
     worst = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
     assert worst <= 1e-5, f"Fabric dp2 x tp2 differs from one process by {worst}"
 
