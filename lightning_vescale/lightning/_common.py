@@ -219,7 +219,8 @@ def check_tensor_parallel_args(tensor_parallel_size: Any, replicate_size: Any, e
 
 def tensor_parallel_sampler_kwargs(world_size: int, global_rank: int, tensor_parallel_size: int) -> dict[str, int]:
     """The data-parallel replicas and this rank's index among them: the ranks of one tensor-parallel group
-    (consecutive ranks of the ``("data_parallel", "tensor_parallel")`` mesh) read the same batch."""
+    (consecutive ranks of the ``("data_parallel", "tensor_parallel")`` mesh) read the same batch; with
+    ``tensor_parallel_size=1`` every rank is a replica."""
     return {"num_replicas": world_size // tensor_parallel_size, "rank": global_rank // tensor_parallel_size}
 
 

@@ -261,9 +261,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         world = self.num_nodes * self.num_processes
-        if self._tensor_parallel_size > 1:
-            return tensor_parallel_sampler_kwargs(world, self.global_rank, self._tensor_parallel_size)
-        return {"num_replicas": world, "rank": self.global_rank}
+        return tensor_parallel_sampler_kwargs(world, self.global_rank, self._tensor_parallel_size)
 
     @property
     def tensor_parallel_size(self) -> int:

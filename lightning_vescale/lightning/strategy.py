@@ -331,9 +331,7 @@ class VeScaleStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every rank is a data-parallel rank, HSDP included; with tensor parallelism each tp group is one.
         world = self.num_nodes * self.num_processes
-        if self._tensor_parallel_size > 1:
-            return tensor_parallel_sampler_kwargs(world, self.global_rank, self._tensor_parallel_size)
-        return {"num_replicas": world, "rank": self.global_rank}
+        return tensor_parallel_sampler_kwargs(world, self.global_rank, self._tensor_parallel_size)
 
     @property
     def is_distributed(self) -> bool:
