@@ -48,7 +48,7 @@ def test_table_shows_each_groups_tp_styles():
 
 
 def test_unknown_tp_style_is_refused():
-    with pytest.raises(PlanError, match=r"tp must be one of colwise, rowwise, sequence, replicate \(or .*\), got .column."):
+    with pytest.raises(PlanError, match=r"tp must be one of colwise, rowwise, sequence, split_tokens, replicate \(or .*\), got .column."):
         load_plan(_plan({"match": "**.wq", "tp": "column"}))
 
 
@@ -138,7 +138,7 @@ def test_dry_run_tp_errors_name_the_fix(capsys):
 
     assert main(["model=llama_tiny", "world_size=4", "plan=llama", "tp=3"]) == 2
     assert "tp=3 does not divide world_size=4" in capsys.readouterr().err
-    assert main(["model=moe_tiny", "world_size=4", "tp=2"]) == 2  # the moe plan has no tp rules
+    assert main(["model=llama_tiny", "world_size=4", "plan=llama_offload", "tp=2"]) == 2  # a plan without tp rules
     assert "splits no module over tp: give a plan with tp rules (e.g. plan=llama)" in capsys.readouterr().err
     assert main(["model=llama_tiny", "world_size=8", "plan=llama", "tp=4"]) == 2
     assert "n_kv_heads=2, not divisible by tp=4" in capsys.readouterr().err
@@ -156,7 +156,7 @@ def test_sequence_parallel_plan_states_each_projections_layouts():
 def test_tp_layouts_are_checked():
     with pytest.raises(PlanError, match=r"tp input / output must be one of replicate, sequence, split, got \{'input': 'seq'\}"):
         load_plan(_plan({"match": "**.wq", "tp": {"style": "colwise", "input": "seq"}}))
-    with pytest.raises(PlanError, match=r"tp as a mapping needs style: colwise or rowwise"):
+    with pytest.raises(PlanError, match=r"tp as a mapping needs style: colwise, rowwise or split_tokens"):
         load_plan(_plan({"match": "**.norm", "tp": {"style": "sequence"}}))
 
 
