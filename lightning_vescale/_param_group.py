@@ -315,7 +315,7 @@ class ParamGroup:
                 reported = root
             else:
                 try:  # a flattened data-parallel dimension: the slice of it and tp
-                    reported = root[(*mine, theirs[0])]
+                    reported = root[tuple(mine) + (theirs[0],)]
                 except (KeyError, RuntimeError, ValueError):
                     reported = None
         if reported is None:
