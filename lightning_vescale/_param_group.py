@@ -309,8 +309,10 @@ class ParamGroup:
         names = root.mesh_dim_names or ()
         mine, theirs = self.mesh.mesh_dim_names or (), mp.outer.mesh.mesh_dim_names or ()
         reported: Optional[DeviceMesh] = None
-        if (root is mp.outer.mesh._get_root_mesh() and self.mesh.ndim <= 2 and len(mine) == self.mesh.ndim
-                and len(theirs) == 1 and theirs[0] in names):
+        # The tp mesh's ranks must be the root's tp dimension (not the same object: torch hands out one cached slice
+        # to two roots whose slices hold the same ranks).
+        if (self.mesh.ndim <= 2 and len(mine) == self.mesh.ndim and len(theirs) == 1 and theirs[0] in names
+                and torch.equal(root[theirs[0]].mesh, mp.outer.mesh.mesh)):
             if root.ndim == self.mesh.ndim + 1 and set(mine) <= set(names):
                 reported = root
             else:

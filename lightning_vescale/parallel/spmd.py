@@ -221,8 +221,15 @@ def build_mesh(
     return _mesh(device, (replicate_size, world_size // replicate_size), ("replicate", "shard"), timeout)
 
 
-def check_expert_parallel_size(expert_parallel_size: int, world_size: int) -> None:
-    """``expert_parallel_size`` must divide the world size (the ``("dp", "ep")`` mesh is ``world // ep`` by ``ep``)."""
+def check_expert_parallel_size(expert_parallel_size: int, world_size: int, tensor_parallel_size: int = 1) -> None:
+    """``expert_parallel_size`` (times ``tensor_parallel_size``) must divide the world size (the ``("dp", "ep")`` mesh
+    is ``world // ep`` by ``ep``, the ``("dp", "ep", "tp")`` one ``world // (ep * tp)`` by ``ep`` by ``tp``)."""
+    if tensor_parallel_size > 1 and world_size % (expert_parallel_size * tensor_parallel_size) != 0:
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size} times tensor_parallel_size={tensor_parallel_size} does not "
+            f"divide the world size {world_size} (devices * num_nodes): the ('dp', 'ep', 'tp') mesh needs "
+            f"world_size % (expert_parallel_size * tensor_parallel_size) == 0"
+        )
     if world_size % expert_parallel_size != 0:
         raise ValueError(
             f"expert_parallel_size={expert_parallel_size} does not divide the world size {world_size} "
@@ -231,10 +238,16 @@ def check_expert_parallel_size(expert_parallel_size: int, world_size: int) -> No
 
 
 def build_expert_parallel_mesh(
-    device: torch.device, world_size: int, expert_parallel_size: int, *, timeout: Optional[timedelta] = None
+    device: torch.device, world_size: int, expert_parallel_size: int, tensor_parallel_size: int = 1, *,
+    timeout: Optional[timedelta] = None,
 ) -> DeviceMesh:
-    """A 2-D ``("dp", "ep")`` mesh: experts split over ``"ep"``, their pieces sharded over ``"dp"``."""
-    check_expert_parallel_size(expert_parallel_size, world_size)
+    """A 2-D ``("dp", "ep")`` mesh: experts split over ``"ep"``, their pieces sharded over ``"dp"``; with
+    ``tensor_parallel_size`` a 3-D ``("dp", "ep", "tp")`` mesh (tp the consecutive ranks; see [Note: experts on ep,
+    attention on tp] in :mod:`lightning_vescale.parallel.tensor_parallel`)."""
+    check_expert_parallel_size(expert_parallel_size, world_size, tensor_parallel_size)
+    if tensor_parallel_size > 1:
+        dp = world_size // (expert_parallel_size * tensor_parallel_size)
+        return _mesh(device, (dp, expert_parallel_size, tensor_parallel_size), ("dp", "ep", "tp"), timeout)
     return _mesh(device, (world_size // expert_parallel_size, expert_parallel_size), ("dp", "ep"), timeout)
 
 
@@ -392,7 +405,9 @@ def parallelize_spmd(
                                 f"are sharded over every rank in one dimension; use a (dp, tp) mesh")
             every_rank = mesh._flatten()
             replicas = mesh.size() // tp_mesh.size()  # the ranks that see different batches
-            for name in token_split:
+            # The module's groups, and those inside it (its experts without ep), see 1/tp of the tokens.
+            inside = [g.name for g in resolved.groups if any(g.name == t or g.name.startswith(t + ".") for t in token_split)]
+            for name in inside:
                 shard_kwargs[id(names[name])] = dict(mesh=every_rank, gradient_divide_factor=replicas)
     if expert_parallel:
         from lightning_vescale.models.moe import GroupedExperts

@@ -171,4 +171,7 @@ def apply_tensor_parallel(model: nn.Module, styles: Mapping[str, Any], tp_mesh: 
         raise ValueError(f"tensor parallelism would split tied parameters {tied[:3]}: untie them or mark those "
                          f"modules tp: replicate")
     parallelize_module(model, tp_mesh, plan)
+    for name in token_split_modules(styles):
+        # Read by the strategies' check that something runs tensor parallel (no parameter is split by this style).
+        model.get_submodule(name)._vescale_split_tokens = True  # type: ignore[assignment]  # a flag, read with getattr
     return len(plan)

@@ -7,6 +7,7 @@ auxiliary-loss-free balancing; 1e-5: the collectives sum in other orders than on
   the feed-forward a group of its own over every rank (the plan's ``tp: split_tokens``);
 * the Mixtral-like MoE and DeepSeek-V3 (latent attention, whole on every tp rank in its plan; a dense first layer)
   both train like one process, the router biases included (each tp rank counts other tokens: summed over every rank);
+* on a ``("dp", "tp")`` mesh (no ep) the MoE trains like one process too, its experts sharded over every rank;
 * a checkpoint saved there is read whole by one process, bitwise equal to the trained model.
 
 Negative control: the same plan without ``split_tokens`` is refused before anything is sharded, naming the rule to
@@ -110,13 +111,14 @@ def _worst(model, ref) -> float:
     return worst
 
 
-def _check_layout(model, ref, world: int) -> None:
+def _check_layout(model, ref, world: int, expert_ranks: int) -> None:
     attention = model.layers[0].attention
+    dp_name = "dp_ep" if expert_ranks < world else "dp"
     if isinstance(model, DeepSeekV3):  # its plan keeps the latent attention whole on every tp rank
-        assert attention.wq_b.weight.device_mesh.mesh_dim_names == ("dp_ep",), attention.wq_b.weight.device_mesh
+        assert attention.wq_b.weight.device_mesh.mesh_dim_names == (dp_name,), attention.wq_b.weight.device_mesh
     else:
         wq = attention.wq.weight
-        assert wq.device_mesh.mesh_dim_names == ("dp_ep", "tp"), wq.device_mesh
+        assert wq.device_mesh.mesh_dim_names == (dp_name, "tp"), wq.device_mesh
         assert isinstance(wq.placements[0], RaggedShard) and wq.placements[1] == Shard(0), wq.placements
         assert attention.wo.weight.placements[1] == Shard(1), "rowwise splits input features"
     for name, p in model.named_parameters():
@@ -127,33 +129,38 @@ def _check_layout(model, ref, world: int) -> None:
         "the token-split feed-forward is a group over every rank"
     assert {mp.fqn.split(".")[0] for mp in state.group.managed} <= {"router", "shared_experts", "shared_gate"}
     experts = get_state(ffn.experts)
-    assert experts is not None and experts.mesh.size() == world // 2, \
-        "experts are sharded over the dp * tp ranks of their ep coordinate"
+    assert experts is not None and experts.mesh.size() == expert_ranks, \
+        "experts are sharded over the dp * tp ranks of their ep coordinate (every rank without ep)"
 
 
-def _parity(make, rank: int, world: int, mesh, tmp: str, name: str) -> None:
-    replicas, replica = mesh["dp"].size() * mesh["ep"].size(), rank // mesh["tp"].size()
+def _parity(make, rank: int, world: int, mesh, tmp: str, name: str, label: str = "") -> None:
+    tp = mesh["tp"].size()
+    replicas, replica = world // tp, rank // tp
     ref = make()
     model = lv.parallelize(copy.deepcopy(ref), name, mesh)  # the family's plan
-    _check_layout(model, ref, world)
+    ep = mesh["ep"].size() if "ep" in (mesh.mesh_dim_names or ()) else 1
+    _check_layout(model, ref, world, world // ep)
     ref_losses = _train(ref, 0, replicas, None)
     losses = _train(model, replica, replicas, dist.group.WORLD)
     assert all(abs(a - b) <= TOL * max(1.0, abs(b)) for a, b in zip(losses, ref_losses)), (name, losses, ref_losses)
     worst = _worst(model, ref)
-    assert worst <= TOL, f"{name}: dp1 x ep2 x tp2 differs from one process by {worst}"
+    assert worst <= TOL, f"{name} on {mesh}: differs from one process by {worst}"
     moved = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), make().parameters()))
     assert moved > 1e-3, "training must change the parameters for the parity check to mean anything"
-    ckpt.save(os.path.join(tmp, name), model, model._test_optimizer)
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
-    if rank == 0:
-        save_file(full, os.path.join(tmp, f"{name}.safetensors"))
-    dist.barrier()
+    if tmp:
+        ckpt.save(os.path.join(tmp, name), model, model._test_optimizer)
+        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        if rank == 0:
+            save_file(full, os.path.join(tmp, f"{name}.safetensors"))
+        dist.barrier()
 
 
 def _run_dp1_ep2_tp2(rank: int, world: int, tmp: str) -> None:
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
     _parity(_moe, rank, world, mesh, tmp, "moe")
     _parity(_deepseek, rank, world, mesh, tmp, "deepseek_v3")
+    # Tensor parallelism without ep: the experts, whole, run inside the token-split feed-forward on every rank.
+    _parity(_moe, rank, world, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), "", "moe")
 
     # The moe plan without its split_tokens rule: refused before anything is sharded, naming the rule to add.
     plan = load_plan("moe")

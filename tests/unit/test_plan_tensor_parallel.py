@@ -91,9 +91,15 @@ def test_sampler_gives_one_tp_group_one_shard_of_the_data():
     assert [s["rank"] for s in shards] == [0, 0, 1, 1, 2, 2, 3, 3] and {s["num_replicas"] for s in shards} == {4}
 
 
-def test_strategy_refuses_tensor_parallel_with_expert_parallel():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with expert_parallel_size=2 is not supported yet"):
-        VeScaleStrategy(tensor_parallel_size=2, expert_parallel_size=2)
+def test_strategy_takes_tensor_parallel_with_expert_parallel_if_both_divide_the_world():
+    from lightning_vescale.parallel.spmd import check_expert_parallel_size
+
+    strategy = VeScaleStrategy(tensor_parallel_size=2, expert_parallel_size=2)
+    assert (strategy.tensor_parallel_size, strategy.expert_parallel_size) == (2, 2)
+    check_expert_parallel_size(2, 8, 2)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 times tensor_parallel_size=2 does not divide the "
+                                         r"world size 6.*\('dp', 'ep', 'tp'\) mesh"):
+        check_expert_parallel_size(2, 6, 2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int, got 0"):
         VeScaleStrategy(tensor_parallel_size=0)
 
