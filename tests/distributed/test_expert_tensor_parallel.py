@@ -7,6 +7,9 @@ auxiliary-loss-free balancing; 1e-5: the collectives sum in other orders than on
   the feed-forward a group of its own over every rank (the plan's ``tp: split_tokens``);
 * the Mixtral-like MoE and DeepSeek-V3 (latent attention, whole on every tp rank in its plan; a dense first layer)
   both train like one process, the router biases included (each tp rank counts other tokens: summed over every rank);
+* the same by hand, torchtitan's way (``parallelize_module`` on the attention, then ``fully_shard_expert_parallel``
+  on the 3-D mesh);
+* Qwen3-MoE's per-head norms (``tp: heads``) train like one process too;
 * on a ``("dp", "tp")`` mesh (no ep) the MoE trains like one process too, its experts sharded over every rank;
 * a checkpoint saved there is read whole by one process, bitwise equal to the trained model.
 
@@ -28,13 +31,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.fully_shard import get_state
 from lightning_vescale.models import MoE, moe_config
 from lightning_vescale.models.deepseek_v3 import DeepSeekV3, deepseek_v3_config
-from lightning_vescale.parallel import register_expert_bias_update
+from lightning_vescale.models.qwen3_moe import Qwen3MoE, qwen3_moe_config
+from lightning_vescale.parallel import fully_shard_expert_parallel, register_expert_bias_update
 from lightning_vescale.placement import RaggedShard
 from lightning_vescale.plan import PlanError, load_plan
 from tests.dist_utils import run_distributed
@@ -61,6 +66,15 @@ def _moe() -> MoE:
 def _deepseek() -> DeepSeekV3:
     torch.manual_seed(0)
     model = DeepSeekV3(deepseek_v3_config("tiny"))
+    with torch.no_grad():
+        for layer in model.moe_layers():
+            layer.router.weight.normal_(0, 1.0)
+    return model
+
+
+def _qwen3() -> MoE:
+    torch.manual_seed(0)
+    model = Qwen3MoE(qwen3_moe_config("tiny"))
     with torch.no_grad():
         for layer in model.moe_layers():
             layer.router.weight.normal_(0, 1.0)
@@ -133,11 +147,20 @@ def _check_layout(model, ref, world: int, expert_ranks: int) -> None:
         "experts are sharded over the dp * tp ranks of their ep coordinate (every rank without ep)"
 
 
-def _parity(make, rank: int, world: int, mesh, tmp: str, name: str, label: str = "") -> None:
+def _torchtitan_idiom(model, mesh):
+    """By hand, as torchtitan: attention split with parallelize_module, then the engine's expert parallel sharding."""
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                                               "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel()})
+    return fully_shard_expert_parallel(model, mesh)
+
+
+def _parity(make, rank: int, world: int, mesh, tmp: str, name: str, shard=None) -> None:
     tp = mesh["tp"].size()
     replicas, replica = world // tp, rank // tp
     ref = make()
-    model = lv.parallelize(copy.deepcopy(ref), name, mesh)  # the family's plan
+    # The family's plan, or sharded by hand.
+    model = lv.parallelize(copy.deepcopy(ref), name, mesh) if shard is None else shard(copy.deepcopy(ref), mesh)
     ep = mesh["ep"].size() if "ep" in (mesh.mesh_dim_names or ()) else 1
     _check_layout(model, ref, world, world // ep)
     ref_losses = _train(ref, 0, replicas, None)
@@ -159,6 +182,8 @@ def _run_dp1_ep2_tp2(rank: int, world: int, tmp: str) -> None:
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
     _parity(_moe, rank, world, mesh, tmp, "moe")
     _parity(_deepseek, rank, world, mesh, tmp, "deepseek_v3")
+    _parity(_moe, rank, world, mesh, "", "moe", shard=_torchtitan_idiom)
+    _parity(_qwen3, rank, world, mesh, "", "moe")  # per-head q_norm / k_norm: tp: heads sums their gradients over tp
     # Tensor parallelism without ep: the experts, whole, run inside the token-split feed-forward on every rank.
     _parity(_moe, rank, world, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), "", "moe")
 
