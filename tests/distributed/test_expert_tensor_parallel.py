@@ -13,8 +13,8 @@ auxiliary-loss-free balancing; 1e-5: the collectives sum in other orders than on
 * on a ``("dp", "tp")`` mesh (no ep) the MoE trains like one process too, its experts sharded over every rank;
 * a checkpoint saved there is read whole by one process, bitwise equal to the trained model.
 
-Negative control: the same plan without ``split_tokens`` is refused before anything is sharded, naming the rule to
-add.
+Negative controls: the same plan without ``split_tokens`` is refused before anything is sharded, naming the rule to
+add; so is a MoE with a switch-style auxiliary loss (it would be computed per sequence shard).
 An 8-rank run, (2, 2, 2), trains the MoE like one process too.
 """
 
@@ -192,6 +192,10 @@ def _run_dp1_ep2_tp2(rank: int, world: int, tmp: str) -> None:
     plan = dataclasses.replace(plan, rules=tuple(r for r in plan.rules if r.tp != "split_tokens"))
     with pytest.raises(PlanError, match=r"lie in no module with tp: split_tokens: add a rule \{match: 'layers.0.feed_forward'"):
         lv.parallelize(_moe(), plan, mesh)
+    # A switch-style auxiliary loss would be computed per sequence shard: refused, naming the fix.
+    aux = MoE(dataclasses.replace(_moe().config, aux_loss_coef=0.01))
+    with pytest.raises(PlanError, match=r"aux_loss_coef > 0 and tp: split_tokens.*auxiliary-loss-free balancing"):
+        lv.parallelize(aux, "moe", mesh)
 
 
 def test_experts_on_ep_attention_on_tp_train_like_one_process_and_save(tmp_path) -> None:
