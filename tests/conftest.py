@@ -17,5 +17,5 @@ def pytest_collection_modifyitems(config, items):
         cls = getattr(item, "cls", None)
         if cls is not None and issubclass(cls, DistributedTest):
             item.add_marker(pytest.mark.xdist_group(name=f"{item.module.__name__}.{cls.__name__}"))
-        if "gpu" in item.keywords and not torch.cuda.is_available():
+        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(no_cuda)
