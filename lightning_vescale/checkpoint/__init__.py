@@ -6,7 +6,7 @@ pieces, and a load on any world size reads exactly the saved boxes that overlap 
 gather. Non-tensor values are stored as JSON (never pickled), every stored item is checksummed, and a load
 changes nothing unless every rank read everything intact. See ``_save_load`` for the format and the load
 protocol, ``_directory`` for atomic saves, ``_storage`` for what reading may execute and the checksums,
-``_state`` for the state-dict adapter and ``_export`` for full (unsharded) state dicts.
+``_state`` for the state-dict adapter and ``_full_state`` for full (unsharded) state dicts.
 
 Modules:
     ``_state``      state dicts of the model and optimizer, keyed by parameter name
@@ -14,10 +14,10 @@ Modules:
     ``_directory``  atomic directory replacement, ``.old`` fallback, leftovers
     ``_storage``    safe metadata reading, checksums, :class:`CheckpointError`
     ``_values``     non-tensor values as typed JSON
-    ``_export``     full state dicts and files (safetensors / torch)
+    ``_full_state`` full state dicts and files (safetensors / torch)
 """
 
-from lightning_vescale.checkpoint._export import (
+from lightning_vescale.checkpoint._full_state import (
     export_full_optimizer_state_dict,
     export_full_state_dict,
     load_full_optimizer_state_dict,
