@@ -161,13 +161,16 @@ def format_runs(runs: list) -> str:
 
     hsdp = any(run.replicate > 1 for run in runs)
     tp = any(run.tensor_parallel > 1 for run in runs)
+    sp = any(k in run.vescale.collectives for run in runs for k in ("all_gather_tp", "reduce_scatter_tp"))
     quant = any(k.startswith("all_gather_quant") for run in runs for k in run.vescale.collectives)
     tiered = any(run.vescale.off_device for run in runs)
     header = ["ranks", *(["mesh"] if hsdp else []), "engine", "params", "grads", "optim",
               *(["host/disk"] if tiered else []), "gathered peak",
               "activations", "peak/rank", "all-gather/step", *(["(quantized)"] if quant else []),
               "reduce-scatter/step", *(["all-reduce/step", "all-reduce time"] if hsdp else []),
-              *(["all-reduce tp/step", "tp time"] if tp else []), "padding",
+              *(["all-reduce tp/step"] if tp else []),
+              *(["all-gather tp/step", "reduce-scatter tp/step"] if sp else []), *(["tp time"] if tp else []),
+              "padding",
               "step time", "(compute+exposed comm+optim)"]
     rows = []
     for run in runs:
@@ -182,7 +185,9 @@ def format_runs(runs: list) -> str:
                 _mib(est.collectives.get("reduce_scatter", 0)),
                 *([_mib(est.collectives.get("all_reduce_replicate", 0)), _seconds(est.replicate_seconds)] if hsdp
                   else []),
-                *([_mib(est.collectives.get("all_reduce_tp", 0)), _seconds(est.replicate_seconds)] if tp else []),
+                *([_mib(est.collectives.get("all_reduce_tp", 0))] if tp else []),
+                *([_mib(est.collectives.get(k, 0)) for k in ("all_gather_tp", "reduce_scatter_tp")] if sp else []),
+                *([_seconds(est.replicate_seconds)] if tp else []),
                 f"{est.padding:.3%}", _seconds(est.step_seconds),
                 f"{_seconds(est.compute_seconds)} + {_seconds(est.exposed_comm_seconds)} + "
                 f"{_seconds(est.optimizer_seconds)}",
@@ -214,7 +219,11 @@ def _run(argv: list[str]) -> int:
     from lightning_vescale.plan._files import load_plan
     from lightning_vescale.plan._hardware import load_profile
     from lightning_vescale.plan._resolve import resolve_plan
-    from lightning_vescale.plan._tensor_parallel import check_tensor_parallel_size, tensor_parallel_view
+    from lightning_vescale.plan._tensor_parallel import (
+        check_tensor_parallel_size,
+        sequence_modules,
+        tensor_parallel_view,
+    )
 
     start = time.perf_counter()
     args, overrides = _parse(argv)
@@ -261,7 +270,7 @@ def _run(argv: list[str]) -> int:
 
     compute_dtype = PRECISIONS[workload.precision][0] or next(model.parameters()).dtype
     activations = activation_profile(model, [g.name for g in _forward_order(model, resolved)],
-                                     compute_dtype=compute_dtype)
+                                     compute_dtype=compute_dtype, sequence=sequence_modules(model), sequence_split=tp)
     runs = [dry_run(model, resolved, n, workload=workload, hardware=hardware, activations=activations,
                     replicate=replicate, tensor_parallel=tp) for n in sizes]
     elapsed = time.perf_counter() - start
@@ -277,7 +286,7 @@ def _run(argv: list[str]) -> int:
           + (f": each group sharded over world_size / {replicate} ranks, gradients AllReduced across the "
              f"{replicate} replicas after each ReduceScatter (exposed: the engine waits for it)" if replicate > 1
              else f": the plan's tp rules split modules over {tp} ranks, each group of one tp rank's model sharded "
-             f"over world_size / {tp} ranks; the tp AllReduces are exposed" if tp > 1
+             f"over world_size / {tp} ranks; the tp collectives are exposed" if tp > 1
              else ": every group sharded over all ranks"))
     print(format_runs(runs))
     too_big = [str(r.world_size) for r in runs if r.vescale.peak > hardware.memory_bytes]

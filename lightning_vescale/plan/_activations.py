@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -120,7 +120,7 @@ def _experts_by_formula(model: nn.Module, itemsize: int, counter: list, stack: l
 
 def activation_profile(
     model: nn.Module, groups: Sequence[str] = ("",), *, compute_dtype: Optional[torch.dtype] = None,
-    tokens: int = 23, loss: bool = True,
+    tokens: int = 23, loss: bool = True, sequence: Collection[str] = (), sequence_split: int = 1,
 ) -> dict[str, float]:
     """Bytes saved for backward per token of a micro-batch, by group: each saved storage is charged to the
     innermost of ``groups`` (module names; ``""`` the model) whose forward is running when it is saved.
@@ -132,6 +132,9 @@ def activation_profile(
         compute_dtype: the dtype forward runs in (mixed precision's ``param_dtype``); None: the parameters'.
         tokens: the sequence length of the counting forward (the count is per token).
         loss: add the recipes' loss (fp32 log-probabilities over the vocabulary, and the targets).
+        sequence: sequence parallelism: the modules (``tp: sequence``, the norms) whose input and output are split
+            over ``sequence_split`` tensor-parallel ranks on the sequence dimension: what they save is charged at
+            ``1 / sequence_split`` (the projections next to them save their gathered, whole inputs).
     """
     with torch.device("meta"):
         meta = copy.deepcopy(model).to("meta")
@@ -147,13 +150,20 @@ def activation_profile(
     base = "" if "" in charged else groups[0]
     stack = [base]
     seen: set[int] = set()
+    share = [1.0]  # of the tokens the running module holds (sequence parallelism: 1 / sequence_split in a norm)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key not in skip and key not in seen:
             seen.add(key)
-            charged[stack[-1]] += t.untyped_storage().nbytes()
+            charged[stack[-1]] += t.untyped_storage().nbytes() * share[-1]
         return t
+
+    def split_on(module: nn.Module, args: tuple) -> None:
+        share.append(1.0 / sequence_split)
+
+    def split_off(module: nn.Module, args: tuple, output: object) -> None:
+        share.pop()
 
     def enter(group: str) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -165,6 +175,10 @@ def activation_profile(
         stack.pop()
 
     handles = []
+    for name in sequence:
+        if sequence_split > 1 and name in names:
+            handles.append(names[name].register_forward_pre_hook(split_on))
+            handles.append(names[name].register_forward_hook(split_off))
     for g in groups:
         if g in names and names[g] is not meta:
             handles.append(names[g].register_forward_pre_hook(enter(g)))

@@ -54,6 +54,7 @@ from lightning_vescale.plan._resolve import GroupPolicy, ResolvedPlan
 from lightning_vescale.plan._spec import PlanError
 from lightning_vescale.plan._tensor_parallel import (
     check_tensor_parallel_size,
+    sequence_modules,
     tensor_parallel_bytes,
     tensor_parallel_view,
 )
@@ -122,7 +123,8 @@ class EngineEstimate:
     collectives: dict = field(default_factory=dict)
     """Bytes sent per rank per step, by ``comm_stats`` kind (the quantized AllGathers under
     ``all_gather_quant_codes`` / ``all_gather_quant_scales``, HSDP's AllReduce under ``all_reduce_replicate``,
-    tensor parallelism's under ``all_reduce_tp``)."""
+    tensor parallelism's under ``all_reduce_tp``, and with sequence parallelism ``all_gather_tp`` /
+    ``reduce_scatter_tp``)."""
     calls: dict = field(default_factory=dict)
     """Collective calls per step, by kind."""
     padding: float = 0.0
@@ -143,8 +145,8 @@ class EngineEstimate:
 
     @property
     def all_gather_bytes(self) -> float:
-        """AllGather bytes per step, quantized ones included."""
-        return float(sum(v for k, v in self.collectives.items() if k.startswith("all_gather")))
+        """The sharding's AllGather bytes per step, quantized ones included (not tensor parallelism's)."""
+        return float(sum(v for k, v in self.collectives.items() if k.startswith("all_gather") and not k.endswith("_tp")))
 
 
 @dataclass
@@ -476,7 +478,8 @@ def dry_run(
     groups = _forward_order(model, resolved)
     compute_dtype = param_dtype or next(model.parameters()).dtype
     if activations is None:
-        activations = activation_profile(model, [g.name for g in groups], compute_dtype=compute_dtype)
+        activations = activation_profile(model, [g.name for g in groups], compute_dtype=compute_dtype,
+                                         sequence=sequence_modules(model), sequence_split=TP)
     tokens = workload.tokens
     hidden = _hidden_size(model) * compute_dtype.itemsize
     out = DryRun(model=resolved.model_type, plan=resolved.plan.name or "unnamed", world_size=world_size,
@@ -649,14 +652,18 @@ def dry_run(
     if R > 1:
         ve.calls["all_reduce_replicate"] = ar_calls
         fs.calls["all_reduce_replicate"] = len(groups)
-    if TP > 1:  # torch's tensor-parallel AllReduces: on the critical path (nothing overlaps them)
+    if TP > 1:  # torch's tensor-parallel collectives: on the critical path (nothing overlaps them)
         checkpointed = frozenset(g.name for g in groups if workload.checkpointing and not g.is_root)
         tp_bytes, tp_calls = tensor_parallel_bytes(model, resolved.tensor_parallel, TP, tokens,
                                                    compute_dtype.itemsize, checkpointed)
-        t_tp = hardware.all_reduce_seconds(tp_bytes / max(tp_calls, 1), world_size=TP, span=TP) * tp_calls
+        t_tp = 0.0
+        for kind, nbytes in tp_bytes.items():
+            n = tp_calls[kind]
+            t_tp += n * (hardware.all_reduce_seconds(nbytes / n, world_size=TP, span=TP) if kind == "all_reduce_tp"
+                         else hardware.collective_seconds(nbytes / n, TP))
         for est in (ve, fs):
-            est.collectives["all_reduce_tp"] = tp_bytes
-            est.calls["all_reduce_tp"] = tp_calls
+            est.collectives.update(tp_bytes)
+            est.calls.update(tp_calls)
             est.comm_seconds += t_tp
             est.replicate_seconds += t_tp  # exposed, as HSDP's AllReduce
     if workload.clip_grad and N > 1:  # over the shard group: the replicas hold the same reduced gradients

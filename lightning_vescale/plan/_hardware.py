@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_vescale.plan._spec import PlanError
 
-__all__ = ["HardwareProfile", "OpCounter", "load_profile", "measure_cpu_profile", "profile_names"]
+__all__ = ["FunctionalCollectiveCounter", "HardwareProfile", "OpCounter", "load_profile", "measure_cpu_profile", "profile_names"]
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -173,6 +173,41 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class FunctionalCollectiveCounter(TorchDispatchMode):
+    """Bytes per rank torch's functional collectives send inside it (what DTensor's redistributions issue: tensor
+    parallelism's), by kind ``<op>_<suffix>`` (``all_reduce_tp``, ``all_gather_tp``, ``reduce_scatter_tp``), counted as
+    ``comm_stats`` counts them: ``2 (n - 1) / n`` of an AllReduce's tensor, ``(n - 1)`` times an AllGather's input,
+    ``(n - 1) / n`` of a ReduceScatter's input, ``n`` the group's size. ``calls`` counts them by kind. The reference
+    that the dry run's tensor-parallel bytes are checked against (``benchmarks/plan_check.py``, the tests)."""
+
+    def __init__(self, suffix: str = "tp") -> None:
+        super().__init__()
+        self.suffix = suffix
+        self.sent: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def _record(self, kind: str, nbytes: float) -> None:
+        kind = f"{kind}_{self.suffix}"
+        self.sent[kind] = self.sent.get(kind, 0.0) + nbytes
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        ops = torch.ops._c10d_functional
+        if func in (ops.all_reduce.default, ops.all_gather_into_tensor.default, ops.reduce_scatter_tensor.default):
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            t = args[0]
+            nbytes = t.numel() * t.element_size()
+            n = _resolve_process_group(args[-1]).size()
+            if func is ops.all_reduce.default:
+                self._record("all_reduce", 2 * (n - 1) * nbytes / n)
+            elif func is ops.all_gather_into_tensor.default:
+                self._record("all_gather", (n - 1) * nbytes)
+            else:
+                self._record("reduce_scatter", (n - 1) * nbytes / n)
         return func(*args, **(kwargs or {}))
 
 

@@ -7,13 +7,34 @@ activations and FLOPs by the local shapes, and adds torch's tensor-parallel coll
 a rowwise ``nn.Linear`` AllReduces its output in forward, a colwise one its input's gradient in backward
 (``tokens x features`` in the compute dtype each; activation checkpointing runs the forward ones again, but for a
 block's last rowwise projection, which torch's checkpoint does not recompute).
+
+With sequence parallelism (``tp: sequence`` on the norms, and the mapping form's ``input`` / ``output`` layouts, as
+``configs/plan/llama_sp.yaml`` has them) the activations between the projections are split over tp on the sequence
+dimension: what a ``sequence`` module (a norm) saves for backward holds ``1/tp`` of the tokens
+(:func:`~lightning_vescale.plan._activations.activation_profile`'s ``sequence``), and torch sends, per module
+(counted at dispatch on a dp2 x tp2 run, ``tests/distributed/test_dry_run_sequence_parallel.py``):
+
+=====================================  ======================================  ===================================
+module                                 forward                                 backward
+=====================================  ======================================  ===================================
+colwise, ``input: sequence``           AllGather of the input                  ReduceScatter of the input gradient
+colwise, ``output: replicate``         AllGather of the output (the head's     --
+                                       logits)
+rowwise, ``output: sequence``          ReduceScatter of the output             AllGather of the output gradient
+rowwise Embedding, ``output: sequence``  ReduceScatter of the lookups          AllGather of their gradient
+``sequence`` (a norm)                  --                                      --
+=====================================  ======================================  ===================================
+
+each of ``tokens x features`` in the compute dtype, counted as ``comm_stats`` counts them (``(tp - 1) / tp`` of the
+whole for an AllGather or a ReduceScatter), under ``all_gather_tp`` and ``reduce_scatter_tp``. Other layouts
+(colwise ``output: sequence``, rowwise ``input: ...``, ``split`` anywhere) are refused: nothing measured them.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.nn as nn
@@ -21,7 +42,7 @@ import torch.nn as nn
 from lightning_vescale.plan._resolve import ResolvedPlan
 from lightning_vescale.plan._spec import PlanError
 
-__all__ = ["check_tensor_parallel_size", "tensor_parallel_bytes", "tensor_parallel_view"]
+__all__ = ["check_tensor_parallel_size", "sequence_modules", "tensor_parallel_bytes", "tensor_parallel_view", "tp_layouts"]
 
 
 def check_tensor_parallel_size(world_size: int, replicate: int, tp: int) -> int:
@@ -35,11 +56,30 @@ def check_tensor_parallel_size(world_size: int, replicate: int, tp: int) -> int:
     return tp
 
 
+_DEFAULT_LAYOUTS = {"colwise": ("replicate", "split"), "rowwise": ("split", "replicate")}
+"""torch's ``ColwiseParallel`` / ``RowwiseParallel`` input and output layouts when a plan gives none."""
+_SIZED_LAYOUTS = {"colwise": {("replicate", "split"), ("sequence", "split"), ("replicate", "replicate"),
+                              ("sequence", "replicate")},
+                  "rowwise": {("split", "replicate"), ("split", "sequence"), ("replicate", "replicate"),
+                              ("replicate", "sequence")}}
+"""The (input, output) layouts the dry run sizes (those measured): for an ``nn.Linear``; a rowwise ``nn.Embedding``
+takes token ids (``replicate``) whatever the plan says."""
+
+
+def tp_layouts(value: Union[str, Mapping[str, str]]) -> tuple[str, str, str]:
+    """``(style, input layout, output layout)`` of a plan's ``tp`` value, torch's defaults filled in."""
+    if isinstance(value, str):
+        return (value, *_DEFAULT_LAYOUTS.get(value, ("replicate", "replicate")))
+    style = value["style"]
+    default_in, default_out = _DEFAULT_LAYOUTS[style]
+    return style, value.get("input", default_in), value.get("output", default_out)
+
+
 def _local_shapes(model: nn.Module, styles: Mapping[str, Any], tp: int) -> dict[str, tuple[int, ...]]:
     modules = dict(model.named_modules())
     shapes: dict[str, tuple[int, ...]] = {}
-    for name, style in styles.items():
-        module = modules.get(name)
+    for name, value in styles.items():
+        module, style = modules.get(name), tp_layouts(value)[0]
         if style not in ("colwise", "rowwise") or not isinstance(module, (nn.Linear, nn.Embedding)):
             continue
         # nn.Linear's weight is (out, in): colwise splits dim 0; nn.Embedding's is (vocab, dim): colwise splits dim 1.
@@ -54,22 +94,39 @@ def _local_shapes(model: nn.Module, styles: Mapping[str, Any], tp: int) -> dict[
     return shapes
 
 
+def _check_layouts(model: nn.Module, styles: Mapping[str, Any]) -> None:
+    """A :class:`PlanError` naming the first module whose layouts the dry run does not size."""
+    modules = dict(model.named_modules())
+    for name, value in styles.items():
+        style, inp, out = tp_layouts(value)
+        if style not in _SIZED_LAYOUTS or not isinstance(modules.get(name), nn.Linear):
+            continue
+        if (inp, out) not in _SIZED_LAYOUTS[style]:
+            sized = ", ".join(f"input: {i}, output: {o}" for i, o in sorted(_SIZED_LAYOUTS[style]))
+            raise PlanError(f"{name}: tp {{style: {style}, input: {inp}, output: {out}}} is a layout the dry run does "
+                            f"not size (nothing measured what torch sends for it); a {style} module sizes {sized}")
+
+
+def sequence_modules(model: nn.Module) -> frozenset[str]:
+    """The modules of a :func:`tensor_parallel_view` that run on ``1/tp`` of the tokens (``tp: sequence``)."""
+    return getattr(model, "_vescale_tp_sequence", frozenset())
+
+
 def tensor_parallel_view(model: nn.Module, resolved: ResolvedPlan, tp: int) -> tuple[nn.Module, ResolvedPlan]:
     """One tp rank's model (a meta-device copy with the split weights' local shapes) and the plan resolved on it.
 
     Raises ``ValueError`` (from :func:`~lightning_vescale.parallel.check_tensor_parallel`) where ``tp`` does not
-    divide a split shape or the heads, and a :class:`PlanError` where the plan splits nothing."""
+    divide a split shape or the heads, and a :class:`PlanError` where the plan splits nothing or gives a layout
+    the dry run does not size."""
     from lightning_vescale.parallel.tensor_parallel import check_tensor_parallel
 
     if tp == 1:
         return model, resolved
     styles = dict(resolved.tensor_parallel)
-    if any(not isinstance(s, str) and set(s) - {"style"} or s == "sequence" for s in styles.values()):
-        raise PlanError("the dry run does not size sequence-parallel layouts yet (tp: sequence, or input / output "
-                        "layouts on a colwise / rowwise module): size the plan without them")
-    if not any(s != "replicate" for s in styles.values()):
+    if not any(tp_layouts(s)[0] not in ("replicate", "sequence") for s in styles.values()):
         raise PlanError(f"tp={tp}, but the plan {resolved.plan.name or ''!r} splits no module over tp: give a plan with "
                         f"tp rules (e.g. plan=llama)")
+    _check_layouts(model, styles)
     check_tensor_parallel(model, styles, tp)
     shapes = _local_shapes(model, styles, tp)
     local = copy.deepcopy(model).to("meta")
@@ -82,6 +139,8 @@ def tensor_parallel_view(model: nn.Module, resolved: ResolvedPlan, tp: int) -> t
     local._vescale_tp_local = tp  # type: ignore[assignment]  # marks the view (dry_run checks it)
     local._vescale_global_numel = sum(p.numel for p in resolved.params.values())  # type: ignore[assignment]
     local._vescale_tp_split = frozenset(shapes)  # type: ignore[assignment]  # the parameters split over tp
+    local._vescale_tp_sequence = frozenset(  # type: ignore[assignment]  # modules on 1/tp of the tokens
+        n for n, s in styles.items() if tp_layouts(s)[0] == "sequence")
     params = {}
     for name, policy in resolved.params.items():
         params[name] = policy if name not in shapes else type(policy)(**{**vars(policy), "shape": shapes[name]})
@@ -89,36 +148,58 @@ def tensor_parallel_view(model: nn.Module, resolved: ResolvedPlan, tp: int) -> t
                                params=params, tensor_parallel=resolved.tensor_parallel)
 
 
-def tensor_parallel_bytes(local: nn.Module, styles: Mapping[str, Any], tp: int, tokens: int, itemsize: int,
-                          checkpointed: frozenset[str] = frozenset()) -> tuple[float, int]:
-    """``(bytes, calls)`` per step of the tp AllReduces of one rank, counted as ``comm_stats`` counts an AllReduce
-    (``2 (tp - 1) / tp`` of the payload): rowwise outputs in forward (twice under ``checkpointed`` groups: the
-    recompute), colwise input gradients in backward."""
-    if tp == 1:
-        return 0.0, 0
-    modules = dict(local.named_modules())
-    # torch's non-reentrant checkpoint stops recomputing once the tensors backward needs exist again: a group's last
-    # rowwise projection (its output only feeds the residual sum) is not run again, the earlier ones are.
-    last_rowwise = {}
-    for name, style in styles.items():
-        owner = next((g for g in checkpointed if name.startswith(g + ".")), None)
-        if owner is not None and style == "rowwise":
-            last_rowwise[owner] = name
-    total, calls = 0.0, 0
-    for name, style in styles.items():
-        module = modules.get(name)
-        if isinstance(module, nn.Embedding) and style == "rowwise":  # vocabulary split: the lookups are summed
-            total += 2 * (tp - 1) * tokens * module.weight.shape[1] * itemsize / tp
-            calls += 1
-            continue
-        if not isinstance(module, nn.Linear) or style not in ("colwise", "rowwise"):
-            continue
-        if style == "rowwise":
-            payload = tokens * module.weight.shape[0] * itemsize
-            owner = next((g for g in checkpointed if name.startswith(g + ".")), None)
-            times = 2 if owner is not None and last_rowwise[owner] != name else 1
+def _module_collectives(module: nn.Module, value: Union[str, Mapping[str, str]], tp: int) -> list[tuple[str, bool, int]]:
+    """``(kind, in forward, features)`` of what torch sends for one split module, ``tokens x features`` each."""
+    style, inp, out = tp_layouts(value)
+    if isinstance(module, nn.Embedding):
+        if style != "rowwise":  # colwise: the lookups stay split on features, nothing is sent
+            return []
+        dim = module.weight.shape[1]  # vocabulary split: the partial lookups are summed
+        return [("all_reduce_tp", True, dim)] if out == "replicate" else \
+            [("reduce_scatter_tp", True, dim), ("all_gather_tp", False, dim)]
+    if not isinstance(module, nn.Linear) or style not in ("colwise", "rowwise"):
+        return []
+    local_out, local_in = module.weight.shape
+    sent = []
+    if style == "colwise":
+        if inp == "replicate":
+            sent.append(("all_reduce_tp", False, local_in))  # the input gradient's partial sums
         else:
-            payload, times = tokens * module.weight.shape[1] * itemsize, 1
-        total += times * 2 * (tp - 1) * payload / tp
-        calls += times
-    return total, calls
+            sent += [("all_gather_tp", True, local_in), ("reduce_scatter_tp", False, local_in)]
+        if out == "replicate":  # the split outputs gathered; their gradient is only cut in backward
+            sent.append(("all_gather_tp", True, local_out * tp))
+    else:
+        sent += [("all_reduce_tp", True, local_out)] if out == "replicate" else \
+            [("reduce_scatter_tp", True, local_out), ("all_gather_tp", False, local_out)]
+    return sent
+
+
+def tensor_parallel_bytes(local: nn.Module, styles: Mapping[str, Any], tp: int, tokens: int, itemsize: int,
+                          checkpointed: frozenset[str] = frozenset()) -> tuple[dict[str, float], dict[str, int]]:
+    """``(bytes, calls)`` by ``comm_stats``-style kind per step of the tp collectives of one rank: ``all_reduce_tp``
+    (``2 (tp - 1) / tp`` of the payload: rowwise outputs in forward, colwise input gradients in backward) and, with
+    sequence parallelism, ``all_gather_tp`` and ``reduce_scatter_tp`` (``(tp - 1) / tp`` of it; see the module
+    doc). The forward ones run twice under ``checkpointed`` groups (the recompute), but for a group's last rowwise
+    projection, which torch's non-reentrant checkpoint does not run again (its output only feeds the residual sum)."""
+    if tp == 1:
+        return {}, {}
+    modules = dict(local.named_modules())
+    last_rowwise = {}
+    for name, value in styles.items():
+        owner = next((g for g in checkpointed if name.startswith(g + ".")), None)
+        if owner is not None and tp_layouts(value)[0] == "rowwise":
+            last_rowwise[owner] = name
+    sent: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for name, value in styles.items():
+        module = modules.get(name)
+        if module is None:
+            continue
+        owner = next((g for g in checkpointed if name.startswith(g + ".")), None)
+        recomputed = owner is not None and last_rowwise.get(owner) != name
+        for kind, forward, features in _module_collectives(module, value, tp):
+            times = 2 if forward and recomputed else 1
+            share = 2 * (tp - 1) / tp if kind == "all_reduce_tp" else (tp - 1) / tp
+            sent[kind] = sent.get(kind, 0.0) + times * share * tokens * features * itemsize
+            calls[kind] = calls.get(kind, 0) + times
+    return sent, calls

@@ -160,8 +160,33 @@ def test_tp_layouts_are_checked():
         load_plan(_plan({"match": "**.norm", "tp": {"style": "sequence"}}))
 
 
-def test_dry_run_says_it_does_not_size_sequence_parallel_yet(capsys):
+def test_dry_run_sizes_sequence_parallel(capsys):
     from lightning_vescale.plan.__main__ import main
 
-    assert main(["model=llama_tiny", "world_size=4", "plan=llama_sp", "tp=2"]) == 2
-    assert "does not size sequence-parallel layouts yet" in capsys.readouterr().err
+    assert main(["model=llama_tiny", "world_size=4", "plan=llama_sp", "tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "all-gather tp/step" in out and "reduce-scatter tp/step" in out
+
+
+def test_sequence_parallel_norms_save_one_tp_share_of_the_tokens():
+    from lightning_vescale.plan._activations import activation_profile
+    from lightning_vescale.plan._tensor_parallel import sequence_modules, tensor_parallel_view
+
+    model = _llama()
+    local, _ = tensor_parallel_view(model, resolve_plan(model, load_plan("llama_sp")), 2)
+    norms = sequence_modules(local)
+    assert norms == {"norm", *(f"layers.{i}.{n}" for i in range(2) for n in ("attention_norm", "ffn_norm"))}
+    whole = activation_profile(local, compute_dtype=torch.float32)[""]
+    only_norms = whole - activation_profile(local, compute_dtype=torch.float32, sequence=norms, sequence_split=10**9)[""]
+    split = activation_profile(local, compute_dtype=torch.float32, sequence=norms, sequence_split=2)[""]
+    assert only_norms > 0 and split == pytest.approx(whole - only_norms / 2)
+
+
+def test_dry_run_refuses_layouts_nothing_measured(capsys):
+    from lightning_vescale.plan._tensor_parallel import tensor_parallel_view
+
+    model = _llama()
+    plan = _plan({"match": "**.attention.wq", "tp": {"style": "colwise", "output": "sequence"}})
+    with pytest.raises(PlanError, match=r"layers.0.attention.wq: tp \{style: colwise, input: replicate, output: sequence\}"
+                                        r" is a layout the dry run does not size"):
+        tensor_parallel_view(model, resolve_plan(model, plan), 2)
