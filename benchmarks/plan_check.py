@@ -21,7 +21,8 @@ tokens. Measured per rank:
 ``--replicate R`` shards on an HSDP mesh (``build_mesh(..., replicate_size=R)``) and predicts with
 ``replicate=R``; a plan with ``quantization`` is sized with the engine's quantized buffers. ``--tp T`` shards on a
 ``("dp", "tp")`` mesh with the plan's tp rules (``--plan llama``) and predicts with ``tp=T``; torch's tensor-parallel
-AllReduces are counted at dispatch (``all_reduce_tp``), as the dry run counts them.
+collectives are counted at dispatch (``FunctionalCollectiveCounter``: ``all_reduce_tp``, and with sequence
+parallelism, ``--plan llama_sp --tp 2``, ``all_gather_tp`` / ``reduce_scatter_tp``), as the dry run counts them.
 
 Predicted, in the parent process, by ``python -m lightning_vescale.plan``'s code (``dry_run``) for the same
 model, plan, mesh, batch and world size: bytes per collective kind and the peak per rank. Results go to
@@ -42,7 +43,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -89,24 +89,12 @@ def warm_up(llama, llama_config) -> None:
     optimizer.step()
 
 
-class _CountTensorParallel(TorchDispatchMode):
-    """Bytes torch's functional AllReduces (tensor parallelism's) send per rank, as comm_stats counts an AllReduce."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.size, self.sent = size, 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops._c10d_functional.all_reduce.default:
-            self.sent += 2 * (self.size - 1) * args[0].numel() * args[0].element_size() / self.size
-        return func(*args, **(kwargs or {}))
-
-
 def worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     import lightning_vescale as lv
     from lightning_vescale.models import Llama, LlamaConfig
+    from lightning_vescale.plan._hardware import FunctionalCollectiveCounter
 
     config = LlamaConfig(**MODELS[args.model])
     warm_up(Llama, LlamaConfig)
@@ -131,13 +119,12 @@ def worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
     after_setup = peak_rss() - baseline
     sent = []
     for tokens in batches:
-        with _CountTensorParallel(args.tp) as tp_sent:
+        with FunctionalCollectiveCounter("tp") as tp_sent:
             lm_loss(model, tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step = dict(lv.comm_stats.step())
-        if args.tp > 1:
-            step["all_reduce_tp"] = int(tp_sent.sent)
+        step.update({k: int(v) for k, v in tp_sent.sent.items()})
         sent.append(step)
     result = {"baseline_rss": baseline, "setup_peak": after_setup, "train_peak": peak_rss() - baseline,
               "bytes": sent[-1], "bytes_steps": sent}

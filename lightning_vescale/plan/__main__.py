@@ -34,8 +34,9 @@ world size and per engine (lightning_vescale, and FSDP2's even sharding of the s
 sharded parameters, gradients and optimizer states on the device (a plan's ``tier``: what it keeps on host or
 disk in a column of its own, outside the peak), the peak of gathered parameters with prefetch, activations
 per micro-batch, the peak per rank, bytes sent per step per collective (AllGather, of which block-quantized
-codes + scales; ReduceScatter; HSDP's AllReduce across replicas), padding, and the predicted step time, under
-the mesh it names.
+codes + scales; ReduceScatter; HSDP's AllReduce across replicas; tensor parallelism's AllReduces, and with sequence
+parallelism its AllGathers and ReduceScatters; with ``optimizer=muon`` Muon's two all-to-alls, the busiest rank's),
+padding, and the predicted step time, under the mesh it names.
 """
 
 from __future__ import annotations
@@ -164,12 +165,14 @@ def format_runs(runs: list) -> str:
     sp = any(k in run.vescale.collectives for run in runs for k in ("all_gather_tp", "reduce_scatter_tp"))
     quant = any(k.startswith("all_gather_quant") for run in runs for k in run.vescale.collectives)
     tiered = any(run.vescale.off_device for run in runs)
+    muon = any("muon_gather" in run.vescale.collectives for run in runs)
     header = ["ranks", *(["mesh"] if hsdp else []), "engine", "params", "grads", "optim",
               *(["host/disk"] if tiered else []), "gathered peak",
               "activations", "peak/rank", "all-gather/step", *(["(quantized)"] if quant else []),
               "reduce-scatter/step", *(["all-reduce/step", "all-reduce time"] if hsdp else []),
               *(["all-reduce tp/step"] if tp else []),
               *(["all-gather tp/step", "reduce-scatter tp/step"] if sp else []), *(["tp time"] if tp else []),
+              *(["muon all-to-all/step"] if muon else []),
               "padding",
               "step time", "(compute+exposed comm+optim)"]
     rows = []
@@ -188,6 +191,8 @@ def format_runs(runs: list) -> str:
                 *([_mib(est.collectives.get("all_reduce_tp", 0))] if tp else []),
                 *([_mib(est.collectives.get(k, 0)) for k in ("all_gather_tp", "reduce_scatter_tp")] if sp else []),
                 *([_seconds(est.replicate_seconds)] if tp else []),
+                *([_mib(est.collectives.get("muon_gather", 0) + est.collectives.get("muon_scatter", 0))] if muon
+                  else []),
                 f"{est.padding:.3%}", _seconds(est.step_seconds),
                 f"{_seconds(est.compute_seconds)} + {_seconds(est.exposed_comm_seconds)} + "
                 f"{_seconds(est.optimizer_seconds)}",
@@ -221,7 +226,7 @@ def _run(argv: list[str]) -> int:
     from lightning_vescale.plan._resolve import resolve_plan
     from lightning_vescale.plan._tensor_parallel import (
         check_tensor_parallel_size,
-        sequence_modules,
+        sequence_parallel,
         tensor_parallel_view,
     )
 
@@ -270,7 +275,7 @@ def _run(argv: list[str]) -> int:
 
     compute_dtype = PRECISIONS[workload.precision][0] or next(model.parameters()).dtype
     activations = activation_profile(model, [g.name for g in _forward_order(model, resolved)],
-                                     compute_dtype=compute_dtype, sequence=sequence_modules(model), sequence_split=tp)
+                                     compute_dtype=compute_dtype, sequence_parallel=sequence_parallel(model))
     runs = [dry_run(model, resolved, n, workload=workload, hardware=hardware, activations=activations,
                     replicate=replicate, tensor_parallel=tp) for n in sizes]
     elapsed = time.perf_counter() - start

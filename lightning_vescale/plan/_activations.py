@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -33,7 +34,21 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from lightning_vescale.models.moe import MoEFeedForward
 
-__all__ = ["activation_bytes_per_token", "activation_profile", "moe_bytes_per_token"]
+__all__ = ["SequenceParallel", "activation_bytes_per_token", "activation_profile", "moe_bytes_per_token"]
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """Sequence parallelism in a tensor-parallel rank's model, as the activation count needs it."""
+
+    split: int
+    """The tensor-parallel size: the sequence is split over that many ranks between the projections."""
+    sequence: frozenset[str] = frozenset()
+    """Modules on ``1 / split`` of the tokens (``tp: sequence``: the norms)."""
+    gather_input: frozenset[str] = frozenset()
+    """Modules whose input is gathered over tp (colwise, ``input: sequence``): each saves a whole copy of its own."""
+    gather_output: frozenset[str] = frozenset()
+    """Modules whose split output is gathered over tp (colwise, ``output: replicate``: the head's logits)."""
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -120,7 +135,7 @@ def _experts_by_formula(model: nn.Module, itemsize: int, counter: list, stack: l
 
 def activation_profile(
     model: nn.Module, groups: Sequence[str] = ("",), *, compute_dtype: Optional[torch.dtype] = None,
-    tokens: int = 23, loss: bool = True, sequence: Collection[str] = (), sequence_split: int = 1,
+    tokens: int = 23, loss: bool = True, sequence_parallel: Optional[SequenceParallel] = None,
 ) -> dict[str, float]:
     """Bytes saved for backward per token of a micro-batch, by group: each saved storage is charged to the
     innermost of ``groups`` (module names; ``""`` the model) whose forward is running when it is saved.
@@ -132,9 +147,10 @@ def activation_profile(
         compute_dtype: the dtype forward runs in (mixed precision's ``param_dtype``); None: the parameters'.
         tokens: the sequence length of the counting forward (the count is per token).
         loss: add the recipes' loss (fp32 log-probabilities over the vocabulary, and the targets).
-        sequence: sequence parallelism: the modules (``tp: sequence``, the norms) whose input and output are split
-            over ``sequence_split`` tensor-parallel ranks on the sequence dimension: what they save is charged at
-            ``1 / sequence_split`` (the projections next to them save their gathered, whole inputs).
+        sequence_parallel: of a tensor-parallel rank's model (:func:`~lightning_vescale.plan._tensor_parallel.
+            sequence_parallel`), the modules that run on ``1 / split`` of the tokens (what they save is charged at
+            that share) and those that gather their input or output over tp (each gets a tensor of its own, as the
+            AllGather's output is, which its matmul saves; a gathered output is ``split`` times wider).
     """
     with torch.device("meta"):
         meta = copy.deepcopy(model).to("meta")
@@ -160,7 +176,8 @@ def activation_profile(
         return t
 
     def split_on(module: nn.Module, args: tuple) -> None:
-        share.append(1.0 / sequence_split)
+        assert sequence_parallel is not None
+        share.append(1.0 / sequence_parallel.split)
 
     def split_off(module: nn.Module, args: tuple, output: object) -> None:
         share.pop()
@@ -175,10 +192,16 @@ def activation_profile(
         stack.pop()
 
     handles = []
-    for name in sequence:
-        if sequence_split > 1 and name in names:
+    sp = sequence_parallel
+    if sp is not None and sp.split > 1:
+        for name in sp.sequence & names.keys():
             handles.append(names[name].register_forward_pre_hook(split_on))
             handles.append(names[name].register_forward_hook(split_off))
+        for name in sp.gather_input & names.keys():
+            handles.append(names[name].register_forward_pre_hook(lambda m, args: (args[0].clone(), *args[1:])))
+        for name in sp.gather_output & names.keys():
+            handles.append(names[name].register_forward_hook(
+                lambda m, args, out: torch.cat([out] * sp.split, dim=-1)))
     for g in groups:
         if g in names and names[g] is not meta:
             handles.append(names[g].register_forward_pre_hook(enter(g)))

@@ -15,6 +15,11 @@ the engine issues it when the ReduceScatter completes and waits for it, so it is
 With ``tp``, a ``(world_size / tp, tp)`` mesh: the plan's ``tp`` rules split modules over ``tp`` ranks, and the
 tp-local model is sized as above over ``world_size / tp`` ranks; torch's tensor-parallel AllReduces are added
 under ``all_reduce_tp`` (see :mod:`._tensor_parallel`), exposed.
+With ``optimizer="muon"``, Muon's own two all-to-alls per step (``muon_gather``: each rank's pieces of the updates of
+the matrices not whole on one rank to their owners; ``muon_scatter``: the orthogonalized pieces back) are sized
+with Muon's own owner choice on the planner's pieces (:func:`muon_bucket_bytes`), per rank (``per_rank``; the
+busiest rank's in ``collectives``); under tp, each tp-split matrix is gathered whole to one rank of the
+``(dp, tp)`` mesh.
 Block-quantized parameters (a plan's ``quantization``) get the engine's quantized buffers (:mod:`._layout`):
 their AllGathers are counted under ``all_gather_quant_codes`` and ``all_gather_quant_scales``, as ``comm_stats``
 counts them; FSDP2, which has no block-quantized gather or storage, is sized without the quantization.
@@ -54,7 +59,7 @@ from lightning_vescale.plan._resolve import GroupPolicy, ResolvedPlan
 from lightning_vescale.plan._spec import PlanError
 from lightning_vescale.plan._tensor_parallel import (
     check_tensor_parallel_size,
-    sequence_modules,
+    sequence_parallel,
     tensor_parallel_bytes,
     tensor_parallel_view,
 )
@@ -127,6 +132,9 @@ class EngineEstimate:
     ``reduce_scatter_tp``)."""
     calls: dict = field(default_factory=dict)
     """Collective calls per step, by kind."""
+    per_rank: dict = field(default_factory=dict)
+    """For the kinds whose bytes differ between ranks (Muon's ``muon_gather`` / ``muon_scatter``): bytes per step of
+    every rank, by global rank; ``collectives`` holds the busiest rank's."""
     padding: float = 0.0
     """Padding elements / real elements."""
     step_seconds: float = 0.0
@@ -137,7 +145,8 @@ class EngineEstimate:
     copy_seconds: float = 0.0
     """Copies in and out of collective buffers (FSDP2 only)."""
     replicate_seconds: float = 0.0
-    """AllReduces nothing overlaps (part of ``comm_seconds``): HSDP's across replicas, tensor parallelism's."""
+    """Collectives nothing overlaps (part of ``comm_seconds``): HSDP's AllReduces across replicas, tensor
+    parallelism's, Muon's all-to-alls in the optimizer step."""
 
     @property
     def bytes_per_step(self) -> float:
@@ -215,6 +224,70 @@ def _per_rank_state_elements(layout: BufferLayout, weights: list[float]) -> torc
             diff[first + 1] += S * w
             diff[last] -= S * w
     return torch.cumsum(diff, 0)[:N] + ends
+
+
+# --------------------------------------------------------------------------------------------------------
+# Muon's own collectives
+
+
+def _piece_ranges(N: int, S: int, start: int, numel: int) -> list[tuple[int, int]]:
+    """Per rank of a buffer of shard size ``S`` on ``N`` ranks, its range of ``[start, start + numel)``, relative to
+    ``start`` (``(0, 0)``: none), as ``RaggedTensor.layout_info.ranges`` gives them to Muon."""
+    ranges = [(0, 0)] * N
+    for r in range(start // S, min((start + numel - 1) // S, N - 1) + 1):
+        lo, hi = max(start, r * S), min(start + numel, (r + 1) * S)
+        if hi > lo:
+            ranges[r] = (lo - start, hi - start)
+    return ranges
+
+
+_MuonMatrix = tuple[str, tuple[int, int], list[tuple[int, int]]]
+"""``(name, shape, ranges)``: a matrix Muon orthogonalizes whole, and per rank of its process group the flat part of
+it that rank holds (:func:`_piece_ranges`; of its tp block for a tensor-parallel one)."""
+
+
+def _muon_matrices(name: str, shape: tuple[int, ...], N: int, S: int, offset: int,
+                   numel: int) -> list[_MuonMatrix]:
+    """The Muon matrices of a parameter at ``offset`` of a buffer of shard size ``S`` on ``N`` ranks: itself (2-D),
+    or each expert ``[e]`` of a 3-D stack. ``shape``: its whole shape (a tensor-parallel one's, which ``numel`` is
+    ``1 / tp`` of: its ranges are then of its tp block)."""
+    if len(shape) == 2:
+        return [(name, (shape[0], shape[1]), _piece_ranges(N, S, offset, numel))]
+    size = numel // shape[0]
+    return [(f"{name}[{e}]", (shape[1], shape[2]), _piece_ranges(N, S, offset + e * size, size)) for e in range(shape[0])]
+
+
+def muon_bucket_bytes(matrices: list[_MuonMatrix], world_size: int, *, tensor_parallel: bool = False,
+                      initial_loads: Optional[list[float]] = None,
+                      ns_steps: int = 5) -> tuple[list[float], list[float], list[float]]:
+    """``(muon_gather, muon_scatter, loads)`` per rank of one process group: the bytes each rank sends in Muon's two
+    all-to-alls per step (its update pieces to their owners; the orthogonalized pieces back to their holders) and
+    the Newton–Schulz cost it carries. Paths and owners are Muon's own (``Muon._assign``, [Note: choosing the path]
+    in :mod:`lightning_vescale.optim.muon`, ``mode="auto"`` with the default cost model): the local path where a
+    matrix is whole on one rank, else gathered to an owner chosen by LPT; ``tensor_parallel``: the matrices split
+    by tp, each gathered to one of the ranks of the ``(dp, tp)`` mesh holding a part of it, seeded with
+    ``initial_loads`` (Note: Muon under tensor parallelism). The pieces travel in bf16."""
+    from lightning_vescale.optim.muon import _WIRE_DTYPE, Muon, _Bucket, _Matrix
+    from lightning_vescale.optim.owner import newton_schulz_cost
+
+    muon = Muon([nn.Parameter(torch.zeros(1, 1))])  # for its owner choice and cost model only
+    group = {"mode": "auto"}
+    bucket = _Bucket(None, 0, world_size, torch.device("cpu"))
+    for name, shape, ranges in matrices:
+        holders = [r for r, (lo, hi) in enumerate(ranges) if hi > lo]
+        holder = holders[0] if len(holders) == 1 and not tensor_parallel else -1
+        blocks = (((0, 0), shape),) if tensor_parallel else None  # only "not None" matters to the owner choice
+        bucket.matrices.append(_Matrix(name, 0, shape, newton_schulz_cost(shape, ns_steps), ranges, (0, 0), group,
+                                       mode="gather" if tensor_parallel else "local", holder=holder, blocks=blocks))
+    loads = muon._assign(bucket, initial_loads=initial_loads)
+    item = _WIRE_DTYPE.itemsize
+    gather, scatter = [0.0] * world_size, [0.0] * world_size
+    for m in bucket.matrices:  # _assign kept the gathered ones
+        for r, (lo, hi) in enumerate(m.ranges):
+            if hi > lo and r != m.owner:
+                gather[r] += (hi - lo) * item
+                scatter[m.owner] += (hi - lo) * item
+    return gather, scatter, loads
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -479,7 +552,7 @@ def dry_run(
     compute_dtype = param_dtype or next(model.parameters()).dtype
     if activations is None:
         activations = activation_profile(model, [g.name for g in groups], compute_dtype=compute_dtype,
-                                         sequence=sequence_modules(model), sequence_split=TP)
+                                         sequence_parallel=sequence_parallel(model))
     tokens = workload.tokens
     hidden = _hidden_size(model) * compute_dtype.itemsize
     out = DryRun(model=resolved.model_type, plan=resolved.plan.name or "unnamed", world_size=world_size,
@@ -502,6 +575,8 @@ def dry_run(
         ve.off_device[f"{cls}/{t}"] = ve.off_device.get(f"{cls}/{t}", 0.0) + nbytes
 
     per_rank_cache: dict[tuple, torch.Tensor] = {}
+    muon_matrices: dict[str, list[_MuonMatrix]] = {"dp": [], "tp": []}  # by process group (Muon's buckets)
+    tp_split: dict[str, tuple[int, ...]] = getattr(model, "_vescale_tp_split", {})
     total_real = total_padding = fs_padding = 0.0
     fs_state = fs_params = 0.0
     first_gather = last_reduce = fs_first_gather = fs_last_reduce = 0.0
@@ -560,6 +635,11 @@ def dry_run(
                     ar_calls += 1
             if lay.quant == "quantized_storage":
                 continue  # frozen: no optimizer states
+            if workload.optimizer == "muon" and lay.requires_grad:
+                for name, spec, off in zip(names, lay.plan.specs, lay.plan.offsets):
+                    if resolved.params[name].optimizer == "muon" and spec.numel:
+                        muon_matrices["tp" if name in tp_split else "dp"] += _muon_matrices(
+                            name, tp_split.get(name, tuple(spec.shape)), N, S, off, spec.numel)
             routes = [resolved.params[n].optimizer for n in names]
             where = [tier(n, "optimizer_states") for n in names]
             for t in sorted(set(where)):
@@ -671,10 +751,33 @@ def dry_run(
         ve.collectives["all_reduce_ragged"] = 2 * (N - 1) * n_grads * 4 // N
         ve.calls["all_reduce_ragged"] = 1
     if workload.clip_grad and TP > 1:  # the split parameters' squared norms are summed over tp too
-        split: frozenset[str] = getattr(model, "_vescale_tp_split", frozenset())
-        n_split = sum(1 for n in split if resolved.params[n].requires_grad)
+        n_split = sum(1 for n in tp_split if resolved.params[n].requires_grad)
         ve.collectives["all_reduce_ragged"] = ve.collectives.get("all_reduce_ragged", 0) + 2 * (TP - 1) * n_split * 4 // TP
         ve.calls["all_reduce_ragged"] = ve.calls.get("all_reduce_ragged", 0) + 1
+    if workload.optimizer == "muon":
+        param_order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # the optimizer's order of matrices
+        for entries in muon_matrices.values():
+            entries.sort(key=lambda m: (param_order.get(m[0].partition("[")[0], -1), m[0]))
+        gather, scatter, loads = muon_bucket_bytes(muon_matrices["dp"], N)
+        muon_per_rank = {"muon_gather": [gather[q // TP] for q in range(N * TP)],
+                    "muon_scatter": [scatter[q // TP] for q in range(N * TP)]}
+        muon_calls = int(any(gather))
+        if muon_matrices["tp"]:  # one (dp, tp) mesh: global rank q is dp rank q // TP's piece of tp block q % TP
+            tp_matrices = [(n, shape, [r for r in ranges for _ in range(TP)]) for n, shape, ranges in muon_matrices["tp"]]
+            tp_gather, tp_scatter, _ = muon_bucket_bytes(tp_matrices, N * TP, tensor_parallel=True,
+                                         initial_loads=[float(round(loads[q // TP])) for q in range(N * TP)])
+            muon_per_rank = {"muon_gather": [a + b for a, b in zip(muon_per_rank["muon_gather"], tp_gather)],
+                        "muon_scatter": [a + b for a, b in zip(muon_per_rank["muon_scatter"], tp_scatter)]}
+            muon_calls += int(any(tp_gather))
+        ve.per_rank.update(muon_per_rank)  # zeros where every matrix is whole on its owner (the local path)
+        if muon_calls:
+            t_muon = 0.0
+            for kind, rank_bytes in muon_per_rank.items():
+                ve.collectives[kind] = max(rank_bytes)
+                ve.calls[kind] = muon_calls
+                t_muon += hardware.collective_seconds(max(rank_bytes), N * TP)
+            ve.comm_seconds += t_muon
+            ve.replicate_seconds += t_muon  # in the optimizer step: nothing overlaps it
     ve.optimizer = float(state_per_rank.max()) if N else 0.0
     for t, per_rank in states_off.items():
         add_off("optimizer_states", t, float(per_rank.max()))
@@ -712,8 +815,9 @@ def dry_run(
         out.notes.append("the plan's tiers keep " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in
                          sorted(ve.off_device.items())) + " per rank off the device (the transfers' time and their "
                          "buffers in flight are not counted)")
-    if workload.optimizer == "muon":
-        out.notes.append("Muon's own collectives (matrices not whole on one rank) are not counted")
+    if "muon_gather" in ve.collectives:
+        out.notes.append("Muon's all-to-alls (muon_gather / muon_scatter): the busiest rank's bytes, with Muon's "
+                         "defaults (mode='auto', 5 Newton-Schulz steps); FSDP2 is sized without Muon's gathers")
     if quantized:
         parts = [f"{_count(n)} elements {'trained, gathered' if k == 'quantized_gather' else 'frozen, stored'} "
                  f"as codes + scales" for k, n in sorted(quantized.items())]
@@ -757,5 +861,8 @@ def _hidden_size(model: nn.Module) -> int:
 
 
 def _vocab(model: nn.Module) -> int:
+    vocab = getattr(model, "_vescale_vocab", None)  # a tensor-parallel rank's model: the whole vocabulary's logits
+    if isinstance(vocab, int):
+        return vocab
     emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     return emb.num_embeddings if emb is not None else 0

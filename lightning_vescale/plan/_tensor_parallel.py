@@ -34,15 +34,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
 
+from lightning_vescale.plan._activations import SequenceParallel
 from lightning_vescale.plan._resolve import ResolvedPlan
 from lightning_vescale.plan._spec import PlanError
 
-__all__ = ["check_tensor_parallel_size", "sequence_modules", "tensor_parallel_bytes", "tensor_parallel_view", "tp_layouts"]
+__all__ = ["check_tensor_parallel_size", "sequence_parallel", "tensor_parallel_bytes", "tensor_parallel_view", "tp_layouts"]
 
 
 def check_tensor_parallel_size(world_size: int, replicate: int, tp: int) -> int:
@@ -107,9 +108,10 @@ def _check_layouts(model: nn.Module, styles: Mapping[str, Any]) -> None:
                             f"not size (nothing measured what torch sends for it); a {style} module sizes {sized}")
 
 
-def sequence_modules(model: nn.Module) -> frozenset[str]:
-    """The modules of a :func:`tensor_parallel_view` that run on ``1/tp`` of the tokens (``tp: sequence``)."""
-    return getattr(model, "_vescale_tp_sequence", frozenset())
+def sequence_parallel(model: nn.Module) -> Optional[SequenceParallel]:
+    """What the activation count needs to know of a :func:`tensor_parallel_view`'s sequence parallelism (None:
+    none, or not a view)."""
+    return getattr(model, "_vescale_tp_sequence", None)
 
 
 def tensor_parallel_view(model: nn.Module, resolved: ResolvedPlan, tp: int) -> tuple[nn.Module, ResolvedPlan]:
@@ -138,9 +140,18 @@ def tensor_parallel_view(model: nn.Module, resolved: ResolvedPlan, tp: int) -> t
                                            requires_grad=old.requires_grad))
     local._vescale_tp_local = tp  # type: ignore[assignment]  # marks the view (dry_run checks it)
     local._vescale_global_numel = sum(p.numel for p in resolved.params.values())  # type: ignore[assignment]
-    local._vescale_tp_split = frozenset(shapes)  # type: ignore[assignment]  # the parameters split over tp
-    local._vescale_tp_sequence = frozenset(  # type: ignore[assignment]  # modules on 1/tp of the tokens
-        n for n, s in styles.items() if tp_layouts(s)[0] == "sequence")
+    whole = dict(model.named_parameters())
+    local._vescale_tp_split = {  # type: ignore[assignment]  # the parameters split over tp: their whole shapes
+        n: tuple(whole[n].shape) for n in shapes}
+    layouts = {n: tp_layouts(s) for n, s in styles.items()}
+    sequence = SequenceParallel(
+        tp, sequence=frozenset(n for n, (style, _, _) in layouts.items() if style == "sequence"),
+        gather_input=frozenset(n for n, (style, inp, _) in layouts.items() if style == "colwise" and inp == "sequence"),
+        gather_output=frozenset(n for n, (style, _, out) in layouts.items() if style == "colwise" and out == "replicate"))
+    if sequence.sequence or sequence.gather_input or sequence.gather_output:
+        local._vescale_tp_sequence = sequence  # type: ignore[assignment]  # read by sequence_parallel()
+    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), 0)
+    local._vescale_vocab = vocab  # type: ignore[assignment]  # the logits' width, whatever the split of the embedding
     params = {}
     for name, policy in resolved.params.items():
         params[name] = policy if name not in shapes else type(policy)(**{**vars(policy), "shape": shapes[name]})
