@@ -227,13 +227,21 @@ def to_markdown(rows: list, args) -> str:
             f"| {r['world_size']} | {r['predicted_peak'] / mib:.1f} | {r['measured_peak'] / mib:.1f} | "
             f"{100 * r['peak_error']:+.1f}% | {pb:,} | {mb:,} | {'yes' if r['bytes_equal'] else 'NO'} |"
         )
+    lines += ["", "Bytes per step by kind (the largest rank's):", "",
+              "| ranks | kind | predicted | measured | equal |", "|---|---|---|---|---|"]
+    for r in rows:
+        for kind in sorted(set(r["predicted_bytes"]) | set(r["measured_bytes"])):
+            p, m = r["predicted_bytes"].get(kind, 0), r["measured_bytes"].get(kind, 0)
+            if p or m:
+                lines.append(f"| {r['world_size']} | `{kind}` | {p:,} | {m:,} | {'yes' if p == m else 'NO'} |")
     lines += [
         "",
         "Measured peak: the kernel's high-water mark of each rank's resident set during setup and training, minus",
         "the resident set after imports, process-group setup and one step of a tiny unsharded model (VmHWM reset",
         "through /proc/self/clear_refs),",
         "with glibc returning freed blocks >= 128 KiB; the largest rank is shown. Predicted: `dry_run` with the",
-        "`cpu` profile. Bytes: every collective kind `comm_stats` counted in the last step, against the dry run.",
+        "`cpu` profile. Bytes: every collective kind `comm_stats` counted in the last step, and torch's",
+        "tensor-parallel collectives counted at dispatch (`FunctionalCollectiveCounter`: `*_tp`), against the dry run.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -58,7 +58,11 @@ from lightning_vescale.plan._layout import BufferLayout, block_padding_warnings,
 from lightning_vescale.plan._resolve import GroupPolicy, ResolvedPlan
 from lightning_vescale.plan._spec import PlanError
 from lightning_vescale.plan._tensor_parallel import (
+    check_expert_parallel_size,
     check_tensor_parallel_size,
+    expert_groups,
+    expert_parallel_bytes,
+    expert_parallel_view,
     sequence_parallel,
     tensor_parallel_bytes,
     tensor_parallel_view,
@@ -172,6 +176,9 @@ class DryRun:
     """HSDP replicas (1: a 1-D mesh); each group is sharded over ``world_size // replicate`` ranks."""
     tensor_parallel: int = 1
     """Tensor-parallel ranks (1: none); each group is sharded over ``world_size // tensor_parallel`` ranks."""
+    expert_parallel: int = 1
+    """Expert-parallel ranks (1: none); the routed experts' groups are sharded over ``world_size // (tp * ep)``
+    ranks, the others over ``world_size // tp``."""
     mesh: str = ""
     """The mesh assumed, in words."""
     groups: list = field(default_factory=list)
@@ -486,8 +493,8 @@ def _matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
     for m in model.modules():
         if isinstance(m, nn.Linear):
             weights += m.weight.numel()
-        elif isinstance(m, MoEFeedForward):
-            share = m.router.top_k / m.router.num_experts
+        elif isinstance(m, MoEFeedForward):  # top_k experts' weights per token (an ep rank's share of them: its own)
+            share = m.router.top_k / m.experts.w1_EDF.shape[0]
             weights += sum(p.numel() for p in m.experts.parameters()) * share
         elif isinstance(m, TiedOutput):
             weights += m.weight.numel()
@@ -520,6 +527,7 @@ def dry_run(
     activations: Optional[dict[str, float]] = None,
     replicate: int = 1,
     tensor_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> DryRun:
     """Size one training step of ``model`` sharded by ``resolved`` on ``world_size`` ranks (see the module doc).
 
@@ -538,15 +546,23 @@ def dry_run(
             (:mod:`~lightning_vescale.plan._tensor_parallel`). ``model`` / ``resolved`` may be the global ones or
             :func:`~lightning_vescale.plan._tensor_parallel.tensor_parallel_view`'s; given ``activations`` must be
             counted on that view (``None``: counted here, on it).
+        expert_parallel: a ``(world_size // ep, ep)`` mesh (``("dp", "ep")``): every routed expert stack keeps
+            ``E / ep`` experts and its group is sharded over the ``world_size // ep`` dp ranks, every other group over
+            all ranks; the all-to-alls of each MoE layer are sized under balanced routing
+            (:func:`~lightning_vescale.plan._tensor_parallel.expert_parallel_view`, ``expert_parallel_bytes``).
 
     Raises:
         PlanError: ``replicate`` does not divide ``world_size``.
     """
     R = check_replicate(world_size, replicate)
     TP = check_tensor_parallel_size(world_size, R, tensor_parallel)
+    EP = check_expert_parallel_size(world_size, R, TP, expert_parallel)
     if TP > 1 and getattr(model, "_vescale_tp_local", 1) != TP:
         model, resolved = tensor_parallel_view(model, resolved, TP)
+    if EP > 1 and getattr(model, "_vescale_ep_local", 1) != EP:
+        model, resolved = expert_parallel_view(model, resolved, EP)
     N = world_size // (R * TP)  # the shard group's ranks: every per-rank figure below is on them
+    experts = expert_groups(model)  # sharded over the N // EP dp ranks of their ep coordinate
     param_dtype, reduce_dtype = PRECISIONS[workload.precision]
     groups = _forward_order(model, resolved)
     compute_dtype = param_dtype or next(model.parameters()).dtype
@@ -557,7 +573,7 @@ def dry_run(
     hidden = _hidden_size(model) * compute_dtype.itemsize
     out = DryRun(model=resolved.model_type, plan=resolved.plan.name or "unnamed", world_size=world_size,
                  workload=workload, hardware=hardware.name, num_params=getattr(model, "_vescale_global_numel", sum(p.numel for p in resolved.params.values())),
-                 replicate=R, tensor_parallel=TP, mesh=mesh_description(world_size, R, TP))
+                 replicate=R, tensor_parallel=TP, expert_parallel=EP, mesh=mesh_description(world_size, R, TP, EP))
     # HSDP's replicas: rank i of every shard group; they span every node once the shard group fills one.
     t_replicate = functools.partial(hardware.all_reduce_seconds, world_size=R, span=world_size)
     ve, fs = out.vescale, out.fsdp2
@@ -587,7 +603,8 @@ def dry_run(
     early = _roots_done_early(model, groups)
     modules = dict(model.named_modules(remove_duplicate=False))
     for g in groups:
-        layouts = group_layouts(resolved, g, N, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
+        Ng = N // EP if g.name in experts else N  # this group's shard ranks
+        layouts = group_layouts(resolved, g, Ng, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
         group_buffers.append((g.label, layouts))
         # A group of embeddings is not gathered for backward (it reads no weight): lightning-vescale frees it after
         # forward, and FSDP2, which would gather it again, is sized keeping it instead (one AllGather each).
@@ -624,11 +641,11 @@ def dry_run(
                 else:
                     ve.grads += S * mb
                     grad_piece += S * mb
-                grad += N * S * pb
+                grad += Ng * S * pb
                 if lay.reduce_dtype != lay.param_dtype:
-                    extra += N * S * rb
-                if N > 1:
-                    rs += (N - 1) * S * rb
+                    extra += Ng * S * rb
+                if Ng > 1:
+                    rs += (Ng - 1) * S * rb
                     rs_calls += 1
                 if R > 1:  # DBuffer.wait_reduce: one AllReduce of the reduced piece (reduce dtype) per buffer
                     ar += 2 * (R - 1) * S * rb // R
@@ -637,9 +654,9 @@ def dry_run(
                 continue  # frozen: no optimizer states
             if workload.optimizer == "muon" and lay.requires_grad:
                 for name, spec, off in zip(names, lay.plan.specs, lay.plan.offsets):
-                    if resolved.params[name].optimizer == "muon" and spec.numel:
+                    if resolved.params[name].optimizer == "muon" and spec.numel and Ng == N:
                         muon_matrices["tp" if name in tp_split else "dp"] += _muon_matrices(
-                            name, tp_split.get(name, tuple(spec.shape)), N, S, off, spec.numel)
+                            name, tp_split.get(name, tuple(spec.shape)), Ng, S, off, spec.numel)
             routes = [resolved.params[n].optimizer for n in names]
             where = [tier(n, "optimizer_states") for n in names]
             for t in sorted(set(where)):
@@ -648,10 +665,11 @@ def dry_run(
                 key = (id(lay.plan), weights)  # identical groups share one BufferPlan (the planner's cache)
                 if key not in per_rank_cache:
                     per_rank_cache[key] = _per_rank_state_elements(lay, list(weights))
+                ranks = per_rank_cache[key].repeat_interleave(N // Ng)  # dense rank q holds dp rank q // EP's piece
                 if t == "device":
-                    state_per_rank += per_rank_cache[key]
+                    state_per_rank += ranks
                 else:
-                    states_off[t] = states_off.get(t, torch.zeros(N, dtype=torch.float64)) + per_rank_cache[key]
+                    states_off[t] = states_off.get(t, torch.zeros(N, dtype=torch.float64)) + ranks
         ve.params += shard - off_params
         ve.collectives["reduce_scatter"] = ve.collectives.get("reduce_scatter", 0) + rs
         if R > 1:
@@ -666,39 +684,39 @@ def dry_run(
         ve_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, gathered, grad, extra, act,
                                 largest_bytes, recompute, gathered_late=late, in_flight=transient, grad_piece=grad_piece,
                                 done_early=g.name in early, backward_reads=reads))
-        t_ag = hardware.collective_seconds(ag / max(gathers, 1), N)
-        t_rs = hardware.collective_seconds(rs, N)
+        t_ag = hardware.collective_seconds(ag / max(gathers, 1), Ng)
+        t_rs = hardware.collective_seconds(rs, Ng)
         t_ar = t_replicate(ar) if ar else 0.0
         ve.comm_seconds += gathers * t_ag + t_rs + t_ar
         ve.replicate_seconds += t_ar
         first_gather = first_gather or t_ag
         last_reduce = t_rs or last_reduce
-        # FSDP2: every parameter cut by rows into N equal pieces (dim 0 padded to a multiple of N).
+        # FSDP2: every parameter cut by rows into Ng equal pieces (dim 0 padded to a multiple of Ng).
         f_shard = f_gathered = f_grad = f_ag = f_rs = f_ar = f_real = f_elems = f_rs_input = f_piece = 0.0
         for name in g.params:
             p = resolved.params[name]
             dtype = getattr(torch, p.dtype)
             rows = p.shape[0] if p.shape else 1
             rest = p.numel // max(rows, 1) if rows else 0
-            piece = -(-rows // N) * rest
+            piece = -(-rows // Ng) * rest
             floating = dtype.is_floating_point
             mb = dtype.itemsize
             pb = (param_dtype if floating and param_dtype is not None else dtype).itemsize
             rb = (reduce_dtype if floating and reduce_dtype is not None else param_dtype if floating and param_dtype
                   else dtype).itemsize
-            f_elems += N * piece
+            f_elems += Ng * piece
             f_shard += piece * mb
-            f_gathered += N * piece * pb
+            f_gathered += Ng * piece * pb
             f_real += p.numel
             fs_state += _state_bytes(workload.optimizer, p.optimizer, p.numel, mb) * piece
             if p.requires_grad:
-                f_grad += N * piece * pb
-                f_rs_input += N * piece * rb
+                f_grad += Ng * piece * pb
+                f_rs_input += Ng * piece * rb
                 fs.grads += piece * mb
                 f_piece += piece * mb
-                f_rs += (N - 1) * piece * rb if N > 1 else 0
+                f_rs += (Ng - 1) * piece * rb if Ng > 1 else 0
                 f_ar += 2 * (R - 1) * piece * rb / R  # FSDP2's HSDP: one AllReduce of the group's reduced pieces
-            f_ag += gathers * (N - 1) * piece * pb if N > 1 else 0
+            f_ag += gathers * (Ng - 1) * piece * pb if Ng > 1 else 0
         fs_params += f_shard
         fs_padding += f_elems - f_real
         fs.collectives["all_gather"] = fs.collectives.get("all_gather", 0) + f_ag
@@ -710,8 +728,8 @@ def dry_run(
         fs_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward and reads, g.prefetch, f_gathered, f_grad,
                                 f_rs_input - f_grad, act, largest_bytes, recompute, gather_transient=f_gathered,
                                 reduce_transient=f_grad, grad_piece=f_piece, done_early=g.name in early))
-        ft_ag = hardware.collective_seconds(f_ag / max(gathers, 1), N)
-        ft_rs = hardware.collective_seconds(f_rs, N)
+        ft_ag = hardware.collective_seconds(f_ag / max(gathers, 1), Ng)
+        ft_rs = hardware.collective_seconds(f_rs, Ng)
         ft_ar = t_replicate(f_ar) if f_ar else 0.0
         fs.comm_seconds += gathers * ft_ag + ft_rs + ft_ar
         fs.replicate_seconds += ft_ar
@@ -746,6 +764,22 @@ def dry_run(
             est.calls.update(tp_calls)
             est.comm_seconds += t_tp
             est.replicate_seconds += t_tp  # exposed, as HSDP's AllReduce
+    if EP > 1:  # the all-to-alls of every MoE layer: on the critical path (the experts wait for their rows)
+        checkpointed = frozenset(g.name for g in groups if workload.checkpointing and not g.is_root)
+        ep_bytes, ep_calls = expert_parallel_bytes(model, EP, tokens // TP, compute_dtype.itemsize, checkpointed)
+        t_ep = sum(ep_calls[k] * hardware.collective_seconds(v / max(ep_calls[k], 1), EP) for k, v in ep_bytes.items())
+        for est in (ve, fs):
+            est.collectives.update(ep_bytes)
+            est.calls.update(ep_calls)
+            est.comm_seconds += t_ep
+            est.replicate_seconds += t_ep
+        out.notes.append(f"expert parallelism: the all-to-alls (all_to_all_ep) assume balanced routing (each of the "
+                         f"{EP} ep ranks' experts gets 1/{EP} of every rank's routed rows, so {EP - 1}/{EP} of them "
+                         f"leave it); a real run's routing is uneven and its bytes (and the experts' activations and "
+                         f"FLOPs on the busiest rank) higher")
+        if workload.optimizer == "muon":
+            out.notes.append("Muon's all-to-alls of the expert stacks under expert parallelism are not counted (only "
+                             "those of the other matrices)")
     if workload.clip_grad and N > 1:  # over the shard group: the replicas hold the same reduced gradients
         n_grads = sum(1 for p in resolved.params.values() if p.requires_grad)
         ve.collectives["all_reduce_ragged"] = 2 * (N - 1) * n_grads * 4 // N
@@ -846,8 +880,12 @@ def check_replicate(world_size: int, replicate: int) -> int:
     return replicate
 
 
-def mesh_description(world_size: int, replicate: int, tensor_parallel: int = 1) -> str:
+def mesh_description(world_size: int, replicate: int, tensor_parallel: int = 1, expert_parallel: int = 1) -> str:
     """The mesh the dry run assumes, in words."""
+    if expert_parallel > 1:
+        dp = world_size // (tensor_parallel * expert_parallel)
+        return (f"3-D (dp={dp}, ep={expert_parallel}, tp={tensor_parallel})" if tensor_parallel > 1
+                else f"2-D (dp={dp}, ep={expert_parallel})")
     if tensor_parallel > 1:
         return f"2-D (dp={world_size // tensor_parallel}, tp={tensor_parallel})"
     if replicate == 1:

@@ -1,4 +1,4 @@
-"""The dry run under tensor parallelism: one tp rank's view of the model, and the bytes tensor parallelism sends.
+"""The dry run under tensor and expert parallelism: one rank's view of the model, and the bytes they send.
 
 A module a plan splits over ``tp`` ranks holds ``1/tp`` of its weight on each (colwise: output features, rowwise:
 input features; a rowwise bias stays whole). The dry run sizes the data-parallel sharding of that *local* model
@@ -28,13 +28,22 @@ rowwise Embedding, ``output: sequence``  ReduceScatter of the lookups          A
 each of ``tokens x features`` in the compute dtype, counted as ``comm_stats`` counts them (``(tp - 1) / tp`` of the
 whole for an AllGather or a ReduceScatter), under ``all_gather_tp`` and ``reduce_scatter_tp``. Other layouts
 (colwise ``output: sequence``, rowwise ``input: ...``, ``split`` anywhere) are refused: nothing measured them.
+
+Expert parallelism (``ep``, a ``("dp", "ep")`` mesh, :func:`~lightning_vescale.parallel.fully_shard_expert_parallel`):
+one ep rank's model keeps ``E / ep`` routed experts of every MoE layer (:func:`expert_parallel_view`); their groups
+are sharded over the ``world_size / ep`` dp ranks of the rank's ep coordinate, everything else over all ranks.
+Each MoE layer exchanges its tokens-per-expert counts and sends its routed rows in two uneven all-to-alls forward
+(dispatch, combine) and two backward (:func:`expert_parallel_bytes`), sized under balanced routing: every expert
+gets ``tokens x top_k / E`` rows of each rank, so ``(ep - 1) / ep`` of them leave it. Real routing is uneven: the
+bytes of a real run differ by how far its routing is from balanced (``tests/distributed/
+test_dry_run_expert_parallel.py`` routes evenly to check the rest exactly).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -43,7 +52,20 @@ from lightning_vescale.plan._activations import SequenceParallel
 from lightning_vescale.plan._resolve import ResolvedPlan
 from lightning_vescale.plan._spec import PlanError
 
-__all__ = ["check_tensor_parallel_size", "sequence_parallel", "tensor_parallel_bytes", "tensor_parallel_view", "tp_layouts"]
+if TYPE_CHECKING:
+    from lightning_vescale.models.moe import GroupedExperts
+
+__all__ = [
+    "check_expert_parallel_size",
+    "check_tensor_parallel_size",
+    "expert_groups",
+    "expert_parallel_bytes",
+    "expert_parallel_view",
+    "sequence_parallel",
+    "tensor_parallel_bytes",
+    "tensor_parallel_view",
+    "tp_layouts",
+]
 
 
 def check_tensor_parallel_size(world_size: int, replicate: int, tp: int) -> int:
@@ -213,4 +235,101 @@ def tensor_parallel_bytes(local: nn.Module, styles: Mapping[str, Any], tp: int, 
             share = 2 * (tp - 1) / tp if kind == "all_reduce_tp" else (tp - 1) / tp
             sent[kind] = sent.get(kind, 0.0) + times * share * tokens * features * itemsize
             calls[kind] = calls.get(kind, 0) + times
+    return sent, calls
+
+
+# --------------------------------------------------------------------------------------------------------
+# Expert parallelism
+
+
+def check_expert_parallel_size(world_size: int, replicate: int, tp: int, ep: int) -> int:
+    """``ep`` if it divides ``world_size / tp`` (and is not combined with HSDP); else a :class:`PlanError`."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise PlanError(f"ep={ep!r}: give the expert-parallel size, a positive int dividing the world size")
+    if ep > 1 and replicate > 1:
+        raise PlanError(f"ep={ep} with replicate={replicate}: HSDP x expert parallelism is not supported; give one")
+    if (world_size // tp) % ep or world_size % tp:
+        raise PlanError(f"ep={ep} does not divide world_size / tp = {world_size} / {tp}: the mesh is "
+                        f"(world_size / (ep * tp), ep{', tp' if tp > 1 else ''})")
+    return ep
+
+
+def _grouped_experts(model: nn.Module) -> dict[str, GroupedExperts]:
+    from lightning_vescale.models.moe import GroupedExperts
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, GroupedExperts)}
+
+
+def expert_parallel_view(model: nn.Module, resolved: ResolvedPlan, ep: int) -> tuple[nn.Module, ResolvedPlan]:
+    """One ep rank's model: every ``GroupedExperts`` keeps ``E / ep`` experts (its ``w1_EDF`` / ``w2_EFD`` / ``w3_EDF``
+    cut on dim 0, as :func:`~lightning_vescale.parallel.apply_expert_parallel` cuts them), and the plan resolved on it.
+    The experts' groups are marked (``expert_groups``): the engine shards them over the dp ranks of their ep
+    coordinate only.
+
+    Raises a :class:`PlanError` where the model has no routed experts, ``ep`` does not divide their number, or a
+    ``GroupedExperts`` is not a group of its own (expert parallelism shards it over other ranks than the rest)."""
+    if ep == 1:
+        return model, resolved
+    experts = _grouped_experts(model)
+    if not experts:
+        raise PlanError(f"ep={ep}, but {type(model).__name__} has no routed experts (GroupedExperts) to split")
+    groups = {g.name for g in resolved.groups}
+    for name, m in experts.items():
+        E = m.w1_EDF.shape[0]
+        if E % ep:
+            raise PlanError(f"ep={ep} does not divide the {E} experts of {name}: choose an ep that divides {E}")
+        if name not in groups:
+            raise PlanError(f"{name} (GroupedExperts) is not a group of its own, which expert parallelism needs (its "
+                            f"experts are sharded over the dp ranks only): give a plan with a group rule for it "
+                            f"(plan=moe)")
+    local = copy.deepcopy(model).to("meta")  # keeps a tp view's marks
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, module in _grouped_experts(local).items():
+        for attr in ("w1_EDF", "w2_EFD", "w3_EDF"):
+            old = getattr(module, attr)
+            shape = (old.shape[0] // ep, *old.shape[1:])
+            setattr(module, attr, nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"),
+                                               requires_grad=old.requires_grad))
+            shapes[f"{name}.{attr}"] = shape
+        module.num_experts //= ep  # as apply_expert_parallel sets it
+    local._vescale_ep_local = ep  # type: ignore[assignment]  # marks the view (dry_run checks it)
+    if not hasattr(local, "_vescale_global_numel"):
+        local._vescale_global_numel = sum(p.numel for p in resolved.params.values())  # type: ignore[assignment]
+    local._vescale_ep_groups = frozenset(experts)  # type: ignore[assignment]  # read by expert_groups()
+    params = {}
+    for name, policy in resolved.params.items():
+        params[name] = policy if name not in shapes else type(policy)(**{**vars(policy), "shape": shapes[name]})
+    return local, ResolvedPlan(plan=resolved.plan, model_type=resolved.model_type, groups=resolved.groups,
+                               params=params, tensor_parallel=resolved.tensor_parallel)
+
+
+def expert_groups(model: nn.Module) -> frozenset[str]:
+    """The groups of an :func:`expert_parallel_view` holding routed experts (sharded over the dp ranks only)."""
+    return getattr(model, "_vescale_ep_groups", frozenset())
+
+
+def expert_parallel_bytes(local: nn.Module, ep: int, tokens: int, itemsize: int,
+                          checkpointed: frozenset[str] = frozenset()) -> tuple[dict[str, float], dict[str, int]]:
+    """``(bytes, calls)`` per step of one rank's expert-parallel all-to-alls (see
+    :class:`~lightning_vescale.parallel.ExpertParallelGroupedExperts`), assuming balanced routing: each MoE layer
+    exchanges its tokens-per-expert counts (``E`` int64, ``all_to_all_ep_counts``) and sends its ``tokens x top_k``
+    routed rows of ``dim`` elements in the compute dtype twice forward (dispatch, combine) and twice backward
+    (``all_to_all_ep``), of which the ``(ep - 1) / ep`` bound for other ranks' experts leave the rank. Under
+    ``checkpointed`` groups the forward ones run again (the recompute)."""
+    from lightning_vescale.models.moe import MoEFeedForward
+
+    if ep == 1:
+        return {}, {}
+    sent = {"all_to_all_ep": 0.0, "all_to_all_ep_counts": 0.0}
+    calls = {"all_to_all_ep": 0, "all_to_all_ep_counts": 0}
+    share = (ep - 1) / ep
+    for name, m in local.named_modules():
+        if not isinstance(m, MoEFeedForward):
+            continue
+        forwards = 2 if any(name.startswith(g + ".") for g in checkpointed) else 1
+        rows = tokens * m.router.top_k
+        sent["all_to_all_ep"] += (2 * forwards + 2) * share * rows * m.experts.w1_EDF.shape[1] * itemsize
+        calls["all_to_all_ep"] += 2 * forwards + 2
+        sent["all_to_all_ep_counts"] += forwards * share * m.router.num_experts * 8
+        calls["all_to_all_ep_counts"] += forwards
     return sent, calls
