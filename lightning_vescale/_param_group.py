@@ -299,8 +299,8 @@ class ParamGroup:
 
     def _reported_mesh(self, mp: _ManagedParam) -> tuple[Optional[DeviceMesh], int]:
         """The mesh a sharded parameter reports and its shard dim: the fully_shard mesh (HSDP: dim 1), or for a
-        tensor-parallel parameter the mesh both meshes are slices of: 2-D (dp, tp), or 3-D (replicate, shard, tp)
-        for HSDP."""
+        tensor-parallel parameter the mesh both meshes are slices of: 2-D (dp, tp), 3-D (replicate, shard, tp)
+        for HSDP, or the 2-D slice (dp_ep, tp) of a (dp, ep, tp) mesh whose (dp, ep) dims were flattened."""
         if self.mesh is None:
             return None, 0
         if mp.outer is None:
@@ -308,15 +308,27 @@ class ParamGroup:
         root = self.mesh._get_root_mesh()
         names = root.mesh_dim_names or ()
         mine, theirs = self.mesh.mesh_dim_names or (), mp.outer.mesh.mesh_dim_names or ()
-        if (root is not mp.outer.mesh._get_root_mesh() or root.ndim != self.mesh.ndim + 1 or self.mesh.ndim > 2
-                or len(mine) != self.mesh.ndim or len(theirs) != 1 or not set(mine) <= set(names)
-                or theirs[0] not in names):
+        reported: Optional[DeviceMesh] = None
+        # The tp mesh's ranks must be the root's tp dimension (not the same object: torch hands out one cached slice
+        # to two roots whose slices hold the same ranks).
+        if (self.mesh.ndim <= 2 and len(mine) == self.mesh.ndim and len(theirs) == 1 and theirs[0] in names
+                and torch.equal(root[theirs[0]].mesh, mp.outer.mesh.mesh)):
+            if root.ndim == self.mesh.ndim + 1 and set(mine) <= set(names):
+                reported = root
+            else:
+                try:  # a flattened data-parallel dimension: the slice of it and tp
+                    reported = root[tuple(mine) + (theirs[0],)]
+                except (KeyError, RuntimeError, ValueError):
+                    reported = None
+        if reported is None:
             raise ValueError(
                 f"parameter {mp.fqn} is a DTensor on the mesh {mp.outer.mesh}, which is not the other dimension of the "
                 f"mesh fully_shard shards over ({self.mesh}): make both slices of one 2-D mesh, e.g. mesh = "
                 f"init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); parallelize_module(..., mesh['tp']); "
                 f"fully_shard(..., mesh=mesh['dp'])")
-        return root, names.index(mine[-1])
+        if reported is root:
+            return root, names.index(mine[-1])
+        return reported, len(mine) - 1
 
     def _on_other_mesh(self, mp: _ManagedParam, view: torch.Tensor) -> torch.Tensor:
         """``view`` (a gathered piece or its gradient) as the DTensor forward uses for a tensor-parallel parameter."""

@@ -211,9 +211,6 @@ def check_tensor_parallel_args(tensor_parallel_size: Any, replicate_size: Any, e
     """``tensor_parallel_size`` as an int >= 1, or a ValueError naming the combination that is not supported."""
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"{who}: tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
-    if tensor_parallel_size > 1 and expert_parallel_size > 1:
-        raise ValueError(f"{who}: tensor_parallel_size={tensor_parallel_size} with expert_parallel_size="
-                         f"{expert_parallel_size} is not supported yet: use one of them")
     return tensor_parallel_size
 
 
@@ -246,6 +243,8 @@ def check_tensor_parallel_applied(module: nn.Module, tensor_parallel_size: int, 
     thing: correct, and tp times the work)."""
     if tensor_parallel_size <= 1:
         return
+    if any(getattr(m, "_vescale_split_tokens", False) for m in module.modules()):
+        return  # a module runs on 1/tp of the tokens (tp: split_tokens), its parameters whole
     if not any((mesh := getattr(p, "device_mesh", None)) is not None and mesh.ndim == 2 for p in module.parameters()):
         raise ValueError(
             f"{who}: tensor_parallel_size={tensor_parallel_size}, but no parameter of {type(module).__name__} is split "

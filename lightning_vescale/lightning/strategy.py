@@ -154,7 +154,9 @@ class VeScaleStrategy(ParallelStrategy):
             ``GroupedExperts`` are split over ``"ep"`` and their pieces sharded over ``"dp"``, everything else is
             sharded over all ranks. It must divide the world size, the model must contain ``GroupedExperts``, and
             it cannot be combined with ``replicate_size`` (HSDP) yet. The model is built with real weights (not on
-            the meta device) so every rank splits the same experts.
+            the meta device) so every rank splits the same experts. With ``tensor_parallel_size`` too the mesh is
+            3-D ``("dp", "ep", "tp")``: attention split over ``"tp"``, each MoE feed-forward run on 1/tp of the
+            tokens (the plan's ``tp: split_tokens``, as ``plan="moe"`` has), experts on ``"ep"``.
         tensor_parallel_size: ``1`` (default): no tensor parallelism. An int ``tp > 1`` builds a 2-D
             ``("data_parallel", "tensor_parallel")`` mesh of ``world_size // tp`` by ``tp`` ranks, as Lightning's
             ``ModelParallelStrategy``: the plan's ``tp`` rules split modules over ``"tensor_parallel"`` (e.g.
@@ -162,7 +164,7 @@ class VeScaleStrategy(ParallelStrategy):
             self.device_mesh["tensor_parallel"], ...)``; groups are then sharded over ``"data_parallel"``, and the
             ranks of one tensor-parallel group read the same batches. It must divide the world size and the split
             shapes (heads included), checked before any process group. With ``replicate_size`` (HSDP) the mesh
-            is 3-D ``("replicate", "shard", "tensor_parallel")``; not combined with expert parallelism yet.
+            is 3-D ``("replicate", "shard", "tensor_parallel")``; with ``expert_parallel_size`` ``("dp", "ep", "tp")``.
         sync_module_states: broadcast rank 0's weights before sharding (as DDP does), so every rank cuts the
             same model even if the ranks were seeded differently. Meta-device weights are initialized with rank
             0's RNG state instead.
@@ -370,7 +372,8 @@ class VeScaleStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if self._expert_parallel_size > 1 and self.num_processes > 0:
             # Before any process is launched: the Trainer's constructor stops with the message.
-            check_expert_parallel_size(self._expert_parallel_size, self.num_nodes * self.num_processes)
+            check_expert_parallel_size(self._expert_parallel_size, self.num_nodes * self.num_processes,
+                                       self._tensor_parallel_size)
         if self._tensor_parallel_size > 1 and self.num_processes > 0:
             check_tensor_parallel_size(self._tensor_parallel_size, self.num_nodes * self.num_processes)
         if not self.cluster_environment.creates_processes_externally:
@@ -391,7 +394,7 @@ class VeScaleStrategy(ParallelStrategy):
         if is_overridden("configure_model", module, parent=LightningModule) or is_sharded(module):
             return
         resolved = resolve_for(module, self._plan, roots=top_level_roots(module), granularity=self._granularity,
-                               expert_parallel=self._expert_parallel_size > 1)
+                               expert_parallel=self._expert_parallel_size > 1, tensor_parallel=tp > 1)
         check_tensor_parallel_plan(module, resolved, tp, "VeScaleStrategy")
         self._plan_checked = True
 
@@ -416,14 +419,15 @@ class VeScaleStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         if self._expert_parallel_size > 1:
-            check_expert_parallel_size(self._expert_parallel_size, self.world_size)
+            check_expert_parallel_size(self._expert_parallel_size, self.world_size, self._tensor_parallel_size)
         if self._tensor_parallel_size > 1:
             check_tensor_parallel_size(self._tensor_parallel_size, self.world_size)
         self.check_plan()  # launched externally (torchrun, SLURM): still before the process group
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._expert_parallel_size > 1:
             self._device_mesh = build_expert_parallel_mesh(
-                self.root_device, self.world_size, self._expert_parallel_size, timeout=timeout
+                self.root_device, self.world_size, self._expert_parallel_size, self._tensor_parallel_size,
+                timeout=timeout,
             )
         elif self._tensor_parallel_size > 1:
             replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
@@ -475,8 +479,8 @@ class VeScaleStrategy(ParallelStrategy):
             if expert_parallel:
                 mesh = self.device_mesh
                 rank_zero_info(
-                    f"{type(self).__name__}: expert parallel over ('dp', 'ep') = ({mesh['dp'].size()}, "
-                    f"{mesh['ep'].size()}): experts split over ep={self._expert_parallel_size} ranks"
+                    f"{type(self).__name__}: expert parallel over {mesh.mesh_dim_names} = {tuple(mesh.shape)}: experts "
+                    f"split over ep={self._expert_parallel_size} ranks"
                 )
         else:
             materialize(module)  # sharded on the meta device by the user

@@ -257,11 +257,13 @@ class MLAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        H, P, R, U = self.n_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        P, R, U = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         if self.wq is not None:
             q_BTX = self.wq(x_BTD)
         else:
             q_BTX = self.wq_b(self.q_norm(self.wq_a(x_BTD)))  # type: ignore[misc]
+        # The heads this module computes: all of them, or a tensor-parallel rank's share when wq_b / wkv_b are split.
+        H = q_BTX.shape[-1] // (P + R)
         q_nope_BTHP, q_rope_BTHR = q_BTX.view(B, T, H, P + R).split([P, R], dim=-1)
         kv_latent_BTL, k_rope_BTR = self.wkv_a(x_BTD).split([self.kv_lora_rank, R], dim=-1)
         kv_BTHX = self.wkv_b(self.kv_norm(kv_latent_BTL)).view(B, T, H, P + U)

@@ -29,7 +29,12 @@ from lightning_vescale.fully_shard import (
     get_state,
     sharded_groups,
 )
-from lightning_vescale.parallel.tensor_parallel import apply_tensor_parallel, split_tensor_parallel_mesh
+from lightning_vescale.parallel.tensor_parallel import (
+    TENSOR_PARALLEL_DIM_NAMES,
+    apply_tensor_parallel,
+    split_tensor_parallel_mesh,
+    token_split_modules,
+)
 from lightning_vescale.plan import (
     PlanError,
     ResolvedPlan,
@@ -216,8 +221,15 @@ def build_mesh(
     return _mesh(device, (replicate_size, world_size // replicate_size), ("replicate", "shard"), timeout)
 
 
-def check_expert_parallel_size(expert_parallel_size: int, world_size: int) -> None:
-    """``expert_parallel_size`` must divide the world size (the ``("dp", "ep")`` mesh is ``world // ep`` by ``ep``)."""
+def check_expert_parallel_size(expert_parallel_size: int, world_size: int, tensor_parallel_size: int = 1) -> None:
+    """``expert_parallel_size`` (times ``tensor_parallel_size``) must divide the world size (the ``("dp", "ep")`` mesh
+    is ``world // ep`` by ``ep``, the ``("dp", "ep", "tp")`` one ``world // (ep * tp)`` by ``ep`` by ``tp``)."""
+    if tensor_parallel_size > 1 and world_size % (expert_parallel_size * tensor_parallel_size) != 0:
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size} times tensor_parallel_size={tensor_parallel_size} does not "
+            f"divide the world size {world_size} (devices * num_nodes): the ('dp', 'ep', 'tp') mesh needs "
+            f"world_size % (expert_parallel_size * tensor_parallel_size) == 0"
+        )
     if world_size % expert_parallel_size != 0:
         raise ValueError(
             f"expert_parallel_size={expert_parallel_size} does not divide the world size {world_size} "
@@ -226,10 +238,16 @@ def check_expert_parallel_size(expert_parallel_size: int, world_size: int) -> No
 
 
 def build_expert_parallel_mesh(
-    device: torch.device, world_size: int, expert_parallel_size: int, *, timeout: Optional[timedelta] = None
+    device: torch.device, world_size: int, expert_parallel_size: int, tensor_parallel_size: int = 1, *,
+    timeout: Optional[timedelta] = None,
 ) -> DeviceMesh:
-    """A 2-D ``("dp", "ep")`` mesh: experts split over ``"ep"``, their pieces sharded over ``"dp"``."""
-    check_expert_parallel_size(expert_parallel_size, world_size)
+    """A 2-D ``("dp", "ep")`` mesh: experts split over ``"ep"``, their pieces sharded over ``"dp"``; with
+    ``tensor_parallel_size`` a 3-D ``("dp", "ep", "tp")`` mesh (tp the consecutive ranks; see [Note: experts on ep,
+    attention on tp] in :mod:`lightning_vescale.parallel.tensor_parallel`)."""
+    check_expert_parallel_size(expert_parallel_size, world_size, tensor_parallel_size)
+    if tensor_parallel_size > 1:
+        dp = world_size // (expert_parallel_size * tensor_parallel_size)
+        return _mesh(device, (dp, expert_parallel_size, tensor_parallel_size), ("dp", "ep", "tp"), timeout)
     return _mesh(device, (world_size // expert_parallel_size, expert_parallel_size), ("dp", "ep"), timeout)
 
 
@@ -265,7 +283,8 @@ def build_tensor_parallel_mesh(
 
 
 def _is_expert_parallel(mesh: DeviceMesh) -> bool:
-    return mesh.ndim == 2 and set(mesh.mesh_dim_names or ()) == {"dp", "ep"}
+    names = tuple(mesh.mesh_dim_names or ())
+    return (mesh.ndim == 2 and set(names) == {"dp", "ep"}) or names == ("dp", "ep", "tp")
 
 
 _RESOLVED: weakref.WeakKeyDictionary[nn.Module, ResolvedPlan] = weakref.WeakKeyDictionary()
@@ -346,13 +365,15 @@ def parallelize_spmd(
     if is_mpmd_plan(plan):
         raise PlanError("parallelize_spmd got an MPMD plan (with stages): use lightning_vescale.parallelize")
     expert_parallel = mesh is not None and _is_expert_parallel(mesh)
+    tensor_parallel = mesh is not None and tuple(mesh.mesh_dim_names or ()) in TENSOR_PARALLEL_DIM_NAMES
     resolved = resolve_for(
         model, plan, roots=roots, mp_policy=mp_policy, defaults=defaults, granularity=granularity,
-        auto_wrap_policy=auto_wrap_policy, expert_parallel=expert_parallel,
+        auto_wrap_policy=auto_wrap_policy, expert_parallel=expert_parallel, tensor_parallel=tensor_parallel,
     )
     if mesh is None:
         mesh = _default_mesh()
     names = dict(model.named_modules(remove_duplicate=False))
+    token_split = token_split_modules(resolved.tensor_parallel) if tensor_parallel else []
     if expert_parallel:
         check_expert_parallel_ready(model)
         grouped = {id(names[g.name]) for g in resolved.groups}
@@ -362,6 +383,7 @@ def parallelize_spmd(
                 f"expert parallelism shards each expert module over the 'dp' ranks in a group of its own, but the plan "
                 f"does not make {loose[:3]} groups: add a rule {{match: '**.experts', group: true}}"
             )
+        _check_experts_split_tokens(model, token_split, tensor_parallel)
     if sync_module_states:
         broadcast_module_states(model, mesh)
     policies = {}
@@ -371,23 +393,40 @@ def parallelize_spmd(
     _declare_quantization(model, policies)
     shard_kwargs: dict[int, dict[str, Any]] = {}
     dense_mesh = mesh
+    every_rank: Optional[DeviceMesh] = None  # all of the mesh's ranks as one 1-D mesh, where something needs it
     tp_split = split_tensor_parallel_mesh(mesh)
     if tp_split is not None:
         # Tensor parallelism first (the plan's tp rules), then the groups are sharded over the dp dimension.
         dense_mesh, tp_mesh = tp_split
         apply_tensor_parallel(model, resolved.tensor_parallel, tp_mesh)
+        if token_split:
+            if dense_mesh.ndim != 1:
+                raise PlanError(f"tp: split_tokens ({token_split[0]}) with HSDP x tp is not supported: its parameters "
+                                f"are sharded over every rank in one dimension; use a (dp, tp) mesh")
+            every_rank = mesh._flatten()
+            replicas = mesh.size() // tp_mesh.size()  # the ranks that see different batches
+            # The module's groups, and those inside it (its experts without ep), see 1/tp of the tokens.
+            inside = [g.name for g in resolved.groups if any(g.name == t or g.name.startswith(t + ".") for t in token_split)]
+            for name in inside:
+                shard_kwargs[id(names[name])] = dict(mesh=every_rank, gradient_divide_factor=replicas)
     if expert_parallel:
         from lightning_vescale.models.moe import GroupedExperts
         from lightning_vescale.parallel.expert_parallel import ExpertParallelGroupedExperts, apply_expert_parallel
 
-        dp_mesh, ep_mesh = mesh["dp"], mesh["ep"]
-        dense_mesh = mesh._flatten()
+        ep_mesh = mesh["ep"]
+        replicas = mesh["dp"].size() * ep_mesh.size()
+        if tp_split is None:
+            experts_mesh = mesh["dp"]
+            dense_mesh = every_rank = mesh._flatten()
+        else:
+            # Experts on ep, their pieces over the dp * tp ranks sharing an ep coordinate (each tp rank routes other
+            # tokens through them: see [Note: experts on ep, attention on tp]).
+            experts_mesh = mesh["dp", "tp"]._flatten()
         if not any(isinstance(m, ExpertParallelGroupedExperts) for m in model.modules()):
             apply_expert_parallel(model, ep_mesh)
         for m in model.modules():
             if isinstance(m, GroupedExperts):
-                shard_kwargs[id(m)] = dict(mesh=dp_mesh, gradient_divide_factor=dp_mesh.size() * ep_mesh.size(),
-                                           norm_group=dense_mesh)
+                shard_kwargs[id(m)] = dict(mesh=experts_mesh, gradient_divide_factor=replicas, norm_group=every_rank)
     for g in resolved.groups:
         module = names[g.name]
         if get_state(module) is not None:
@@ -416,6 +455,21 @@ def parallelize_spmd(
     logger.debug("lightning_vescale: parallelized %s with plan %r: %d groups", type(model).__name__,
                  resolved.plan.name, len(resolved.groups))
     return model
+
+
+def _check_experts_split_tokens(model: nn.Module, token_split: Sequence[str], tensor_parallel: bool) -> None:
+    """With tp, every expert module must run inside a ``tp: split_tokens`` module: otherwise each tp rank would send
+    the same tokens through the experts, whose gradients the dp * tp ReduceScatter would then count tp times."""
+    if not tensor_parallel:
+        return
+    outside = [n for n, m in model.named_modules() if m in expert_modules(model)
+               and not any(n.startswith(t + ".") for t in token_split)]
+    if outside:
+        parent = outside[0].rpartition(".")[0] or "<model>"
+        raise PlanError(
+            f"experts on ep with tensor parallelism need the MoE feed-forward that holds them to run on 1/tp of the "
+            f"tokens, but {outside[:3]} lie in no module with tp: split_tokens: add a rule {{match: '{parent}' (or "
+            f"'**.feed_forward'), tp: split_tokens}} (the moe plan has it)")
 
 
 def _declare_quantization(model: nn.Module, policies: Mapping[str, Any]) -> None:

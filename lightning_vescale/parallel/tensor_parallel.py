@@ -1,9 +1,21 @@
 """Tensor parallelism from a plan's ``tp`` rules: torch's ``parallelize_module`` over the mesh's tp dimension.
 
-The styles are torch's (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``); this module maps the
-plan's words onto them, finds the tp dimension of a mesh, and checks shapes against the tp size before any
-process group exists, naming the module and the fix. ``fully_shard`` then shards the resulting DTensors over
-the data-parallel dimension (see [Note: RaggedTensor as a DTensor] in :mod:`lightning_vescale.tensor`).
+The styles are torch's (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInputOutput``);
+this module maps the plan's words onto them, finds the tp dimension of a mesh, and checks shapes against the tp size
+before any process group exists, naming the module and the fix. ``fully_shard`` then shards the resulting DTensors
+over the data-parallel dimension (see [Note: RaggedTensor as a DTensor] in :mod:`lightning_vescale.tensor`).
+
+[Note: experts on ep, attention on tp]
+On a ``("dp", "ep", "tp")`` mesh attention and dense projections are split over ``tp`` as usual, so the activations
+between them are whole (or sequence-split) on every tp rank. A routed MoE feed-forward is not split that way:
+``tp: split_tokens`` (``PrepareModuleInputOutput``) gives each tp rank 1/tp of the sequence, on which it runs the
+router, the shared experts and the routed experts, whose dispatch all-to-all runs among the ep ranks of equal
+(dp, tp) coordinate; the outputs are gathered over tp (backward: the input gradient is). No expert computes a
+token twice, and no expert weight is held twice: the experts of ep rank e are sharded over the ``dp * tp`` ranks
+sharing e. The module's own parameters (router, shared experts) stay whole, and their gradients differ per tp rank
+(each saw other tokens), so the module is a group of its own sharded over every rank, whose ReduceScatter sums over
+tp too. Every rank's loss is the mean over its (dp, ep) replica's batch, so those groups and the experts divide the
+summed gradients by the number of replicas, ``dp * ep``, not by their group's size.
 """
 
 from __future__ import annotations
@@ -20,22 +32,33 @@ __all__ = [
     "check_tensor_parallel",
     "split_tensor_parallel_mesh",
     "tensor_parallel_style",
+    "token_split_modules",
 ]
 
 TENSOR_PARALLEL_DIM_NAMES = (("dp", "tp"), ("data_parallel", "tensor_parallel"), ("replicate", "shard", "tp"),
-                             ("replicate", "shard", "tensor_parallel"))
+                             ("replicate", "shard", "tensor_parallel"), ("dp", "ep", "tp"))
 """Meshes whose last dimension is tensor parallel: torchtitan's names and Lightning's ModelParallelStrategy's (2-D),
-and HSDP's ``(replicate, shard)`` with tp (3-D: the groups are sharded over the 2-D HSDP slice)."""
+HSDP's ``(replicate, shard)`` with tp (3-D: the groups are sharded over the 2-D HSDP slice), and expert parallelism
+with tp (3-D ``("dp", "ep", "tp")``: dense groups are sharded over the ``dp * ep`` ranks of equal tp coordinate)."""
+
+EXPERT_TENSOR_PARALLEL_DIM_NAMES = ("dp", "ep", "tp")
 
 
 def split_tensor_parallel_mesh(mesh: Optional[DeviceMesh]) -> Optional[tuple[DeviceMesh, DeviceMesh]]:
     """``(dp_mesh, tp_mesh)`` of a mesh named as :data:`TENSOR_PARALLEL_DIM_NAMES` says, else None; ``dp_mesh`` is
-    the 2-D ``(replicate, shard)`` slice of a 3-D one."""
+    the 2-D ``(replicate, shard)`` slice of an HSDP one, and ``("dp", "ep")`` flattened (1-D) for expert parallelism."""
     names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
     if mesh is None or names not in TENSOR_PARALLEL_DIM_NAMES:
         return None
+    if names == EXPERT_TENSOR_PARALLEL_DIM_NAMES:
+        return mesh["dp", "ep"]._flatten(), mesh["tp"]
     dp = mesh[names[:-1]] if len(names) == 3 else mesh[names[0]]
     return dp, mesh[names[-1]]
+
+
+def token_split_modules(styles: Mapping[str, Any]) -> list[str]:
+    """The modules a plan gives ``tp: split_tokens`` (see [Note: experts on ep, attention on tp])."""
+    return [name for name, value in styles.items() if _style_name(value) == "split_tokens"]
 
 
 def _style_name(value: Union[str, Mapping[str, str]]) -> str:
@@ -52,8 +75,18 @@ def tensor_parallel_style(value: Union[str, Mapping[str, str]]) -> Any:  # a tor
     style = _style_name(value)
     if style == "replicate":
         return None
+    if style == "split_tokens":
+        from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+        arrive = {"replicate": Replicate(), "sequence": Shard(1)}
+        given = {} if isinstance(value, str) else value
+        return PrepareModuleInputOutput(
+            input_layouts=(arrive[given.get("input", "replicate")],), desired_input_layouts=(Shard(1),),
+            use_local_input=True, output_layouts=(Shard(1),),
+            desired_output_layouts=(arrive[given.get("output", "replicate")],), use_local_output=True)
     if style not in styles:
-        raise ValueError(f"unknown tensor-parallel style {style!r}: expected colwise, rowwise, sequence or replicate")
+        raise ValueError(f"unknown tensor-parallel style {style!r}: expected colwise, rowwise, sequence, split_tokens "
+                         f"or replicate")
     layouts = {"replicate": Replicate(), "sequence": Shard(1), "split": Shard(-1)}
     kwargs = {}
     if not isinstance(value, str):
@@ -83,7 +116,7 @@ def check_tensor_parallel(model: nn.Module, styles: Mapping[str, Any], tp_size: 
     split_parents = set()
     for name, value in styles.items():
         module, style = modules.get(name), _style_name(value)
-        if module is None or style in ("replicate", "sequence"):
+        if module is None or style in ("replicate", "sequence", "split_tokens"):
             continue
         split = _split_size(module, style)
         if split is not None and split[1] % tp_size != 0:
@@ -97,6 +130,12 @@ def check_tensor_parallel(model: nn.Module, styles: Mapping[str, Any], tp_size: 
             if isinstance(heads, int) and heads % tp_size != 0:
                 problems.append(f"{parent or '<model>'} ({type(module).__name__}) has {attr}={heads}, not divisible by "
                                 f"tp={tp_size}: each tensor-parallel rank must hold whole heads")
+    token_split = token_split_modules(styles)
+    for name in token_split:
+        inside = [n for n, v in styles.items() if n.startswith(name + ".") and _style_name(v) != "replicate"]
+        if inside:
+            problems.append(f"{name} (tp: split_tokens) holds modules the plan splits over tp too ({', '.join(inside[:3])}): "
+                            f"a module running on 1/tp of the tokens keeps its parameters whole")
     if problems:
         shown = "; ".join(problems[:5]) + (f"; ... ({len(problems)} in all)" if len(problems) > 5 else "")
         raise ValueError(f"tensor parallelism over {tp_size} ranks cannot split this model: {shown}. Choose a "
@@ -132,4 +171,7 @@ def apply_tensor_parallel(model: nn.Module, styles: Mapping[str, Any], tp_mesh: 
         raise ValueError(f"tensor parallelism would split tied parameters {tied[:3]}: untie them or mark those "
                          f"modules tp: replicate")
     parallelize_module(model, tp_mesh, plan)
+    for name in token_split_modules(styles):
+        # Read by the strategies' check that something runs tensor parallel (no parameter is split by this style).
+        model.get_submodule(name)._vescale_split_tokens = True  # type: ignore[assignment]  # a flag, read with getattr
     return len(plan)

@@ -7,6 +7,7 @@ Pure: no process group. Also the module selection those defaults use (:func:`sel
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -156,11 +157,16 @@ def resolve_for(
     granularity: GranularityArg = None,
     auto_wrap_policy: AutoWrapPolicy = None,
     expert_parallel: bool = False,
+    tensor_parallel: bool = False,
 ) -> ResolvedPlan:
     """The plan :func:`parallelize` applies, resolved (pure: no process group). Takes the integrations'
     older arguments too and turns them into the plan's terms: ``auto_wrap_policy`` selects the groups (instead
     of a plan), ``granularity`` (as ``fully_shard`` takes it, or ``"muon"``), ``mp_policy``'s dtypes and
-    ``defaults`` (e.g. ``{"reshard_after_forward": False}``) apply where the plan sets nothing."""
+    ``defaults`` (e.g. ``{"reshard_after_forward": False}``) apply where the plan sets nothing.
+
+    With ``tensor_parallel`` (a mesh with a tp dimension) every module the plan gives ``tp: split_tokens`` is a
+    group of its own (its whole parameters are sharded over every rank, see [Note: experts on ep, attention on tp]
+    in :mod:`lightning_vescale.parallel.tensor_parallel`); at tp 1 the plan's groups are as written."""
     if isinstance(plan, ResolvedPlan):
         return plan
     if plan is not None and auto_wrap_policy is not None:
@@ -191,7 +197,18 @@ def resolve_for(
             granularity = granularity_by_pattern(model, granularity)  # the model's names; a miss is an error now
         fn = _granularity_fn(granularity)
         fallback = lambda full, inner, p: fn(inner, p)  # noqa: E731 - names inside the group, as fully_shard gives
-    return resolve_plan(model, plan, roots=roots, defaults=caller, granularity_fallback=fallback)
+    resolved = resolve_plan(model, plan, roots=roots, defaults=caller, granularity_fallback=fallback)
+    if tensor_parallel:
+        from lightning_vescale.parallel.tensor_parallel import token_split_modules
+
+        grouped = {g.name for g in resolved.groups}
+        loose = [n for n in token_split_modules(resolved.tensor_parallel) if n not in grouped]
+        if loose:
+            modules = dict(model.named_modules())
+            extra = plan_from_modules(model, [modules[n] for n in loose], name="split_tokens")
+            plan = dataclasses.replace(resolved.plan, rules=resolved.plan.rules + extra.rules)
+            resolved = resolve_plan(model, plan, roots=roots, defaults=caller, granularity_fallback=fallback)
+    return resolved
 
 
 def _default_plan_of_remainder(model: nn.Module) -> Plan:

@@ -41,10 +41,15 @@ before the groups are sharded over the data-parallel dimension: ``colwise`` (``C
 ``nn.Linear``'s output features or an ``nn.Embedding``'s columns split, the output stays split),
 ``rowwise`` (``RowwiseParallel``: input features split, outputs summed over tp), ``sequence``
 (``SequenceParallel``: a norm's input and output split on the sequence dimension; its neighbours must
-produce and take sequence-split activations) and ``replicate`` (no split: stops a broader rule). The mapping form
+produce and take sequence-split activations), ``split_tokens`` (the module runs on its tp rank's share of the
+sequence: its input is cut into tp sequence chunks and its output gathered over tp; its parameters stay whole, so
+their gradients, which differ per tp rank, are summed over tp by the group the module becomes: a MoE feed-forward
+whose routed experts sit on ``ep`` of a ``("dp", "ep", "tp")`` mesh, see :mod:`lightning_vescale.parallel.tensor_parallel`)
+and ``replicate`` (no split: stops a broader rule). The mapping form
 ``{style: colwise, input: sequence}`` / ``{style: rowwise, output: sequence}`` sets a projection's input or output
 layout (``replicate``, ``sequence``: split on dim 1, ``split``: on the last dim) as the styles' ``input_layouts`` /
-``output_layouts`` do, which sequence parallelism needs (``configs/plan/llama_sp.yaml``). A rule
+``output_layouts`` do, which sequence parallelism needs (``configs/plan/llama_sp.yaml``); ``{style: split_tokens,
+input: sequence, output: sequence}`` takes and leaves sequence-split activations (no communication at all). A rule
 setting ``tp`` matches modules; on a mesh without a ``tp`` dimension the styles are not applied, so one
 plan serves ``tp=1`` and ``tp>1``. Shapes are checked against the tp size before any process group
 exists (:func:`~lightning_vescale.parallel.check_tensor_parallel`).
@@ -98,7 +103,7 @@ GRANULARITY_WORDS = ("element", "row", "matrix", "tensor", "muon")
 OPTIMIZER_ROUTES = ("auto", "muon", "adamw")
 QUANTIZATION_FORMATS = ("none", "fp8_block", "int8_block")
 """``none``, or block quantization with 128x128 blocks."""
-TP_STYLES = ("colwise", "rowwise", "sequence", "replicate")
+TP_STYLES = ("colwise", "rowwise", "sequence", "split_tokens", "replicate")
 """How a module is split over the ``tp`` mesh dimension (see [Note: tensor parallelism in a plan])."""
 TP_LAYOUTS = ("replicate", "sequence", "split")
 """How an activation lies over tp at a colwise / rowwise module's input or output: whole on every rank, split on
@@ -178,16 +183,18 @@ def _check_value(name: str, value: Any, what: str) -> Any:
 
 
 def _check_tp(value: Any, what: str) -> Union[str, dict[str, str]]:
-    """A tp style, or ``{style: colwise | rowwise, input: <layout>, output: <layout>}`` (stored in that key order)."""
+    """A tp style, or ``{style: colwise | rowwise | split_tokens, input: <layout>, output: <layout>}`` (stored in that
+    key order; split_tokens takes the layouts replicate and sequence)."""
     if isinstance(value, Mapping):
         _unknown_keys(value, ("style", "input", "output"), f"{what}: tp")
         style = value.get("style")
-        if style not in ("colwise", "rowwise"):
-            raise PlanError(f"{what}: tp as a mapping needs style: colwise or rowwise (the styles with input and output "
-                            f"layouts), got {dict(value)!r}")
-        bad = {k: v for k, v in value.items() if k != "style" and v not in TP_LAYOUTS}
+        if style not in ("colwise", "rowwise", "split_tokens"):
+            raise PlanError(f"{what}: tp as a mapping needs style: colwise, rowwise or split_tokens (the styles with input "
+                            f"and output layouts), got {dict(value)!r}")
+        layouts = TP_LAYOUTS if style != "split_tokens" else ("replicate", "sequence")
+        bad = {k: v for k, v in value.items() if k != "style" and v not in layouts}
         if bad:
-            raise PlanError(f"{what}: tp input / output must be one of {', '.join(TP_LAYOUTS)}, got {bad!r}")
+            raise PlanError(f"{what}: tp input / output{' of split_tokens' if style == 'split_tokens' else ''} must be one of {', '.join(layouts)}, got {bad!r}")
         return {k: value[k] for k in ("style", "input", "output") if k in value}
     if value not in TP_STYLES:
         raise PlanError(f"{what}: tp must be one of {', '.join(TP_STYLES)} (or {{style: colwise | rowwise, input: ..., "

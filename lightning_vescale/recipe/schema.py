@@ -521,11 +521,6 @@ class VeScaleStrategyConfig(StrategyConfig):
             isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
             f"strategy.tensor_parallel_size must be a positive int, got {tp!r}",
         )
-        _check(
-            tp == 1 or ep == 1,
-            f"strategy.tensor_parallel_size={tp} with strategy.expert_parallel_size={ep} is not supported yet: set one "
-            f"of them",
-        )
         g = self.granularity
         _check(
             g is None or g in ("element", "row", "matrix", "tensor", "muon") or (isinstance(g, int) and g >= 1)
@@ -929,6 +924,13 @@ class TrainConfig:
                     f"strategy.expert_parallel_size={ep} does not divide the world size {world} "
                     f"(trainer.devices={devices} * trainer.num_nodes={self.trainer.num_nodes})",
                 )
+                tp = getattr(self.strategy, "tensor_parallel_size", 1)
+                _check(
+                    world % (ep * tp) == 0,
+                    f"strategy.expert_parallel_size={ep} times strategy.tensor_parallel_size={tp} does not divide the "
+                    f"world size {world} (the ('dp', 'ep', 'tp') mesh; trainer.devices={devices} * trainer.num_nodes="
+                    f"{self.trainer.num_nodes})",
+                )
             assert not isinstance(arch, LlamaConfig)  # it has experts
             _check(
                 arch.num_experts % ep == 0,
@@ -982,7 +984,8 @@ class TrainConfig:
                    f"strategy.tensor_parallel_size={tp} does not divide {where}'s {attr}={heads}: each tensor-parallel "
                    f"rank holds whole attention heads; use a tp size dividing {attr}")
         _check(self.plan is not None, f"strategy.tensor_parallel_size={tp} needs a plan whose tp rules say which modules "
-               f"to split: add plan=llama (or a plan of your own with tp rules)")
+               f"to split: add plan=llama (plan=moe, plan=deepseek_v3 for those families; or a plan of your own with "
+               f"tp rules)")
         _check(self.mpmd is None, f"strategy.tensor_parallel_size={tp} is not applied to MPMD runs yet: set mpmd=null "
                f"or strategy.tensor_parallel_size=1")
 

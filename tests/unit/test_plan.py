@@ -312,7 +312,7 @@ def test_load_plan_by_name_and_unknown_name() -> None:
 
 @pytest.mark.parametrize("family, preset, plan", [
     ("llama", "tiny", "llama"), ("llama", "70b", "llama"), ("moe", "tiny", "moe"), ("qwen3_moe", "tiny", "moe"),
-    ("deepseek_v3", "tiny", "moe"), ("deepseek_v3", "671b", "moe"),
+    ("deepseek_v3", "tiny", "deepseek_v3"), ("deepseek_v3", "671b", "deepseek_v3"),
 ])
 def test_shipped_plans_resolve_on_their_families(family: str, preset: str, plan: str) -> None:
     resolved = resolve_plan(meta(family, preset), load_plan(plan))

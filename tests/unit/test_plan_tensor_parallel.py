@@ -48,7 +48,7 @@ def test_table_shows_each_groups_tp_styles():
 
 
 def test_unknown_tp_style_is_refused():
-    with pytest.raises(PlanError, match=r"tp must be one of colwise, rowwise, sequence, replicate \(or .*\), got .column."):
+    with pytest.raises(PlanError, match=r"tp must be one of colwise, rowwise, sequence, split_tokens, replicate \(or .*\), got .column."):
         load_plan(_plan({"match": "**.wq", "tp": "column"}))
 
 
@@ -91,9 +91,15 @@ def test_sampler_gives_one_tp_group_one_shard_of_the_data():
     assert [s["rank"] for s in shards] == [0, 0, 1, 1, 2, 2, 3, 3] and {s["num_replicas"] for s in shards} == {4}
 
 
-def test_strategy_refuses_tensor_parallel_with_expert_parallel():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with expert_parallel_size=2 is not supported yet"):
-        VeScaleStrategy(tensor_parallel_size=2, expert_parallel_size=2)
+def test_strategy_takes_tensor_parallel_with_expert_parallel_if_both_divide_the_world():
+    from lightning_vescale.parallel.spmd import check_expert_parallel_size
+
+    strategy = VeScaleStrategy(tensor_parallel_size=2, expert_parallel_size=2)
+    assert (strategy.tensor_parallel_size, strategy.expert_parallel_size) == (2, 2)
+    check_expert_parallel_size(2, 8, 2)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 times tensor_parallel_size=2 does not divide the "
+                                         r"world size 6.*\('dp', 'ep', 'tp'\) mesh"):
+        check_expert_parallel_size(2, 6, 2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int, got 0"):
         VeScaleStrategy(tensor_parallel_size=0)
 
@@ -138,7 +144,7 @@ def test_dry_run_tp_errors_name_the_fix(capsys):
 
     assert main(["model=llama_tiny", "world_size=4", "plan=llama", "tp=3"]) == 2
     assert "tp=3 does not divide world_size=4" in capsys.readouterr().err
-    assert main(["model=moe_tiny", "world_size=4", "tp=2"]) == 2  # the moe plan has no tp rules
+    assert main(["model=llama_tiny", "world_size=4", "plan=llama_offload", "tp=2"]) == 2  # a plan without tp rules
     assert "splits no module over tp: give a plan with tp rules (e.g. plan=llama)" in capsys.readouterr().err
     assert main(["model=llama_tiny", "world_size=8", "plan=llama", "tp=4"]) == 2
     assert "n_kv_heads=2, not divisible by tp=4" in capsys.readouterr().err
@@ -156,7 +162,7 @@ def test_sequence_parallel_plan_states_each_projections_layouts():
 def test_tp_layouts_are_checked():
     with pytest.raises(PlanError, match=r"tp input / output must be one of replicate, sequence, split, got \{'input': 'seq'\}"):
         load_plan(_plan({"match": "**.wq", "tp": {"style": "colwise", "input": "seq"}}))
-    with pytest.raises(PlanError, match=r"tp as a mapping needs style: colwise or rowwise"):
+    with pytest.raises(PlanError, match=r"tp as a mapping needs style: colwise, rowwise or split_tokens"):
         load_plan(_plan({"match": "**.norm", "tp": {"style": "sequence"}}))
 
 

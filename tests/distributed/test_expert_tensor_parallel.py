@@ -1,0 +1,190 @@
+"""Experts on ep, attention on tp: ``parallelize(moe, "moe", mesh)`` on a ``("dp", "ep", "tp")`` mesh.
+
+One 4-rank run, mesh (dp, ep, tp) = (1, 2, 2), checks against one process on the whole batch (fp32, AdamW, clipping,
+auxiliary-loss-free balancing; 1e-5: the collectives sum in other orders than one backward):
+
+* the layout: attention projections report (RaggedShard, Shard) on the (dp_ep, tp) mesh, expert stacks all E experts,
+  the feed-forward a group of its own over every rank (the plan's ``tp: split_tokens``);
+* the Mixtral-like MoE and DeepSeek-V3 (latent attention, whole on every tp rank in its plan; a dense first layer)
+  both train like one process, the router biases included (each tp rank counts other tokens: summed over every rank);
+* on a ``("dp", "tp")`` mesh (no ep) the MoE trains like one process too, its experts sharded over every rank;
+* a checkpoint saved there is read whole by one process, bitwise equal to the trained model.
+
+Negative control: the same plan without ``split_tokens`` is refused before anything is sharded, naming the rule to
+add.
+An 8-rank run, (2, 2, 2), trains the MoE like one process too.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+
+import lightning_vescale as lv
+from lightning_vescale import checkpoint as ckpt
+from lightning_vescale.fully_shard import get_state
+from lightning_vescale.models import MoE, moe_config
+from lightning_vescale.models.deepseek_v3 import DeepSeekV3, deepseek_v3_config
+from lightning_vescale.parallel import register_expert_bias_update
+from lightning_vescale.placement import RaggedShard
+from lightning_vescale.plan import PlanError, load_plan
+from tests.dist_utils import run_distributed
+
+LOCAL_BATCH, SEQ, STEPS, CLIP, LR, BIAS_RATE = 2, 8, 3, 0.5, 1e-2, 1e-2
+# Adam's update g / (|g| + eps) moves an element whose gradient is near zero by up to lr * dg / eps for a gradient
+# error dg. Gradients here match one process to ~1e-8 absolute (5e-7 of their largest), the collectives summing in
+# another order; with torch's eps=1e-8 that is ~1e-3 of a weight after one step on the few elements whose gradient is
+# ~1e-8 (measured 5.6e-4, and 5.2e-5 for plain dp over 4 ranks). eps=1e-3 bounds it at ~1e-7, so 1e-5 holds.
+ADAM_EPS = 1e-3
+TOL = 1e-5
+
+
+def _moe() -> MoE:
+    torch.manual_seed(0)
+    config = dataclasses.replace(moe_config("tiny"), vocab_size=64, dim=32, moe_hidden=32, shared_expert_hidden=32)
+    model = MoE(config)
+    with torch.no_grad():
+        for layer in model.moe_layers():
+            layer.router.weight.normal_(0, 1.0)  # decisive routing: no near-ties that 1e-7 could flip
+    return model
+
+
+def _deepseek() -> DeepSeekV3:
+    torch.manual_seed(0)
+    model = DeepSeekV3(deepseek_v3_config("tiny"))
+    with torch.no_grad():
+        for layer in model.moe_layers():
+            layer.router.weight.normal_(0, 1.0)
+    return model
+
+
+def _batch(step: int, replicas: int, vocab: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, vocab, (replicas * LOCAL_BATCH, SEQ + 1), generator=generator)
+
+
+def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _train(model, replica: int, replicas: int, group) -> list[float]:
+    """STEPS AdamW steps with clipping and bias balancing on this replica's share of each global batch."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS)
+    register_expert_bias_update(model, opt, rate=BIAS_RATE, group=group)
+    mine = slice(replica * LOCAL_BATCH, (replica + 1) * LOCAL_BATCH)
+    losses = []
+    for step in range(STEPS):
+        tokens = _batch(step, replicas, model.config.vocab_size)
+        loss = _loss(model, tokens if group is None else tokens[mine])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if group is not None:
+            dist.all_reduce(total)
+            total /= dist.get_world_size()  # every tp rank of a replica holds that replica's loss
+        losses.append(total.item())
+    model._test_optimizer = opt
+    return losses
+
+
+def _worst(model, ref) -> float:
+    """Largest |sharded - reference| over parameters and router biases, relative to each tensor's largest value."""
+    worst = 0.0
+    for name, p in ref.named_parameters():
+        got = model.get_parameter(name).full_tensor()
+        worst = max(worst, ((got - p.detach()).abs().max() / p.abs().max().clamp_min(1e-12)).item())
+    for name, b in ref.named_buffers():
+        if name.endswith("expert_bias"):
+            worst = max(worst, (model.get_buffer(name) - b).abs().max().item())
+    return worst
+
+
+def _check_layout(model, ref, world: int, expert_ranks: int) -> None:
+    attention = model.layers[0].attention
+    dp_name = "dp_ep" if expert_ranks < world else "dp"
+    if isinstance(model, DeepSeekV3):  # its plan keeps the latent attention whole on every tp rank
+        assert attention.wq_b.weight.device_mesh.mesh_dim_names == (dp_name,), attention.wq_b.weight.device_mesh
+    else:
+        wq = attention.wq.weight
+        assert wq.device_mesh.mesh_dim_names == (dp_name, "tp"), wq.device_mesh
+        assert isinstance(wq.placements[0], RaggedShard) and wq.placements[1] == Shard(0), wq.placements
+        assert attention.wo.weight.placements[1] == Shard(1), "rowwise splits input features"
+    for name, p in model.named_parameters():
+        assert p.shape == ref.get_parameter(name).shape, name  # experts: all E of them
+    ffn = model.moe_layers()[0]
+    state = get_state(ffn)
+    assert state is not None and state.mesh.size() == world, \
+        "the token-split feed-forward is a group over every rank"
+    assert {mp.fqn.split(".")[0] for mp in state.group.managed} <= {"router", "shared_experts", "shared_gate"}
+    experts = get_state(ffn.experts)
+    assert experts is not None and experts.mesh.size() == expert_ranks, \
+        "experts are sharded over the dp * tp ranks of their ep coordinate (every rank without ep)"
+
+
+def _parity(make, rank: int, world: int, mesh, tmp: str, name: str, label: str = "") -> None:
+    tp = mesh["tp"].size()
+    replicas, replica = world // tp, rank // tp
+    ref = make()
+    model = lv.parallelize(copy.deepcopy(ref), name, mesh)  # the family's plan
+    ep = mesh["ep"].size() if "ep" in (mesh.mesh_dim_names or ()) else 1
+    _check_layout(model, ref, world, world // ep)
+    ref_losses = _train(ref, 0, replicas, None)
+    losses = _train(model, replica, replicas, dist.group.WORLD)
+    assert all(abs(a - b) <= TOL * max(1.0, abs(b)) for a, b in zip(losses, ref_losses)), (name, losses, ref_losses)
+    worst = _worst(model, ref)
+    assert worst <= TOL, f"{name} on {mesh}: differs from one process by {worst}"
+    moved = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), make().parameters()))
+    assert moved > 1e-3, "training must change the parameters for the parity check to mean anything"
+    if tmp:
+        ckpt.save(os.path.join(tmp, name), model, model._test_optimizer)
+        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        if rank == 0:
+            save_file(full, os.path.join(tmp, f"{name}.safetensors"))
+        dist.barrier()
+
+
+def _run_dp1_ep2_tp2(rank: int, world: int, tmp: str) -> None:
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+    _parity(_moe, rank, world, mesh, tmp, "moe")
+    _parity(_deepseek, rank, world, mesh, tmp, "deepseek_v3")
+    # Tensor parallelism without ep: the experts, whole, run inside the token-split feed-forward on every rank.
+    _parity(_moe, rank, world, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), "", "moe")
+
+    # The moe plan without its split_tokens rule: refused before anything is sharded, naming the rule to add.
+    plan = load_plan("moe")
+    plan = dataclasses.replace(plan, rules=tuple(r for r in plan.rules if r.tp != "split_tokens"))
+    with pytest.raises(PlanError, match=r"lie in no module with tp: split_tokens: add a rule \{match: 'layers.0.feed_forward'"):
+        lv.parallelize(_moe(), plan, mesh)
+
+
+def test_experts_on_ep_attention_on_tp_train_like_one_process_and_save(tmp_path) -> None:
+    tmp = str(tmp_path)
+    run_distributed(_run_dp1_ep2_tp2, 4, tmp, timeout=400, pg_timeout=200)
+    for name in ("moe", "deepseek_v3"):
+        state, _ = ckpt.read_full_checkpoint(tmp_path / name)
+        want = load_file(str(tmp_path / f"{name}.safetensors"))
+        assert set(want) <= set(state)
+        assert all(torch.equal(state[n], want[n]) for n in want), f"{name}: one process reads the checkpoint whole"
+    one = _moe()
+    one.load_state_dict({k: v for k, v in ckpt.read_full_checkpoint(tmp_path / "moe")[0].items()}, strict=False)
+
+
+def _run_dp2_ep2_tp2(rank: int, world: int, tmp: str) -> None:
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+    _parity(_moe, rank, world, mesh, tmp, "moe")
+
+
+def test_dp2_ep2_tp2_trains_like_one_process(tmp_path) -> None:
+    run_distributed(_run_dp2_ep2_tp2, 8, str(tmp_path), timeout=400, pg_timeout=200)
