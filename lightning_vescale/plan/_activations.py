@@ -44,7 +44,7 @@ class SequenceParallel:
     split: int
     """The tensor-parallel size: the sequence is split over that many ranks between the projections."""
     sequence: frozenset[str] = frozenset()
-    """Modules on ``1 / split`` of the tokens (``tp: sequence``: the norms)."""
+    """Modules on ``1 / split`` of the tokens (``tp: sequence``: the norms; ``tp: split_tokens``: a MoE feed-forward)."""
     gather_input: frozenset[str] = frozenset()
     """Modules whose input is gathered over tp (colwise, ``input: sequence``): each saves a whole copy of its own."""
     gather_output: frozenset[str] = frozenset()
@@ -112,7 +112,8 @@ def _flash_attention() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _experts_by_formula(model: nn.Module, itemsize: int, counter: list, stack: list, charged: dict) -> Iterator[None]:
+def _experts_by_formula(model: nn.Module, itemsize: int, counter: list, stack: list, charged: dict,
+                        share: Sequence[float] = (1.0,)) -> Iterator[None]:
     from lightning_vescale.models.moe import MoEFeedForward
 
     originals = []
@@ -121,7 +122,7 @@ def _experts_by_formula(model: nn.Module, itemsize: int, counter: list, stack: l
             per_token = moe_bytes_per_token(m, itemsize)
 
             def stand_in(x_BTD: torch.Tensor, _per_token: float = per_token) -> torch.Tensor:
-                charged[stack[-1]] += _per_token * x_BTD.shape[0] * x_BTD.shape[1]
+                charged[stack[-1]] += _per_token * x_BTD.shape[0] * x_BTD.shape[1] * share[-1]
                 return x_BTD.clone()  # keeps the graph connected, saves nothing
 
             originals.append(m)
@@ -209,7 +210,7 @@ def activation_profile(
     counter = [0.0]
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     try:
-        with _experts_by_formula(meta, itemsize, counter, stack, charged), _flash_attention(), \
+        with _experts_by_formula(meta, itemsize, counter, stack, charged, share), _flash_attention(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = meta(ids)
     finally:

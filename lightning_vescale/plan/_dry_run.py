@@ -66,6 +66,7 @@ from lightning_vescale.plan._tensor_parallel import (
     sequence_parallel,
     tensor_parallel_bytes,
     tensor_parallel_view,
+    token_split_modules,
 )
 
 __all__ = ["DryRun", "EngineEstimate", "Workload", "check_replicate", "dry_run", "mesh_description"]
@@ -489,13 +490,15 @@ def _matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
     from lightning_vescale.models.llama import TiedOutput
     from lightning_vescale.models.moe import MoEFeedForward
 
+    split, tp = token_split_modules(model), getattr(model, "_vescale_tp_local", 1)
     weights = 0.0
-    for m in model.modules():
+    for name, m in model.named_modules():
+        tokens = 1 / tp if any(name == t or name.startswith(t + ".") for t in split) else 1  # split_tokens: 1/tp
         if isinstance(m, nn.Linear):
-            weights += m.weight.numel()
+            weights += m.weight.numel() * tokens
         elif isinstance(m, MoEFeedForward):  # top_k experts' weights per token (an ep rank's share of them: its own)
             share = m.router.top_k / m.experts.w1_EDF.shape[0]
-            weights += sum(p.numel() for p in m.experts.parameters()) * share
+            weights += sum(p.numel() for p in m.experts.parameters()) * share * tokens
         elif isinstance(m, TiedOutput):
             weights += m.weight.numel()
     attention = 0.0
@@ -579,7 +582,14 @@ def dry_run(
     ve, fs = out.vescale, out.fsdp2
     ve.collectives.update(all_gather=0, reduce_scatter=0)
     ve_groups, fs_groups = [], []
-    state_per_rank = torch.zeros(N, dtype=torch.float64)  # on the device
+    L = N * TP  # the ranks of one replica: the (dp, ep, tp) / (dp, tp) / (dp, ep) mesh's, global rank order
+    state_per_rank = torch.zeros(L, dtype=torch.float64)  # on the device
+    token_split = token_split_modules(model)  # groups of their own over all L ranks (tp: split_tokens)
+    ranks = torch.arange(L)
+    # For each group's mesh, the index of global rank g in it (tp the fastest dimension, then ep): the dense groups'
+    # (dp * ep) ranks of g's tp coordinate, the experts' (dp * tp) ranks of g's ep coordinate, or every rank.
+    rank_in = {N: ranks // TP, L // EP: (ranks // (EP * TP)) * TP + ranks % TP, L: ranks}
+    clip_ranks: dict[str, int] = {}  # the ranks a parameter's norm is summed over
     states_off: dict[str, torch.Tensor] = {}  # tier -> per rank, a plan's states off the device
 
     def tier(name: str, cls: str) -> str:
@@ -603,7 +613,9 @@ def dry_run(
     early = _roots_done_early(model, groups)
     modules = dict(model.named_modules(remove_duplicate=False))
     for g in groups:
-        Ng = N // EP if g.name in experts else N  # this group's shard ranks
+        inside_split = any(g.name == t or g.name.startswith(t + ".") for t in token_split)
+        Ng = L // EP if g.name in experts else L if inside_split else N  # this group's shard ranks
+        clip_ranks.update(dict.fromkeys(g.params, L if g.name in experts or inside_split else N))
         layouts = group_layouts(resolved, g, Ng, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
         group_buffers.append((g.label, layouts))
         # A group of embeddings is not gathered for backward (it reads no weight): lightning-vescale frees it after
@@ -665,11 +677,11 @@ def dry_run(
                 key = (id(lay.plan), weights)  # identical groups share one BufferPlan (the planner's cache)
                 if key not in per_rank_cache:
                     per_rank_cache[key] = _per_rank_state_elements(lay, list(weights))
-                ranks = per_rank_cache[key].repeat_interleave(N // Ng)  # dense rank q holds dp rank q // EP's piece
+                on_ranks = per_rank_cache[key][rank_in[Ng]]
                 if t == "device":
-                    state_per_rank += ranks
+                    state_per_rank += on_ranks
                 else:
-                    states_off[t] = states_off.get(t, torch.zeros(N, dtype=torch.float64)) + ranks
+                    states_off[t] = states_off.get(t, torch.zeros(L, dtype=torch.float64)) + on_ranks
         ve.params += shard - off_params
         ve.collectives["reduce_scatter"] = ve.collectives.get("reduce_scatter", 0) + rs
         if R > 1:
@@ -766,7 +778,7 @@ def dry_run(
             est.replicate_seconds += t_tp  # exposed, as HSDP's AllReduce
     if EP > 1:  # the all-to-alls of every MoE layer: on the critical path (the experts wait for their rows)
         checkpointed = frozenset(g.name for g in groups if workload.checkpointing and not g.is_root)
-        ep_bytes, ep_calls = expert_parallel_bytes(model, EP, tokens // TP, compute_dtype.itemsize, checkpointed)
+        ep_bytes, ep_calls = expert_parallel_bytes(model, EP, tokens, compute_dtype.itemsize, checkpointed, TP)
         t_ep = sum(ep_calls[k] * hardware.collective_seconds(v / max(ep_calls[k], 1), EP) for k, v in ep_bytes.items())
         for est in (ve, fs):
             est.collectives.update(ep_bytes)
@@ -777,17 +789,25 @@ def dry_run(
                          f"{EP} ep ranks' experts gets 1/{EP} of every rank's routed rows, so {EP - 1}/{EP} of them "
                          f"leave it); a real run's routing is uneven and its bytes (and the experts' activations and "
                          f"FLOPs on the busiest rank) higher")
-        if workload.optimizer == "muon":
-            out.notes.append("Muon's all-to-alls of the expert stacks under expert parallelism are not counted (only "
-                             "those of the other matrices)")
-    if workload.clip_grad and N > 1:  # over the shard group: the replicas hold the same reduced gradients
-        n_grads = sum(1 for p in resolved.params.values() if p.requires_grad)
-        ve.collectives["all_reduce_ragged"] = 2 * (N - 1) * n_grads * 4 // N
-        ve.calls["all_reduce_ragged"] = 1
-    if workload.clip_grad and TP > 1:  # the split parameters' squared norms are summed over tp too
-        n_split = sum(1 for n in tp_split if resolved.params[n].requires_grad)
-        ve.collectives["all_reduce_ragged"] = ve.collectives.get("all_reduce_ragged", 0) + 2 * (TP - 1) * n_split * 4 // TP
-        ve.calls["all_reduce_ragged"] = ve.calls.get("all_reduce_ragged", 0) + 1
+    if workload.clip_grad:
+        # clip_grad_norm_'s norms: one AllReduce of the squared norms per set of groups the gradients are laid out
+        # over (RaggedTensor's _foreach_norm): the dense ones' shard group (the replicas hold the same reduced
+        # gradients), every rank for the experts (their norm group) and the split_tokens groups, and the tp group
+        # too for the parameters tp splits.
+        norm_sets: dict[tuple[int, bool], int] = {}
+        for name, p in resolved.params.items():
+            if p.requires_grad:
+                norm_key = (clip_ranks.get(name, N), name in tp_split and TP > 1)
+                norm_sets[norm_key] = norm_sets.get(norm_key, 0) + 1
+        clip_sent = clip_calls = 0
+        for (ranks_, split_), count in norm_sets.items():
+            for size in (ranks_, TP if split_ else 1):
+                if size > 1:
+                    clip_sent += 2 * (size - 1) * count * 4 // size  # comm_stats' count of each AllReduce
+                    clip_calls += 1
+        if clip_calls:
+            ve.collectives["all_reduce_ragged"] = clip_sent
+            ve.calls["all_reduce_ragged"] = clip_calls
     if workload.optimizer == "muon":
         param_order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # the optimizer's order of matrices
         for entries in muon_matrices.values():
@@ -849,6 +869,9 @@ def dry_run(
         out.notes.append("the plan's tiers keep " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in
                          sorted(ve.off_device.items())) + " per rank off the device (the transfers' time and their "
                          "buffers in flight are not counted)")
+    if workload.optimizer == "muon" and (EP > 1 or token_split):
+        out.notes.append("Muon's all-to-alls of the matrices in groups sharded over other ranks than the dense ones "
+                         "(expert stacks under ep, split_tokens modules under tp) are not counted")
     if "muon_gather" in ve.collectives:
         out.notes.append("Muon's all-to-alls (muon_gather / muon_scatter): the busiest rank's bytes, with Muon's "
                          "defaults (mode='auto', 5 Newton-Schulz steps); FSDP2 is sized without Muon's gathers")

@@ -64,6 +64,7 @@ __all__ = [
     "sequence_parallel",
     "tensor_parallel_bytes",
     "tensor_parallel_view",
+    "token_split_modules",
     "tp_layouts",
 ]
 
@@ -94,7 +95,7 @@ def tp_layouts(value: Union[str, Mapping[str, str]]) -> tuple[str, str, str]:
     if isinstance(value, str):
         return (value, *_DEFAULT_LAYOUTS.get(value, ("replicate", "replicate")))
     style = value["style"]
-    default_in, default_out = _DEFAULT_LAYOUTS[style]
+    default_in, default_out = _DEFAULT_LAYOUTS.get(style, ("replicate", "replicate"))
     return style, value.get("input", default_in), value.get("output", default_out)
 
 
@@ -136,6 +137,20 @@ def sequence_parallel(model: nn.Module) -> Optional[SequenceParallel]:
     return getattr(model, "_vescale_tp_sequence", None)
 
 
+def token_split_modules(model: nn.Module) -> frozenset[str]:
+    """The modules of a :func:`tensor_parallel_view` that run on ``1/tp`` of the tokens with their weights whole
+    (``tp: split_tokens``: a MoE feed-forward under ep x tp); each is a group sharded over every rank."""
+    return getattr(model, "_vescale_tp_token_split", frozenset())
+
+
+def _input_features(module: nn.Module) -> int:
+    """The width of a feed-forward's input (a MoE's experts' ``dim``, else its first linear's ``in_features``)."""
+    experts = getattr(module, "experts", None)
+    if experts is not None and hasattr(experts, "w1_EDF"):
+        return int(experts.w1_EDF.shape[1])
+    return next(m.in_features for m in module.modules() if isinstance(m, nn.Linear))
+
+
 def tensor_parallel_view(model: nn.Module, resolved: ResolvedPlan, tp: int) -> tuple[nn.Module, ResolvedPlan]:
     """One tp rank's model (a meta-device copy with the split weights' local shapes) and the plan resolved on it.
 
@@ -152,6 +167,15 @@ def tensor_parallel_view(model: nn.Module, resolved: ResolvedPlan, tp: int) -> t
                         f"tp rules (e.g. plan=llama)")
     _check_layouts(model, styles)
     check_tensor_parallel(model, styles, tp)
+    token_split = frozenset(n for n, s in styles.items() if tp_layouts(s)[0] == "split_tokens")
+    loose = [n for n in sorted(token_split) if n not in {g.name for g in resolved.groups}]
+    if loose:  # as resolve_for(..., tensor_parallel=True) makes them: groups of their own, sharded over every rank
+        import dataclasses
+
+        from lightning_vescale.plan._resolve import plan_from_modules, resolve_plan
+
+        extra = plan_from_modules(model, [model.get_submodule(n) for n in loose], name="split_tokens")
+        resolved = resolve_plan(model, dataclasses.replace(resolved.plan, rules=resolved.plan.rules + extra.rules))
     shapes = _local_shapes(model, styles, tp)
     local = copy.deepcopy(model).to("meta")
     for full_name, shape in shapes.items():
@@ -166,12 +190,13 @@ def tensor_parallel_view(model: nn.Module, resolved: ResolvedPlan, tp: int) -> t
     local._vescale_tp_split = {  # type: ignore[assignment]  # the parameters split over tp: their whole shapes
         n: tuple(whole[n].shape) for n in shapes}
     layouts = {n: tp_layouts(s) for n, s in styles.items()}
-    sequence = SequenceParallel(
-        tp, sequence=frozenset(n for n, (style, _, _) in layouts.items() if style == "sequence"),
+    sequence = SequenceParallel(  # split_tokens modules run on 1/tp of the tokens as the norms do
+        tp, sequence=frozenset(n for n, (style, _, _) in layouts.items() if style in ("sequence", "split_tokens")),
         gather_input=frozenset(n for n, (style, inp, _) in layouts.items() if style == "colwise" and inp == "sequence"),
         gather_output=frozenset(n for n, (style, _, out) in layouts.items() if style == "colwise" and out == "replicate"))
     if sequence.sequence or sequence.gather_input or sequence.gather_output:
         local._vescale_tp_sequence = sequence  # type: ignore[assignment]  # read by sequence_parallel()
+    local._vescale_tp_token_split = token_split  # type: ignore[assignment]  # read by token_split_modules()
     vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), 0)
     local._vescale_vocab = vocab  # type: ignore[assignment]  # the logits' width, whatever the split of the embedding
     params = {}
@@ -184,6 +209,9 @@ def tensor_parallel_view(model: nn.Module, resolved: ResolvedPlan, tp: int) -> t
 def _module_collectives(module: nn.Module, value: Union[str, Mapping[str, str]], tp: int) -> list[tuple[str, bool, int]]:
     """``(kind, in forward, features)`` of what torch sends for one split module, ``tokens x features`` each."""
     style, inp, out = tp_layouts(value)
+    if style == "split_tokens":  # input cut into tp chunks (no communication), output gathered; backward the reverse
+        dim = _input_features(module)
+        return [("all_gather_tp", True, dim)] * (out == "replicate") + [("all_gather_tp", False, dim)] * (inp == "replicate")
     if isinstance(module, nn.Embedding):
         if style != "rowwise":  # colwise: the lookups stay split on features, nothing is sent
             return []
@@ -229,7 +257,8 @@ def tensor_parallel_bytes(local: nn.Module, styles: Mapping[str, Any], tp: int, 
         if module is None:
             continue
         owner = next((g for g in checkpointed if name.startswith(g + ".")), None)
-        recomputed = owner is not None and last_rowwise.get(owner) != name
+        # A split_tokens module's output gather, like the last rowwise projection, only feeds the residual sum.
+        recomputed = owner is not None and last_rowwise.get(owner) != name and tp_layouts(value)[0] != "split_tokens"
         for kind, forward, features in _module_collectives(module, value, tp):
             times = 2 if forward and recomputed else 1
             share = 2 * (tp - 1) / tp if kind == "all_reduce_tp" else (tp - 1) / tp
@@ -309,13 +338,16 @@ def expert_groups(model: nn.Module) -> frozenset[str]:
 
 
 def expert_parallel_bytes(local: nn.Module, ep: int, tokens: int, itemsize: int,
-                          checkpointed: frozenset[str] = frozenset()) -> tuple[dict[str, float], dict[str, int]]:
+                          checkpointed: frozenset[str] = frozenset(),
+                          tp: int = 1) -> tuple[dict[str, float], dict[str, int]]:
     """``(bytes, calls)`` per step of one rank's expert-parallel all-to-alls (see
     :class:`~lightning_vescale.parallel.ExpertParallelGroupedExperts`), assuming balanced routing: each MoE layer
     exchanges its tokens-per-expert counts (``E`` int64, ``all_to_all_ep_counts``) and sends its ``tokens x top_k``
     routed rows of ``dim`` elements in the compute dtype twice forward (dispatch, combine) and twice backward
     (``all_to_all_ep``), of which the ``(ep - 1) / ep`` bound for other ranks' experts leave the rank. Under
-    ``checkpointed`` groups the forward ones run again (the recompute)."""
+    ``checkpointed`` groups the forward ones run again (the recompute). With ``tp``, a MoE layer inside a
+    ``split_tokens`` module runs on ``tokens / tp`` (its all-to-alls among the ep ranks of equal (dp, tp)
+    coordinate)."""
     from lightning_vescale.models.moe import MoEFeedForward
 
     if ep == 1:
@@ -327,7 +359,8 @@ def expert_parallel_bytes(local: nn.Module, ep: int, tokens: int, itemsize: int,
         if not isinstance(m, MoEFeedForward):
             continue
         forwards = 2 if any(name.startswith(g + ".") for g in checkpointed) else 1
-        rows = tokens * m.router.top_k
+        split = any(name == t or name.startswith(t + ".") for t in token_split_modules(local))
+        rows = (tokens // tp if split else tokens) * m.router.top_k
         sent["all_to_all_ep"] += (2 * forwards + 2) * share * rows * m.experts.w1_EDF.shape[1] * itemsize
         calls["all_to_all_ep"] += 2 * forwards + 2
         sent["all_to_all_ep_counts"] += forwards * share * m.router.num_experts * 8
