@@ -272,18 +272,23 @@ def _run(argv: list[str]) -> int:
     if workload.precision == "bf16-true":
         model = model.to(torch.bfloat16)
     plan = load_plan(args["plan"]) if "plan" in args else None
-    if plan is None and tp > 1:
-        # The default plan splits nothing over tp: take the model family's plan (configs/plan/<family>.yaml), whose
-        # tp rules say what to split, and say so.
-        family = args["model"].split("_")[0]
-        try:
-            plan = load_plan(family)
-        except (PlanError, FileNotFoundError, ValueError):
-            raise PlanError(f"tp={tp} needs a plan with tp rules and there is no plan {family!r}: give plan=...") from None
-        print(f"(tp={tp} without plan=: using plan {family!r}, whose tp rules split the model)")
-    if plan is None and ep > 1:  # the default plan leaves the experts in their blocks' groups: take the moe plan's
-        plan = load_plan("moe")
-        print(f"(ep={ep} without plan=: using plan 'moe', whose groups hold the routed experts)")
+    if plan is None and (tp > 1 or ep > 1):
+        # The default plan splits nothing over tp and leaves the experts in their blocks' groups: take the model
+        # family's plan (configs/plan/<family>.yaml; the moe plan for a MoE family without one), and say so.
+        from lightning_vescale.models.families import FAMILIES
+
+        family = next(f for f in sorted(FAMILIES, key=len, reverse=True) if args["model"].startswith(f + "_"))
+        for name in (family, "moe") if ep > 1 else (family,):
+            try:
+                plan = load_plan(name)
+                break
+            except (PlanError, FileNotFoundError, ValueError):
+                continue
+        else:
+            raise PlanError(f"tp={tp} needs a plan with tp rules and there is no plan {family!r}: give plan=...")
+        why = "whose tp rules split the model" if tp > 1 else "whose groups hold the routed experts"
+        print(f"({', '.join(f'{k}={v}' for k, v in (('tp', tp), ('ep', ep)) if v > 1)} without plan=: using plan "
+              f"{plan.name!r}, {why})")
     resolved = resolve_plan(model, plan)
     try:
         model, resolved = tensor_parallel_view(model, resolved, tp)  # one tp rank's model: sized as the engine sees it
@@ -315,6 +320,10 @@ def _run(argv: list[str]) -> int:
              else f": each MoE layer's routed experts split over the {ep} ep ranks, their groups sharded over the "
              f"dp ranks of an ep coordinate, the others over all; the all-to-alls (balanced routing) are exposed"
              if ep > 1 and tp == 1
+             else f": the plan's tp rules split modules over {tp} ranks (split_tokens feed-forwards: 1/{tp} of the "
+             f"tokens each, in groups over every rank), the routed experts over {ep} ep ranks (their groups over the "
+             f"dp x tp ranks of an ep coordinate), the rest sharded over world_size / {tp} ranks; the tp collectives "
+             f"and the all-to-alls (balanced routing) are exposed" if ep > 1
              else f": the plan's tp rules split modules over {tp} ranks, each group of one tp rank's model sharded "
              f"over world_size / {tp} ranks; the tp collectives are exposed" if tp > 1
              else ": every group sharded over all ranks"))

@@ -68,6 +68,9 @@ def test_dry_run_cli_sizes_an_expert_parallel_mesh(capsys):
     assert "all-to-all ep/step" in out and "assume balanced routing" in out
     assert main(["model=moe_tiny", "world_size=8"]) == 0
     assert "all-to-all ep" not in capsys.readouterr().out
+    assert main(["model=deepseek_v3_tiny", "world_size=16", "ep=2", "tp=2"]) == 0  # its family's plan
+    out = capsys.readouterr().out
+    assert "(tp=2, ep=2 without plan=: using plan 'deepseek_v3'" in out and "mesh: 3-D (dp=4, ep=2, tp=2)" in out
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -85,3 +88,25 @@ def test_experts_not_in_a_group_of_their_own_are_refused():
     model = _moe()
     with pytest.raises(PlanError, match=r"layers.0.feed_forward.experts \(GroupedExperts\) is not a group of its own"):
         expert_parallel_view(model, resolve_plan(model, None), 2)
+
+
+def test_ep_by_tp_groups_and_collectives():
+    # (dp, ep, tp) = (2, 2, 2): the moe plan splits attention over tp and runs each feed-forward on 1/tp of the tokens.
+    model = _moe()
+    workload = Workload(batch_size=2, seq_len=8, precision="32-true", clip_grad=False)
+    run = dry_run(model, resolve_plan(model, load_plan("moe")), 8, tensor_parallel=2, expert_parallel=2,
+                  workload=workload, hardware=load_profile("cpu"), activations={})
+    assert run.mesh == "3-D (dp=2, ep=2, tp=2)"
+    groups = {g["group"]: g for g in run.groups}
+    # The feed-forward a group of its own (router, shared experts) sharded over all 8 ranks, the experts over the 4
+    # dp x tp ranks of an ep coordinate: their AllGathers send 7 / 3 shards; a block's attention over the 4 dp x ep.
+    ff, experts, block = groups["layers.0.feed_forward"], groups["layers.0.feed_forward.experts"], groups["layers.0"]
+    assert ff["all_gather_bytes"] == 2 * 7 * ff["shard_bytes"]
+    assert experts["all_gather_bytes"] == 2 * 3 * experts["shard_bytes"]
+    assert block["all_gather_bytes"] == 2 * 3 * block["shard_bytes"]
+    c = run.vescale.collectives
+    # split_tokens: the output gathered over tp forward and the input gradient backward, 16 tokens x dim 32 fp32, half
+    # of each sent; per layer the all-to-alls on 8 tokens (1/tp), half of 8 x top 2 rows leaving.
+    assert c["all_gather_tp"] == 2 * 2 * 16 * 32 * 4 / 2
+    assert c["all_to_all_ep"] == 2 * 4 * 8 * 2 / 2 * 32 * 4
+    assert c["all_reduce_tp"] == 2 * 16 * 32 * 4 * (1 + 3)  # wo forward, wq/wk/wv input gradients: 2 (tp-1)/tp = 1
