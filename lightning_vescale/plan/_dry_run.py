@@ -14,7 +14,13 @@ reduced gradient pieces are AllReduced across the ``R`` replicas (``comm_stats``
 the engine issues it when the ReduceScatter completes and waits for it, so it is counted as exposed time).
 With ``tp``, a ``(world_size / tp, tp)`` mesh: the plan's ``tp`` rules split modules over ``tp`` ranks, and the
 tp-local model is sized as above over ``world_size / tp`` ranks; torch's tensor-parallel AllReduces are added
-under ``all_reduce_tp`` (see :mod:`._tensor_parallel`), exposed.
+under ``all_reduce_tp`` (see :mod:`._tensor_parallel`), exposed; with sequence parallelism its AllGathers and
+ReduceScatters under ``all_gather_tp`` / ``reduce_scatter_tp``. With ``ep``, a ``(world_size / ep, ep)`` mesh: one ep
+rank's model holds ``E / ep`` routed experts, whose groups are sharded over the dp ranks of its ep coordinate, the
+others over all ranks; the all-to-alls of each MoE layer (``all_to_all_ep``, ``all_to_all_ep_counts``) are sized under
+balanced routing, exposed. With ``ep`` and ``tp``, the ``(dp, ep, tp)`` mesh: attention split by the tp rules, the
+``split_tokens`` feed-forwards on ``1 / tp`` of the tokens in groups over every rank, the experts over the ``dp x tp``
+ranks of their ep coordinate, the rest over the ``dp x ep`` ranks of a tp coordinate.
 With ``optimizer="muon"``, Muon's own two all-to-alls per step (``muon_gather``: each rank's pieces of the updates of
 the matrices not whole on one rank to their owners; ``muon_scatter``: the orthogonalized pieces back) are sized
 with Muon's own owner choice on the planner's pieces (:func:`muon_bucket_bytes`), per rank (``per_rank``; the
@@ -588,7 +594,7 @@ def dry_run(
     ranks = torch.arange(L)
     # For each group's mesh, the index of global rank g in it (tp the fastest dimension, then ep): the dense groups'
     # (dp * ep) ranks of g's tp coordinate, the experts' (dp * tp) ranks of g's ep coordinate, or every rank.
-    rank_in = {N: ranks // TP, L // EP: (ranks // (EP * TP)) * TP + ranks % TP, L: ranks}
+    rank_in = {"dense": ranks // TP, "experts": (ranks // (EP * TP)) * TP + ranks % TP, "every": ranks}
     clip_ranks: dict[str, int] = {}  # the ranks a parameter's norm is summed over
     states_off: dict[str, torch.Tensor] = {}  # tier -> per rank, a plan's states off the device
 
@@ -614,7 +620,8 @@ def dry_run(
     modules = dict(model.named_modules(remove_duplicate=False))
     for g in groups:
         inside_split = any(g.name == t or g.name.startswith(t + ".") for t in token_split)
-        Ng = L // EP if g.name in experts else L if inside_split else N  # this group's shard ranks
+        mesh_of = "experts" if g.name in experts else "every" if inside_split else "dense"
+        Ng = {"experts": L // EP, "every": L, "dense": N}[mesh_of]  # this group's shard ranks
         clip_ranks.update(dict.fromkeys(g.params, L if g.name in experts or inside_split else N))
         layouts = group_layouts(resolved, g, Ng, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
         group_buffers.append((g.label, layouts))
@@ -677,7 +684,7 @@ def dry_run(
                 key = (id(lay.plan), weights)  # identical groups share one BufferPlan (the planner's cache)
                 if key not in per_rank_cache:
                     per_rank_cache[key] = _per_rank_state_elements(lay, list(weights))
-                on_ranks = per_rank_cache[key][rank_in[Ng]]
+                on_ranks = per_rank_cache[key][rank_in[mesh_of]]
                 if t == "device":
                     state_per_rank += on_ranks
                 else:
@@ -813,15 +820,16 @@ def dry_run(
         for entries in muon_matrices.values():
             entries.sort(key=lambda m: (param_order.get(m[0].partition("[")[0], -1), m[0]))
         gather, scatter, loads = muon_bucket_bytes(muon_matrices["dp"], N)
-        muon_per_rank = {"muon_gather": [gather[q // TP] for q in range(N * TP)],
-                    "muon_scatter": [scatter[q // TP] for q in range(N * TP)]}
+        muon_per_rank = {"muon_gather": [gather[q // TP] for q in range(L)],
+                         "muon_scatter": [scatter[q // TP] for q in range(L)]}
         muon_calls = int(any(gather))
         if muon_matrices["tp"]:  # one (dp, tp) mesh: global rank q is dp rank q // TP's piece of tp block q % TP
             tp_matrices = [(n, shape, [r for r in ranges for _ in range(TP)]) for n, shape, ranges in muon_matrices["tp"]]
-            tp_gather, tp_scatter, _ = muon_bucket_bytes(tp_matrices, N * TP, tensor_parallel=True,
-                                         initial_loads=[float(round(loads[q // TP])) for q in range(N * TP)])
+            # Each rank seeds the owner choice with its own load from the other buckets, rounded (as it sends it).
+            tp_gather, tp_scatter, _ = muon_bucket_bytes(tp_matrices, L, tensor_parallel=True,
+                                                         initial_loads=[float(round(loads[q // TP])) for q in range(L)])
             muon_per_rank = {"muon_gather": [a + b for a, b in zip(muon_per_rank["muon_gather"], tp_gather)],
-                        "muon_scatter": [a + b for a, b in zip(muon_per_rank["muon_scatter"], tp_scatter)]}
+                             "muon_scatter": [a + b for a, b in zip(muon_per_rank["muon_scatter"], tp_scatter)]}
             muon_calls += int(any(tp_gather))
         ve.per_rank.update(muon_per_rank)  # zeros where every matrix is whole on its owner (the local path)
         if muon_calls:
@@ -829,7 +837,7 @@ def dry_run(
             for kind, rank_bytes in muon_per_rank.items():
                 ve.collectives[kind] = max(rank_bytes)
                 ve.calls[kind] = muon_calls
-                t_muon += hardware.collective_seconds(max(rank_bytes), N * TP)
+                t_muon += hardware.collective_seconds(max(rank_bytes), L)
             ve.comm_seconds += t_muon
             ve.replicate_seconds += t_muon  # in the optimizer step: nothing overlaps it
     ve.optimizer = float(state_per_rank.max()) if N else 0.0
