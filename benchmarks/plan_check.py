@@ -10,7 +10,8 @@ tokens. Measured per rank:
 
 * bytes sent per step by collective kind, from ``lightning_vescale.comm_stats`` (steps after the first, whose
   plan-agreement check is extra);
-* the operating system's peak resident set: the kernel's high-water mark (``VmHWM``) is reset (write ``5`` to
+* the operating system's peak resident set (in the JSON also the last step's high-water marks of forward and
+  backward and of the optimizer step, the mark reset between steps): the kernel's high-water mark (``VmHWM``) is reset (write ``5`` to
   ``/proc/self/clear_refs``) after imports, process-group setup (the device mesh and its sub-meshes included)
   and one step of a tiny unsharded model (so the
   kernels' code and thread pools a first step brings in, about 80 MiB here, are resident before), read back
@@ -165,15 +166,21 @@ def worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
         gc.collect()
         reset_peak()
     sent = []
+    train_peak = peak_rss() - baseline
     for tokens in batches:
         with FunctionalCollectiveCounter("tp", all_to_all="ep") as tp_sent:
             lm_loss(model, tokens).backward()
+        forward_backward = peak_rss() - baseline  # since the last step's end
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        train_peak = max(train_peak, peak_rss() - baseline)
+        in_step = peak_rss() - baseline
+        reset_peak()  # the next step's high-water marks start from here (train_peak keeps the largest)
         step = dict(lv.comm_stats.step())
         step.update({k: int(v) for k, v in tp_sent.sent.items()})
         sent.append(step)
-    result = {"baseline_rss": baseline, "setup_peak": after_setup, "train_peak": peak_rss() - baseline,
+    result = {"baseline_rss": baseline, "setup_peak": after_setup, "train_peak": train_peak,
+              "forward_backward_peak": forward_backward, "optimizer_step_peak": in_step,
               "bytes": sent[-1], "bytes_steps": sent}
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
@@ -236,6 +243,8 @@ def main() -> None:
             "world_size": world, "measured_peak": measured_peak,
             "measured_peak_per_rank": [r["train_peak"] for r in ranks], "predicted_peak": ve.peak,
             "peak_error": ve.peak / measured_peak - 1, "measured_bytes": measured_bytes,
+            "measured_forward_backward_peak": max(r["forward_backward_peak"] for r in ranks),
+            "measured_optimizer_step_peak": max(r["optimizer_step_peak"] for r in ranks),
             "predicted_bytes": {k: int(v) for k, v in ve.collectives.items()},
             "bytes_equal": all(int(ve.collectives.get(k, 0)) == v for k, v in measured_bytes.items())
             and all(measured_bytes.get(k, 0) == int(v) for k, v in ve.collectives.items() if v),
