@@ -248,12 +248,19 @@ def fully_shard_expert_parallel(
        :func:`lightning_vescale.parallelize` gives it: in the root group its gradient buffer would live through
        the whole backward (and its weight, which its backward does not read, would stay gathered).
 
+    On a 3-D ``(dp_dim, ep_dim, "tp")`` mesh, after the attention was split over ``mesh["tp"]`` with torch's
+    ``parallelize_module`` (torchtitan's idiom), every module holding experts (a MoE feed-forward) runs on 1/tp of
+    the sequence (``PrepareModuleInputOutput``: the plan's ``tp: split_tokens``) and is a group over every rank;
+    the experts are sharded over the ``dp * tp`` ranks of their ep coordinate and the blocks over the ``dp * ep``
+    ranks of a tp coordinate (see [Note: experts on ep, attention on tp] in
+    :mod:`lightning_vescale.parallel.tensor_parallel`).
+
     Args:
         model: a model containing ``GroupedExperts``, identical on every rank.
         mesh: a 2-D mesh with dimensions ``dp_dim`` and ``ep_dim`` (e.g. ``init_device_mesh("cpu", (2, 2),
-            mesh_dim_names=("dp", "ep"))``).
+            mesh_dim_names=("dp", "ep"))``), or a 3-D one with ``"tp"`` last.
         dense_mesh: a 1-D mesh of all of ``mesh``'s ranks for the non-expert parameters (and the experts'
-            gradient norm). Default: ``mesh`` flattened.
+            gradient norm). Default: ``mesh`` flattened. Not with a tp dimension.
         blocks: the modules to shard as their own groups; default ``model.layers``.
         fully_shard_kwargs: passed to every ``fully_shard`` call (``mp_policy``, ``reshard_after_forward``,
             ``granularity``).
@@ -265,18 +272,24 @@ def fully_shard_expert_parallel(
     from lightning_vescale.plan._resolve import embedding_groups
 
     names = mesh.mesh_dim_names or ()
-    if mesh.ndim != 2 or dp_dim not in names or ep_dim not in names:
+    with_tp = mesh.ndim == 3 and tuple(names) == (dp_dim, ep_dim, "tp")
+    if not with_tp and (mesh.ndim != 2 or dp_dim not in names or ep_dim not in names):
         raise ValueError(
-            f"fully_shard_expert_parallel needs a 2-D mesh with dimensions {dp_dim!r} and {ep_dim!r}, got "
-            f"{mesh.ndim}-D dimensions {names}"
+            f"fully_shard_expert_parallel needs a 2-D mesh with dimensions {dp_dim!r} and {ep_dim!r} (or a 3-D "
+            f"({dp_dim!r}, {ep_dim!r}, 'tp') one), got {mesh.ndim}-D dimensions {names}"
         )
     for key in ("mesh", "gradient_divide_factor", "norm_group"):
         if key in fully_shard_kwargs:
             raise ValueError(f"fully_shard_expert_parallel chooses {key} itself; don't pass it")
     dp_mesh, ep_mesh = mesh[dp_dim], mesh[ep_dim]
     dp, ep = dp_mesh.size(), ep_mesh.size()
-    if dense_mesh is None:
-        dense_mesh = mesh._flatten()
+    every_rank = mesh._flatten()
+    if with_tp:
+        if dense_mesh is not None:
+            raise ValueError("with a tp dimension the blocks are sharded over mesh[dp, ep] flattened: don't pass dense_mesh")
+        dense_mesh, experts_mesh = mesh[dp_dim, ep_dim]._flatten(), mesh[dp_dim, "tp"]._flatten()
+    else:
+        dense_mesh, experts_mesh = dense_mesh if dense_mesh is not None else every_rank, dp_mesh
     if dense_mesh.ndim != 1 or dense_mesh.size() != dp * ep:
         raise ValueError(f"dense_mesh must be a 1-D mesh of the {dp * ep} ranks of mesh, got {dense_mesh}")
     embeddings = embedding_groups(model)  # before sharding: fully_shard gives each block a class of its own
@@ -286,9 +299,17 @@ def fully_shard_expert_parallel(
     for module in experts:
         if not isinstance(module, ExpertParallelGroupedExperts) or module.ep_size != ep:
             raise ValueError(f"every GroupedExperts must be expert parallel over {ep} ranks ({ep_dim!r})")
-        fully_shard(
-            module, mesh=dp_mesh, gradient_divide_factor=dp * ep, norm_group=dense_mesh, **fully_shard_kwargs
-        )
+        fully_shard(module, mesh=experts_mesh, gradient_divide_factor=dp * ep,
+                    norm_group=every_rank if with_tp else dense_mesh, **fully_shard_kwargs)
+    if with_tp:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from lightning_vescale.parallel.tensor_parallel import tensor_parallel_style
+
+        holders = [m for m in model.modules() if any(isinstance(c, GroupedExperts) for c in m.children())]
+        for holder in holders:
+            parallelize_module(holder, mesh["tp"], tensor_parallel_style("split_tokens"))
+            fully_shard(holder, mesh=every_rank, gradient_divide_factor=dp * ep, **fully_shard_kwargs)
     blocks = list(cast(Iterable[nn.Module], model.layers) if blocks is None else blocks)
     for block in blocks:
         fully_shard(block, mesh=dense_mesh, **fully_shard_kwargs)

@@ -374,6 +374,7 @@ def parallelize_spmd(
         mesh = _default_mesh()
     names = dict(model.named_modules(remove_duplicate=False))
     token_split = token_split_modules(resolved.tensor_parallel) if tensor_parallel else []
+    _check_no_aux_loss(model, token_split)
     if expert_parallel:
         check_expert_parallel_ready(model)
         grouped = {id(names[g.name]) for g in resolved.groups}
@@ -455,6 +456,15 @@ def parallelize_spmd(
     logger.debug("lightning_vescale: parallelized %s with plan %r: %d groups", type(model).__name__,
                  resolved.plan.name, len(resolved.groups))
     return model
+
+
+def _check_no_aux_loss(model: nn.Module, token_split: Sequence[str]) -> None:
+    """A switch-style auxiliary loss on 1/tp of the tokens would differ per tp rank (and from the whole batch's)."""
+    coupled = [n for n in token_split if getattr(model.get_submodule(n), "aux_loss_coef", 0) > 0]
+    if coupled:
+        raise PlanError(f"{coupled[0]} has aux_loss_coef > 0 and tp: split_tokens: its auxiliary loss would be computed "
+                        f"on each tp rank's sequence shard, a different loss on every rank. Use the auxiliary-loss-free "
+                        f"balancing (aux_loss_coef=0, expert_bias), or tensor_parallel_size=1")
 
 
 def _check_experts_split_tokens(model: nn.Module, token_split: Sequence[str], tensor_parallel: bool) -> None:

@@ -75,6 +75,10 @@ def tensor_parallel_style(value: Union[str, Mapping[str, str]]) -> Any:  # a tor
     style = _style_name(value)
     if style == "replicate":
         return None
+    if style == "heads":
+        # A per-head norm: its input (B, T, heads, K) holds this rank's heads; torch's SequenceParallel on dim 2 keeps
+        # its weight a Replicate DTensor, so the gradient of the heads of every tp rank is summed.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     if style == "split_tokens":
         from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
@@ -85,8 +89,8 @@ def tensor_parallel_style(value: Union[str, Mapping[str, str]]) -> Any:  # a tor
             use_local_input=True, output_layouts=(Shard(1),),
             desired_output_layouts=(arrive[given.get("output", "replicate")],), use_local_output=True)
     if style not in styles:
-        raise ValueError(f"unknown tensor-parallel style {style!r}: expected colwise, rowwise, sequence, split_tokens "
-                         f"or replicate")
+        raise ValueError(f"unknown tensor-parallel style {style!r}: expected colwise, rowwise, sequence, heads, "
+                         f"split_tokens or replicate")
     layouts = {"replicate": Replicate(), "sequence": Shard(1), "split": Shard(-1)}
     kwargs = {}
     if not isinstance(value, str):
@@ -116,7 +120,7 @@ def check_tensor_parallel(model: nn.Module, styles: Mapping[str, Any], tp_size: 
     split_parents = set()
     for name, value in styles.items():
         module, style = modules.get(name), _style_name(value)
-        if module is None or style in ("replicate", "sequence", "split_tokens"):
+        if module is None or style in ("replicate", "sequence", "heads", "split_tokens"):
             continue
         split = _split_size(module, style)
         if split is not None and split[1] % tp_size != 0:
@@ -125,6 +129,15 @@ def check_tensor_parallel(model: nn.Module, styles: Mapping[str, Any], tp_size: 
         split_parents.add(name.rpartition(".")[0])
     for parent in sorted(split_parents):
         module = modules.get(parent)
+        # A whole parameter beside split projections (a per-head norm, a low-rank projection whose output all heads
+        # share) gets the gradient of this rank's heads only: tp must sum it, which only a style does.
+        styled = {n for n, v in styles.items() if _style_name(v) != "replicate"}
+        for mname, m in (module.named_modules(prefix=parent) if module is not None else []):
+            owner_styled = any(mname == n or mname.startswith(n + ".") for n in styled)
+            if not owner_styled and any(True for _ in m.parameters(recurse=False)):
+                problems.append(f"{mname} ({type(m).__name__}) holds whole parameters inside {parent or '<model>'}, whose "
+                                f"projections are split over tp: its gradient would cover this rank's heads only. Give "
+                                f"it a tp style (tp: heads for a per-head norm), or leave the projections of {parent or '<model>'} whole")
         for attr in ("n_heads", "n_kv_heads"):
             heads = getattr(module, attr, None)
             if isinstance(heads, int) and heads % tp_size != 0:

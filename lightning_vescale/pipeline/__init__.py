@@ -20,7 +20,14 @@ Modules: ``_spec`` (the plan), ``_team`` (a stage wider than its pipelines: [Not
 """
 
 from lightning_vescale.pipeline._checkpoint import load_full_into, load_mpmd, read_mpmd_full_state_dict, save_mpmd
-from lightning_vescale.pipeline._cost import LayoutCost, StageCost, choose_layout, predict_mpmd, predict_uniform
+from lightning_vescale.pipeline._cost import (
+    LayoutCost,
+    StageCost,
+    candidate_plans,
+    choose_layout,
+    predict_mpmd,
+    predict_uniform,
+)
 from lightning_vescale.pipeline._runtime import (
     MPMDModel,
     check_batch,
@@ -38,6 +45,7 @@ __all__ = [
     "MPMDPlan",
     "StageCost",
     "StageSpec",
+    "candidate_plans",
     "check_batch",
     "check_stage_shapes",
     "choose_layout",

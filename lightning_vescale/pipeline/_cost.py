@@ -31,11 +31,13 @@ The profile's ``op_overhead`` and ``cores`` were calibrated on this machine agai
 ``benchmarks/mpmd_bench.py`` (CPU seconds per rank and step), see ``benchmarks/results/mpmd.md``.
 
 :func:`choose_layout` ranks the candidates by predicted step time: an MPMD layout is chosen only where it is
-predicted faster.
+predicted faster. :func:`candidate_plans` spans the layouts of one plan's stages: every split of the ranks, both
+schedules, every micro-batch count the batch allows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -55,7 +57,7 @@ from lightning_vescale.pipeline._spec import MPMDPlan
 from lightning_vescale.plan._dry_run import Workload, dry_run
 from lightning_vescale.plan._hardware import HardwareProfile, OpCounter
 
-__all__ = ["LayoutCost", "StageCost", "choose_layout", "predict_mpmd", "predict_uniform"]
+__all__ = ["LayoutCost", "StageCost", "candidate_plans", "choose_layout", "predict_mpmd", "predict_uniform"]
 
 
 @dataclass
@@ -253,3 +255,34 @@ def choose_layout(model: nn.Module, inputs: Sequence[torch.Tensor], world_size: 
             costs.append((plan, predict_mpmd(model, plan, inputs, hardware, precision=precision)))
     costs.sort(key=lambda c: c[1].step_seconds)
     return costs[0][0], [c for _, c in costs]
+
+
+def _splits(total: int, parts: int) -> list[tuple[int, ...]]:
+    """Every way to give ``parts`` stages at least one of ``total`` ranks, in order."""
+    if parts == 1:
+        return [(total,)]
+    return [(first, *rest) for first in range(1, total - parts + 2) for rest in _splits(total - first, parts - 1)]
+
+
+def candidate_plans(template: Any, world_size: int, batch: int, *, schedules: Sequence[str] = ("1f1b", "gpipe"),
+                    max_microbatches: int = 8) -> list[MPMDPlan]:
+    """The MPMD layouts of ``template``'s stages (their modules and sharding plans kept) over ``world_size`` ranks:
+    every split of the ranks between the stages, each schedule, and every micro-batch count up to
+    ``max_microbatches`` that the global ``batch`` splits into (:func:`check_batch`), gathered once per step."""
+    base = MPMDPlan.from_dict(template)
+    out = []
+    for ranks in _splits(world_size, len(base.stages)):
+        for schedule in schedules:
+            for microbatches in range(1, max_microbatches + 1):
+                if schedule == "1f1b" and microbatches < len(base.stages):
+                    continue
+                stages = tuple(dataclasses.replace(stage, ranks=r) for stage, r in zip(base.stages, ranks))
+                name = f"{'+'.join(map(str, ranks))} {schedule} M={microbatches}"
+                plan = dataclasses.replace(base, stages=stages, schedule=schedule, microbatches=microbatches,
+                                           gather_once=True, name=name)
+                try:
+                    check_batch(plan, batch)
+                except ValueError:
+                    continue
+                out.append(plan)
+    return out

@@ -41,7 +41,9 @@ before the groups are sharded over the data-parallel dimension: ``colwise`` (``C
 ``nn.Linear``'s output features or an ``nn.Embedding``'s columns split, the output stays split),
 ``rowwise`` (``RowwiseParallel``: input features split, outputs summed over tp), ``sequence``
 (``SequenceParallel``: a norm's input and output split on the sequence dimension; its neighbours must
-produce and take sequence-split activations), ``split_tokens`` (the module runs on its tp rank's share of the
+produce and take sequence-split activations), ``heads`` (``SequenceParallel`` on dim 2: a per-head norm such as
+Qwen3's ``q_norm`` / ``k_norm``, whose input holds this rank's heads; its weight stays whole and its gradient is
+summed over tp), ``split_tokens`` (the module runs on its tp rank's share of the
 sequence: its input is cut into tp sequence chunks and its output gathered over tp; its parameters stay whole, so
 their gradients, which differ per tp rank, are summed over tp by the group the module becomes: a MoE feed-forward
 whose routed experts sit on ``ep`` of a ``("dp", "ep", "tp")`` mesh, see :mod:`lightning_vescale.parallel.tensor_parallel`)
@@ -103,7 +105,7 @@ GRANULARITY_WORDS = ("element", "row", "matrix", "tensor", "muon")
 OPTIMIZER_ROUTES = ("auto", "muon", "adamw")
 QUANTIZATION_FORMATS = ("none", "fp8_block", "int8_block")
 """``none``, or block quantization with 128x128 blocks."""
-TP_STYLES = ("colwise", "rowwise", "sequence", "split_tokens", "replicate")
+TP_STYLES = ("colwise", "rowwise", "sequence", "heads", "split_tokens", "replicate")
 """How a module is split over the ``tp`` mesh dimension (see [Note: tensor parallelism in a plan])."""
 TP_LAYOUTS = ("replicate", "sequence", "split")
 """How an activation lies over tp at a colwise / rowwise module's input or output: whole on every rank, split on

@@ -17,9 +17,11 @@ A run writes ``summary.json`` (losses, step times, the plan) and, unless ``train
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["MPMDConfig"]
+__all__ = ["LAYOUTS", "MPMDConfig"]
+
+LAYOUTS = ("plan", "auto", "uniform")
 
 @dataclass
 class MPMDConfig:
@@ -33,13 +35,23 @@ class MPMDConfig:
     """Caption tokens per image."""
     plan: Any = field(default_factory=dict)
     """The MPMD plan (stages, ranks, their sharding plans, schedule, micro-batches; see
-    :mod:`lightning_vescale.pipeline`)."""
+    :mod:`lightning_vescale.pipeline`); with ``layout: auto`` the template of the candidates (its stages' modules
+    and sharding plans)."""
+    layout: str = "plan"
+    """``plan``: train ``plan`` as written; ``auto``: the layout the cost model predicts fastest on this machine's
+    profile (``hardware``) among uniform sharding and every split of the ranks, schedule and micro-batch count of
+    ``plan``'s stages (:func:`~lightning_vescale.pipeline.candidate_plans`); ``uniform``: the whole model sharded
+    over every rank (each block a group), the baseline."""
+    hardware: str = "auto"
+    """The cost model's hardware profile for ``layout: auto`` (``auto``: ``cpu`` without CUDA, else ``h200``)."""
 
     def __post_init__(self) -> None:
         from lightning_vescale.models.vlm import vlm_config
         from lightning_vescale.pipeline import MPMDPlan
 
         arch = vlm_config(self.model)  # an unknown preset is a ValueError naming the valid ones
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"mpmd.layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.batch_size < 1 or self.seq_len < 1:
             raise ValueError(f"mpmd.batch_size and mpmd.seq_len must be >= 1, got {self.batch_size}, {self.seq_len}")
         if arch.num_patches + self.seq_len > arch.decoder.max_seq_len:
@@ -47,15 +59,47 @@ class MPMDConfig:
                              f"decoder's max_seq_len={arch.decoder.max_seq_len}; lower mpmd.seq_len")
         from lightning_vescale.pipeline import check_batch
 
-        try:
-            check_batch(MPMDPlan.from_dict(_plain(self.plan)), self.batch_size)
-        except ValueError as err:
-            raise ValueError(f"mpmd.batch_size: {err}") from None
+        if self.layout == "plan":
+            try:
+                check_batch(MPMDPlan.from_dict(_plain(self.plan)), self.batch_size)
+            except ValueError as err:
+                raise ValueError(f"mpmd.batch_size: {err}") from None
+        elif self.layout == "auto":
+            MPMDPlan.from_dict(_plain(self.plan))  # the template's stages must be a valid plan
 
     def mpmd_plan(self) -> Any:
         from lightning_vescale.pipeline import MPMDPlan
 
         return MPMDPlan.from_dict(_plain(self.plan))
+
+    def check_world_size(self, world_size: int) -> None:
+        """The written plan must fill ``world_size`` ranks; uniform sharding (also ``auto``'s fallback) must split the
+        batch evenly over them."""
+        if self.layout == "plan":
+            self.mpmd_plan().check_world_size(world_size)
+        elif self.batch_size % world_size:
+            raise ValueError(f"mpmd.layout={self.layout}: uniform sharding gives every one of the {world_size} ranks an "
+                             f"equal part of the batch, but mpmd.batch_size={self.batch_size} does not divide by it")
+
+    def choose(self, world_size: int, profile: str) -> tuple[Optional[Any], list[Any]]:
+        """``(plan, costs)``: the layout to train (None: uniform sharding) and, for ``auto``, every priced candidate
+        (fastest first; the cost model on the meta device, seconds)."""
+        import torch
+
+        from lightning_vescale.models.vlm import VLM, synthetic_vlm_batch, vlm_config
+        from lightning_vescale.pipeline import candidate_plans, choose_layout
+        from lightning_vescale.plan._hardware import load_profile
+
+        if self.layout == "plan":
+            return self.mpmd_plan(), []
+        if self.layout == "uniform":
+            return None, []
+        arch = vlm_config(self.model)
+        with torch.device("meta"):
+            model = VLM(arch)
+        images, tokens, _ = synthetic_vlm_batch(arch, self.batch_size, self.seq_len, 0)
+        candidates = [c.to_dict() for c in candidate_plans(_plain(self.plan), world_size, self.batch_size)]
+        return choose_layout(model, (images, tokens), world_size, load_profile(profile), candidates)
 
 
 def _plain(node: Any) -> Any:

@@ -959,7 +959,7 @@ class TrainConfig:
                    f"yet (stages are sharded by mpmd.plan's stage plans, in fp32, every state on the device): drop "
                    f"{'it' if len(ignored) == 1 else 'them'}, or set mpmd=null to train one model over every rank")
             if isinstance(self.trainer.devices, int):
-                self.mpmd.mpmd_plan().check_world_size(self.trainer.devices * self.trainer.num_nodes)
+                self.mpmd.check_world_size(self.trainer.devices * self.trainer.num_nodes)
         if self.memory is not None:
             _check(isinstance(self.strategy, VeScaleStrategyConfig),
                    f"memory=... needs strategy=vescale (its engine owns the buffers that move between tiers), got "

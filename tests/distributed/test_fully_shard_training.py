@@ -1,8 +1,8 @@
 """Sharded training equals single-process training (DESIGN invariant 2), on 1-4 gloo ranks.
 
-Each world size is one process group (``run_distributed``) that checks many things; fp32 parity is
-asserted to 1e-5 (not bitwise: the ReduceScatter sums per-rank mean gradients in another order than
-one backward over the whole batch), bf16 mixed precision within bf16 tolerance.
+Each world size is one class of tests sharing its ranks (:class:`tests.dist_pool.DistributedTest`), one test per
+behaviour; fp32 parity is asserted to 1e-5 (not bitwise: the ReduceScatter sums per-rank mean gradients in another
+order than one backward over the whole batch), bf16 mixed precision within bf16 tolerance.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import lightning_vescale as lv
 from lightning_vescale import collectives
 from lightning_vescale.fully_shard import sharded_groups
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 from tests.toy_models import MLP, TinyTransformer
 
 LOCAL_BATCH = 4
@@ -122,34 +122,41 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _all_checks(rank: int, world: int) -> None:
-    # 1. MLP, uneven sizes, three block groups + root, AdamW and SGD.
-    assert train_parity(rank, world, MLP, mlp_batch, F.mse_loss) < 1e-5
-    assert train_parity(rank, world, MLP, mlp_batch, F.mse_loss, optim=torch.optim.SGD) < 1e-5
-    # Negative control: a single perturbed element on one rank must be seen by the same comparison.
-    if world > 1:
-        assert train_parity(rank, world, MLP, mlp_batch, F.mse_loss, perturb=True) > 1e-4
-    # 2. Transformer with a tied embedding/head and a frozen parameter.
-    assert train_parity(rank, world, TinyTransformer, lm_batch, lm_loss) < 1e-5
-    # 3. Whole-tensor granularity: with few big tensors some ranks hold empty pieces.
-    assert train_parity(rank, world, MLP, mlp_batch, F.mse_loss, granularity="tensor") < 1e-5
-    assert train_parity(rank, world, MLP, mlp_batch, F.mse_loss, granularity="row") < 1e-5
-    # 4. Gradient accumulation, with and without communication on non-final micro-batches. Gradients are
-    # compared directly every step; SGD keeps the parameter comparison linear in them (AdamW's first step
-    # is ~lr * sign(g), which turns a 1e-9 rounding difference of a near-zero gradient into lr).
-    sgd = torch.optim.SGD
-    assert train_parity(rank, world, TinyTransformer, lm_batch, lm_loss, accum=3, optim=sgd) < 1e-5
-    assert train_parity(rank, world, TinyTransformer, lm_batch, lm_loss, accum=3, no_sync=True, optim=sgd) < 1e-5
-    # 5. Clipping by the true global norm (the norms themselves are compared inside).
-    assert train_parity(rank, world, TinyTransformer, lm_batch, lm_loss, clip=0.05) < 1e-5
-    # 6. bf16 mixed precision against the fp32 reference: within bf16 noise over a few steps.
-    mp = lv.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    diff = train_parity(rank, world, TinyTransformer, lm_batch, lm_loss, mp_policy=mp, optim=torch.optim.SGD)
-    assert diff < 2e-2, diff
+_SGD = torch.optim.SGD
+_BF16 = lv.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+# Accumulation: gradients are compared directly every step; SGD keeps the parameter comparison linear in them
+# (AdamW's first step is ~lr * sign(g), which turns a 1e-9 rounding difference of a near-zero gradient into lr).
+PARITY_CASES = {
+    # MLP, uneven sizes, three block groups + root.
+    "mlp_adamw": (MLP, mlp_batch, F.mse_loss, {}, 1e-5),
+    "mlp_sgd": (MLP, mlp_batch, F.mse_loss, {"optim": _SGD}, 1e-5),
+    # Transformer with a tied embedding/head and a frozen parameter.
+    "transformer_tied_frozen": (TinyTransformer, lm_batch, lm_loss, {}, 1e-5),
+    # Whole-tensor granularity: with few big tensors some ranks hold empty pieces.
+    "granularity_tensor": (MLP, mlp_batch, F.mse_loss, {"granularity": "tensor"}, 1e-5),
+    "granularity_row": (MLP, mlp_batch, F.mse_loss, {"granularity": "row"}, 1e-5),
+    "accumulation": (TinyTransformer, lm_batch, lm_loss, {"accum": 3, "optim": _SGD}, 1e-5),
+    "accumulation_no_sync": (TinyTransformer, lm_batch, lm_loss, {"accum": 3, "no_sync": True, "optim": _SGD}, 1e-5),
+    # Clipping by the true global norm (the norms themselves are compared inside).
+    "clipping": (TinyTransformer, lm_batch, lm_loss, {"clip": 0.05}, 1e-5),
+    # bf16 mixed precision against the fp32 reference: within bf16 noise over a few steps.
+    "bf16_mixed": (TinyTransformer, lm_batch, lm_loss, {"mp_policy": _BF16, "optim": _SGD}, 2e-2),
+}
 
 
-def _structure_checks(rank: int, world: int) -> None:
-    """Zero-copy views, byte counting, empty pieces, meta init, errors."""
+def _parity_case(rank: int, world: int, case: str) -> None:
+    make_model, make_batch, loss_fn, kwargs, tol = PARITY_CASES[case]
+    diff = train_parity(rank, world, make_model, make_batch, loss_fn, **kwargs)
+    assert diff < tol, (case, diff)
+
+
+def _perturbed_rank_is_seen(rank: int, world: int) -> None:
+    """Negative control: a single perturbed element on one rank must be seen by the same comparison."""
+    assert train_parity(rank, world, MLP, mlp_batch, F.mse_loss, perturb=True) > 1e-4
+
+
+def _zero_copy_collectives_and_bytes(rank: int, world: int) -> None:
+    """The collectives read and write the DBuffer storage; the bytes they send; views; buffers freed."""
     torch.manual_seed(0)
     model = MLP()
     shard(model, model.blocks)
@@ -205,7 +212,9 @@ def _structure_checks(rank: int, world: int) -> None:
     assert all(b.unsharded.untyped_storage().nbytes() == 0 for b in buffers)
     assert all(b.unsharded_grad.untyped_storage().nbytes() == 0 for b in buffers)
 
-    # Empty pieces: whole-tensor granularity with more ranks than tensors in a group.
+
+def _empty_pieces_take_part(rank: int, world: int) -> None:
+    """Whole-tensor granularity with more ranks than tensors in a group."""
     torch.manual_seed(0)
     tiny = nn.Sequential(nn.Linear(3, 2, bias=False))
     lv.fully_shard(tiny, granularity="tensor")
@@ -218,7 +227,8 @@ def _structure_checks(rank: int, world: int) -> None:
     tiny(torch.randn(2, 3)).sum().backward()  # empty pieces take part in the collectives
     assert all(p.grad is not None and p.grad.shape == p.shape for p in tiny.parameters())
 
-    # Meta-device init equals an unsharded init with the same seed.
+
+def _meta_init_equals_unsharded_init(rank: int, world: int) -> None:
     torch.manual_seed(7)
     ref = MLP()
     with torch.device("meta"):
@@ -232,7 +242,11 @@ def _structure_checks(rank: int, world: int) -> None:
     lv.init_sharded_weights(meta_model, init_fn=lambda m: m.reset_parameters())
     assert max_param_diff(meta_model, ref) > 0.0
 
-    # Errors that name the problem.
+
+def _errors_name_the_problem(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    shard(model, model.blocks)
     with pytest.raises(ValueError, match="already sharded"):
         lv.fully_shard(model)
     with pytest.raises(ValueError, match="parameter weight: unknown granularity 'rows'"):
@@ -308,14 +322,46 @@ def _hsdp_checks(rank: int, world: int) -> None:
     assert train_parity(rank, world, MLP, mlp_batch, F.mse_loss, mesh=mesh, clip=0.1) < 1e-5
 
 
-def _run(rank: int, world: int) -> None:
-    _all_checks(rank, world)
-    _structure_checks(rank, world)
-    _checkpoint_and_eval_checks(rank, world)
-    if world == 4:
-        _hsdp_checks(rank, world)
+class _FullyShardTests(DistributedTest):
+    @pytest.mark.parametrize("case", list(PARITY_CASES))
+    def test_training_matches_single_process(self, case: str) -> None:
+        self.run_ranks(_parity_case, case)
+
+    def test_a_perturbed_rank_is_detected(self) -> None:
+        if self.world_size == 1:
+            pytest.skip("needs a second rank to perturb")
+        self.run_ranks(_perturbed_rank_is_seen)
+
+    def test_collectives_are_zero_copy_and_counted(self) -> None:
+        self.run_ranks(_zero_copy_collectives_and_bytes)
+
+    def test_empty_pieces_take_part_in_collectives(self) -> None:
+        self.run_ranks(_empty_pieces_take_part)
+
+    def test_meta_init_equals_unsharded_init(self) -> None:
+        self.run_ranks(_meta_init_equals_unsharded_init)
+
+    def test_errors_name_the_problem(self) -> None:
+        self.run_ranks(_errors_name_the_problem)
+
+    def test_activation_checkpointing_and_eval(self) -> None:
+        self.run_ranks(_checkpoint_and_eval_checks)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_fully_shard_matches_single_process(world_size: int) -> None:
-    run_distributed(_run, world_size)
+class TestFullyShardOn1Rank(_FullyShardTests):
+    world_size = 1
+
+
+class TestFullyShardOn2Ranks(_FullyShardTests):
+    world_size = 2
+
+
+class TestFullyShardOn3Ranks(_FullyShardTests):
+    world_size = 3
+
+
+class TestFullyShardOn4Ranks(_FullyShardTests):
+    world_size = 4
+
+    def test_hsdp_matches_single_process(self) -> None:
+        self.run_ranks(_hsdp_checks)

@@ -48,7 +48,7 @@ def test_table_shows_each_groups_tp_styles():
 
 
 def test_unknown_tp_style_is_refused():
-    with pytest.raises(PlanError, match=r"tp must be one of colwise, rowwise, sequence, split_tokens, replicate \(or .*\), got .column."):
+    with pytest.raises(PlanError, match=r"tp must be one of colwise, rowwise, sequence, heads, split_tokens, replicate \(or .*\), got .column."):
         load_plan(_plan({"match": "**.wq", "tp": "column"}))
 
 
@@ -208,3 +208,32 @@ def test_dry_run_refuses_layouts_nothing_measured(capsys):
     with pytest.raises(PlanError, match=r"layers.0.attention.wq: tp \{style: colwise, input: replicate, output: sequence\}"
                                         r" is a layout the dry run does not size"):
         tensor_parallel_view(model, resolve_plan(model, plan), 2)
+
+
+def test_whole_parameters_beside_split_projections_are_refused():
+    """Qwen3's per-head norms need tp: heads (the moe plan gives it); DeepSeek-V3's latent attention split by heads
+    would leave wq_a / wkv_a whole beside split projections, their gradients covering one rank's heads."""
+    import dataclasses
+
+    from lightning_vescale.models.families import FAMILIES
+    from lightning_vescale.plan import Plan
+
+    def meta(family: str):
+        with torch.device("meta"):
+            return FAMILIES[family].model_cls(FAMILIES[family].preset("tiny"))
+
+    qwen = meta("qwen3_moe")
+    resolved = resolve_plan(qwen, load_plan("moe"))
+    assert resolved.tensor_parallel["layers.0.attention.q_norm"] == "heads"
+    check_tensor_parallel(qwen, resolved.tensor_parallel, 2)
+    without_heads = {n: s for n, s in resolved.tensor_parallel.items() if s != "heads"}
+    with pytest.raises(ValueError, match=r"layers.0.attention.q_norm \(RMSNorm\) holds whole parameters inside "
+                                         r"layers.0.attention.*tp: heads for a per-head norm"):
+        check_tensor_parallel(qwen, without_heads, 2)
+    deepseek = meta("deepseek_v3")
+    plan = load_plan("deepseek_v3")
+    split = Plan.from_dict({"rules": [{"match": "**.layers.*.attention.w*_b", "tp": "colwise"},
+                                      {"match": "**.layers.*.attention.wo", "tp": "rowwise"}]})
+    resolved = resolve_plan(deepseek, dataclasses.replace(plan, rules=plan.rules + split.rules))
+    with pytest.raises(ValueError, match=r"layers.0.attention.wq_a \(Linear\) holds whole parameters"):
+        check_tensor_parallel(deepseek, resolved.tensor_parallel, 2)
