@@ -292,7 +292,7 @@ def _run(argv: list[str]) -> int:
     resolved = resolve_plan(model, plan)
     try:
         model, resolved = tensor_parallel_view(model, resolved, tp)  # one tp rank's model: sized as the engine sees it
-        model, resolved = expert_parallel_view(model, resolved, ep)  # and one ep rank's share of the experts
+        model, resolved = expert_parallel_view(model, resolved, ep, copy_model=tp == 1)  # one ep rank's experts
     except ValueError as err:
         raise PlanError(str(err)) from None
     from lightning_vescale.plan._dry_run import PRECISIONS

@@ -566,10 +566,12 @@ def dry_run(
     R = check_replicate(world_size, replicate)
     TP = check_tensor_parallel_size(world_size, R, tensor_parallel)
     EP = check_expert_parallel_size(world_size, R, TP, expert_parallel)
+    fresh = False  # whether model is a view made here (that the expert-parallel view may change in place)
     if TP > 1 and getattr(model, "_vescale_tp_local", 1) != TP:
         model, resolved = tensor_parallel_view(model, resolved, TP)
+        fresh = True
     if EP > 1 and getattr(model, "_vescale_ep_local", 1) != EP:
-        model, resolved = expert_parallel_view(model, resolved, EP)
+        model, resolved = expert_parallel_view(model, resolved, EP, copy_model=not fresh)
     N = world_size // (R * TP)  # the shard group's ranks: every per-rank figure below is on them
     experts = expert_groups(model)  # sharded over the N // EP dp ranks of their ep coordinate
     param_dtype, reduce_dtype = PRECISIONS[workload.precision]

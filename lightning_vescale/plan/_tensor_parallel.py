@@ -289,11 +289,13 @@ def _grouped_experts(model: nn.Module) -> dict[str, GroupedExperts]:
     return {name: m for name, m in model.named_modules() if isinstance(m, GroupedExperts)}
 
 
-def expert_parallel_view(model: nn.Module, resolved: ResolvedPlan, ep: int) -> tuple[nn.Module, ResolvedPlan]:
+def expert_parallel_view(model: nn.Module, resolved: ResolvedPlan, ep: int, *,
+                         copy_model: bool = True) -> tuple[nn.Module, ResolvedPlan]:
     """One ep rank's model: every ``GroupedExperts`` keeps ``E / ep`` experts (its ``w1_EDF`` / ``w2_EFD`` / ``w3_EDF``
     cut on dim 0, as :func:`~lightning_vescale.parallel.apply_expert_parallel` cuts them), and the plan resolved on it.
     The experts' groups are marked (``expert_groups``): the engine shards them over the dp ranks of their ep
-    coordinate only.
+    coordinate only. ``copy_model=False`` changes ``model`` itself (a view just made, e.g. by
+    :func:`tensor_parallel_view`, that nothing else holds).
 
     Raises a :class:`PlanError` where the model has no routed experts, ``ep`` does not divide their number, or a
     ``GroupedExperts`` is not a group of its own (expert parallelism shards it over other ranks than the rest)."""
@@ -311,7 +313,7 @@ def expert_parallel_view(model: nn.Module, resolved: ResolvedPlan, ep: int) -> t
             raise PlanError(f"{name} (GroupedExperts) is not a group of its own, which expert parallelism needs (its "
                             f"experts are sharded over the dp ranks only): give a plan with a group rule for it "
                             f"(plan=moe)")
-    local = copy.deepcopy(model).to("meta")  # keeps a tp view's marks
+    local = copy.deepcopy(model).to("meta") if copy_model else model  # a copy keeps a tp view's marks
     shapes: dict[str, tuple[int, ...]] = {}
     for name, module in _grouped_experts(local).items():
         for attr in ("w1_EDF", "w2_EFD", "w3_EDF"):
