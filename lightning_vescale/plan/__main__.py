@@ -4,6 +4,7 @@
     python -m lightning_vescale.plan model=deepseek_v3_671b world_size=8..16384 plan=moe hardware=h200
     python -m lightning_vescale.plan model=llama_70b world_size=1024 replicate=8   # HSDP: 8 replicas of 128 ranks
     python -m lightning_vescale.plan model=llama_70b world_size=16384 tp=8   # dp 2048 x tp 8 (plan llama: its tp rules)
+    python -m lightning_vescale.plan model=deepseek_v3_671b world_size=2048 ep=64   # dp 32 x ep 64 (plan moe)
     python -m lightning_vescale.plan model=llama_8b world_size=64 plan=configs/plan/llama.yaml seq_len=8192 \\
         batch_size=2 precision=bf16-mixed optimizer=muon model.n_layers=16 out=plan_llama_8b.yaml
     python -m lightning_vescale.plan --measure-hardware > my_machine.yaml   # then hardware=my_machine.yaml
@@ -17,8 +18,12 @@ Arguments (``key=value``, as the recipes take them):
   gradients AllReduced across the ``replicate`` replicas (must divide every world size); 1 (default): a 1-D mesh;
 * ``tp``: tensor parallelism, a ``(world_size / tp, tp)`` mesh: the plan's ``tp`` rules split modules over ``tp``
   ranks (``plan=llama``), each group of the tp-local model is sharded over ``world_size / tp`` ranks, and the
-  tensor-parallel AllReduces per layer are counted (``all-reduce tp/step``); without ``plan=`` the model family's plan
-  (``llama``); 1 (default): none;
+  tensor-parallel AllReduces per layer are counted (``all-reduce tp/step``; with sequence parallelism, ``plan=llama_sp``,
+  its AllGathers and ReduceScatters too); without ``plan=`` the model family's plan (``llama``); 1 (default): none;
+* ``ep``: expert parallelism, a ``(world_size / ep, ep)`` mesh: every MoE layer's routed experts split over ``ep``
+  ranks (``E / ep`` each), their groups sharded over the ``world_size / ep`` dp ranks, the rest over all; the
+  all-to-alls per layer are counted under balanced routing (``all-to-all ep/step``); without ``plan=`` the ``moe``
+  plan; 1 (default): none;
 * ``plan``: a plan name (``configs/plan/``) or YAML file; default: every transformer block a group. A plan's
   ``quantization: fp8_block | int8_block`` is sized as the engine applies it (trained weights gathered as codes +
   scales, frozen ones stored as codes + scales);
@@ -34,8 +39,9 @@ world size and per engine (lightning_vescale, and FSDP2's even sharding of the s
 sharded parameters, gradients and optimizer states on the device (a plan's ``tier``: what it keeps on host or
 disk in a column of its own, outside the peak), the peak of gathered parameters with prefetch, activations
 per micro-batch, the peak per rank, bytes sent per step per collective (AllGather, of which block-quantized
-codes + scales; ReduceScatter; HSDP's AllReduce across replicas), padding, and the predicted step time, under
-the mesh it names.
+codes + scales; ReduceScatter; HSDP's AllReduce across replicas; tensor parallelism's AllReduces, and with sequence
+parallelism its AllGathers and ReduceScatters; with ``optimizer=muon`` Muon's two all-to-alls, the busiest rank's),
+padding, and the predicted step time, under the mesh it names.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from lightning_vescale.plan._spec import PlanError
 
 USAGE = ("usage: python -m lightning_vescale.plan model=<preset> world_size=<N|N1,N2|A..B> [replicate=R] [plan=...] "
          "[hardware=...]")
-_KEYS = ("model", "world_size", "replicate", "tp", "plan", "hardware", "batch_size", "seq_len", "precision", "optimizer", "clip_grad",
+_KEYS = ("model", "world_size", "replicate", "tp", "ep", "plan", "hardware", "batch_size", "seq_len", "precision", "optimizer", "clip_grad",
          "checkpointing", "params", "out")
 
 
@@ -161,13 +167,19 @@ def format_runs(runs: list) -> str:
 
     hsdp = any(run.replicate > 1 for run in runs)
     tp = any(run.tensor_parallel > 1 for run in runs)
+    sp = any(k in run.vescale.collectives for run in runs for k in ("all_gather_tp", "reduce_scatter_tp"))
     quant = any(k.startswith("all_gather_quant") for run in runs for k in run.vescale.collectives)
     tiered = any(run.vescale.off_device for run in runs)
+    muon = any("muon_gather" in run.vescale.collectives for run in runs)
+    ep = any(run.expert_parallel > 1 for run in runs)
     header = ["ranks", *(["mesh"] if hsdp else []), "engine", "params", "grads", "optim",
               *(["host/disk"] if tiered else []), "gathered peak",
               "activations", "peak/rank", "all-gather/step", *(["(quantized)"] if quant else []),
               "reduce-scatter/step", *(["all-reduce/step", "all-reduce time"] if hsdp else []),
-              *(["all-reduce tp/step", "tp time"] if tp else []), "padding",
+              *(["all-reduce tp/step"] if tp else []),
+              *(["all-gather tp/step", "reduce-scatter tp/step"] if sp else []), *(["tp time"] if tp else []),
+              *(["all-to-all ep/step"] if ep else []), *(["muon all-to-all/step"] if muon else []),
+              "padding",
               "step time", "(compute+exposed comm+optim)"]
     rows = []
     for run in runs:
@@ -182,7 +194,13 @@ def format_runs(runs: list) -> str:
                 _mib(est.collectives.get("reduce_scatter", 0)),
                 *([_mib(est.collectives.get("all_reduce_replicate", 0)), _seconds(est.replicate_seconds)] if hsdp
                   else []),
-                *([_mib(est.collectives.get("all_reduce_tp", 0)), _seconds(est.replicate_seconds)] if tp else []),
+                *([_mib(est.collectives.get("all_reduce_tp", 0))] if tp else []),
+                *([_mib(est.collectives.get(k, 0)) for k in ("all_gather_tp", "reduce_scatter_tp")] if sp else []),
+                *([_seconds(est.replicate_seconds)] if tp else []),
+                *([_mib(est.collectives.get("all_to_all_ep", 0) + est.collectives.get("all_to_all_ep_counts", 0))]
+                  if ep else []),
+                *([_mib(est.collectives.get("muon_gather", 0) + est.collectives.get("muon_scatter", 0))] if muon
+                  else []),
                 f"{est.padding:.3%}", _seconds(est.step_seconds),
                 f"{_seconds(est.compute_seconds)} + {_seconds(est.exposed_comm_seconds)} + "
                 f"{_seconds(est.optimizer_seconds)}",
@@ -214,7 +232,13 @@ def _run(argv: list[str]) -> int:
     from lightning_vescale.plan._files import load_plan
     from lightning_vescale.plan._hardware import load_profile
     from lightning_vescale.plan._resolve import resolve_plan
-    from lightning_vescale.plan._tensor_parallel import check_tensor_parallel_size, tensor_parallel_view
+    from lightning_vescale.plan._tensor_parallel import (
+        check_expert_parallel_size,
+        check_tensor_parallel_size,
+        expert_parallel_view,
+        sequence_parallel,
+        tensor_parallel_view,
+    )
 
     start = time.perf_counter()
     args, overrides = _parse(argv)
@@ -227,9 +251,14 @@ def _run(argv: list[str]) -> int:
         tp = int(args.get("tp", 1))
     except ValueError:
         raise PlanError(f"tp={args['tp']!r}: give the tensor-parallel size, e.g. tp=8") from None
+    try:
+        ep = int(args.get("ep", 1))
+    except ValueError:
+        raise PlanError(f"ep={args['ep']!r}: give the expert-parallel size, e.g. ep=8") from None
     for n in sizes:
         check_replicate(n, replicate)
         check_tensor_parallel_size(n, replicate, tp)
+        check_expert_parallel_size(n, replicate, tp, ep)
     try:
         workload = Workload(
             batch_size=int(args.get("batch_size", 1)), seq_len=int(args.get("seq_len", 4096)),
@@ -243,41 +272,60 @@ def _run(argv: list[str]) -> int:
     if workload.precision == "bf16-true":
         model = model.to(torch.bfloat16)
     plan = load_plan(args["plan"]) if "plan" in args else None
-    if plan is None and tp > 1:
-        # The default plan splits nothing over tp: take the model family's plan (configs/plan/<family>.yaml), whose
-        # tp rules say what to split, and say so.
-        family = args["model"].split("_")[0]
-        try:
-            plan = load_plan(family)
-        except (PlanError, FileNotFoundError, ValueError):
-            raise PlanError(f"tp={tp} needs a plan with tp rules and there is no plan {family!r}: give plan=...") from None
-        print(f"(tp={tp} without plan=: using plan {family!r}, whose tp rules split the model)")
+    if plan is None and (tp > 1 or ep > 1):
+        # The default plan splits nothing over tp and leaves the experts in their blocks' groups: take the model
+        # family's plan (configs/plan/<family>.yaml; the moe plan for a MoE family without one), and say so.
+        from lightning_vescale.models.families import FAMILIES
+
+        family = next(f for f in sorted(FAMILIES, key=len, reverse=True) if args["model"].startswith(f + "_"))
+        for name in (family, "moe") if ep > 1 else (family,):
+            try:
+                plan = load_plan(name)
+                break
+            except (PlanError, FileNotFoundError, ValueError):
+                continue
+        else:
+            raise PlanError(f"tp={tp} needs a plan with tp rules and there is no plan {family!r}: give plan=...")
+        why = "whose tp rules split the model" if tp > 1 else "whose groups hold the routed experts"
+        print(f"({', '.join(f'{k}={v}' for k, v in (('tp', tp), ('ep', ep)) if v > 1)} without plan=: using plan "
+              f"{plan.name!r}, {why})")
     resolved = resolve_plan(model, plan)
     try:
         model, resolved = tensor_parallel_view(model, resolved, tp)  # one tp rank's model: sized as the engine sees it
+        model, resolved = expert_parallel_view(model, resolved, ep, copy_model=tp == 1)  # one ep rank's experts
     except ValueError as err:
         raise PlanError(str(err)) from None
     from lightning_vescale.plan._dry_run import PRECISIONS
 
     compute_dtype = PRECISIONS[workload.precision][0] or next(model.parameters()).dtype
     activations = activation_profile(model, [g.name for g in _forward_order(model, resolved)],
-                                     compute_dtype=compute_dtype)
+                                     compute_dtype=compute_dtype, sequence_parallel=sequence_parallel(model))
     runs = [dry_run(model, resolved, n, workload=workload, hardware=hardware, activations=activations,
-                    replicate=replicate, tensor_parallel=tp) for n in sizes]
+                    replicate=replicate, tensor_parallel=tp, expert_parallel=ep) for n in sizes]
     elapsed = time.perf_counter() - start
     print(resolved.table(sizes[0] // (replicate * tp), params=_flag(args.get("params", "false"))))
     if tp > 1:
         print(f"(one tensor-parallel rank's model: the weights the tp rules split at 1/{tp} of their size)")
+    if ep > 1:
+        print(f"(one expert-parallel rank's model: 1/{ep} of the routed experts; their groups sharded over "
+              f"world_size / {ep * tp} ranks, the others over world_size / {tp})")
     print()
     print(f"{args['model']} ({runs[0].num_params / 1e9:.2f}B parameters), plan {resolved.plan.name or 'default'!r}, "
           f"{workload.precision}, {workload.optimizer}, micro-batch {workload.batch_size}x{workload.seq_len} tokens per "
           f"rank{', activation checkpointing' if workload.checkpointing else ''}, hardware {hardware.name} ({hardware.description}); per rank:")
-    meshes = [mesh_description(n, replicate, tp) for n in sizes]
+    meshes = [mesh_description(n, replicate, tp, ep) for n in sizes]
     print("mesh: " + (", ".join(meshes) if len(meshes) <= 3 else f"{meshes[0]} ... {meshes[-1]}")
           + (f": each group sharded over world_size / {replicate} ranks, gradients AllReduced across the "
              f"{replicate} replicas after each ReduceScatter (exposed: the engine waits for it)" if replicate > 1
+             else f": each MoE layer's routed experts split over the {ep} ep ranks, their groups sharded over the "
+             f"dp ranks of an ep coordinate, the others over all; the all-to-alls (balanced routing) are exposed"
+             if ep > 1 and tp == 1
+             else f": the plan's tp rules split modules over {tp} ranks (split_tokens feed-forwards: 1/{tp} of the "
+             f"tokens each, in groups over every rank), the routed experts over {ep} ep ranks (their groups over the "
+             f"dp x tp ranks of an ep coordinate), the rest sharded over world_size / {tp} ranks; the tp collectives "
+             f"and the all-to-alls (balanced routing) are exposed" if ep > 1
              else f": the plan's tp rules split modules over {tp} ranks, each group of one tp rank's model sharded "
-             f"over world_size / {tp} ranks; the tp AllReduces are exposed" if tp > 1
+             f"over world_size / {tp} ranks; the tp collectives are exposed" if tp > 1
              else ": every group sharded over all ranks"))
     print(format_runs(runs))
     too_big = [str(r.world_size) for r in runs if r.vescale.peak > hardware.memory_bytes]

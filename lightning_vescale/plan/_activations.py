@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -33,7 +34,21 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from lightning_vescale.models.moe import MoEFeedForward
 
-__all__ = ["activation_bytes_per_token", "activation_profile", "moe_bytes_per_token"]
+__all__ = ["SequenceParallel", "activation_bytes_per_token", "activation_profile", "moe_bytes_per_token"]
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """Sequence parallelism in a tensor-parallel rank's model, as the activation count needs it."""
+
+    split: int
+    """The tensor-parallel size: the sequence is split over that many ranks between the projections."""
+    sequence: frozenset[str] = frozenset()
+    """Modules on ``1 / split`` of the tokens (``tp: sequence``: the norms; ``tp: split_tokens``: a MoE feed-forward)."""
+    gather_input: frozenset[str] = frozenset()
+    """Modules whose input is gathered over tp (colwise, ``input: sequence``): each saves a whole copy of its own."""
+    gather_output: frozenset[str] = frozenset()
+    """Modules whose split output is gathered over tp (colwise, ``output: replicate``: the head's logits)."""
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -97,7 +112,8 @@ def _flash_attention() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _experts_by_formula(model: nn.Module, itemsize: int, counter: list, stack: list, charged: dict) -> Iterator[None]:
+def _experts_by_formula(model: nn.Module, itemsize: int, counter: list, stack: list, charged: dict,
+                        share: Sequence[float] = (1.0,)) -> Iterator[None]:
     from lightning_vescale.models.moe import MoEFeedForward
 
     originals = []
@@ -106,7 +122,7 @@ def _experts_by_formula(model: nn.Module, itemsize: int, counter: list, stack: l
             per_token = moe_bytes_per_token(m, itemsize)
 
             def stand_in(x_BTD: torch.Tensor, _per_token: float = per_token) -> torch.Tensor:
-                charged[stack[-1]] += _per_token * x_BTD.shape[0] * x_BTD.shape[1]
+                charged[stack[-1]] += _per_token * x_BTD.shape[0] * x_BTD.shape[1] * share[-1]
                 return x_BTD.clone()  # keeps the graph connected, saves nothing
 
             originals.append(m)
@@ -120,7 +136,7 @@ def _experts_by_formula(model: nn.Module, itemsize: int, counter: list, stack: l
 
 def activation_profile(
     model: nn.Module, groups: Sequence[str] = ("",), *, compute_dtype: Optional[torch.dtype] = None,
-    tokens: int = 23, loss: bool = True,
+    tokens: int = 23, loss: bool = True, sequence_parallel: Optional[SequenceParallel] = None,
 ) -> dict[str, float]:
     """Bytes saved for backward per token of a micro-batch, by group: each saved storage is charged to the
     innermost of ``groups`` (module names; ``""`` the model) whose forward is running when it is saved.
@@ -132,6 +148,10 @@ def activation_profile(
         compute_dtype: the dtype forward runs in (mixed precision's ``param_dtype``); None: the parameters'.
         tokens: the sequence length of the counting forward (the count is per token).
         loss: add the recipes' loss (fp32 log-probabilities over the vocabulary, and the targets).
+        sequence_parallel: of a tensor-parallel rank's model (:func:`~lightning_vescale.plan._tensor_parallel.
+            sequence_parallel`), the modules that run on ``1 / split`` of the tokens (what they save is charged at
+            that share) and those that gather their input or output over tp (each gets a tensor of its own, as the
+            AllGather's output is, which its matmul saves; a gathered output is ``split`` times wider).
     """
     with torch.device("meta"):
         meta = copy.deepcopy(model).to("meta")
@@ -147,13 +167,21 @@ def activation_profile(
     base = "" if "" in charged else groups[0]
     stack = [base]
     seen: set[int] = set()
+    share = [1.0]  # of the tokens the running module holds (sequence parallelism: 1 / sequence_split in a norm)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key not in skip and key not in seen:
             seen.add(key)
-            charged[stack[-1]] += t.untyped_storage().nbytes()
+            charged[stack[-1]] += t.untyped_storage().nbytes() * share[-1]
         return t
+
+    def split_on(module: nn.Module, args: tuple) -> None:
+        assert sequence_parallel is not None
+        share.append(1.0 / sequence_parallel.split)
+
+    def split_off(module: nn.Module, args: tuple, output: object) -> None:
+        share.pop()
 
     def enter(group: str) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -165,6 +193,16 @@ def activation_profile(
         stack.pop()
 
     handles = []
+    sp = sequence_parallel
+    if sp is not None and sp.split > 1:
+        for name in sp.sequence & names.keys():
+            handles.append(names[name].register_forward_pre_hook(split_on))
+            handles.append(names[name].register_forward_hook(split_off))
+        for name in sp.gather_input & names.keys():
+            handles.append(names[name].register_forward_pre_hook(lambda m, args: (args[0].clone(), *args[1:])))
+        for name in sp.gather_output & names.keys():
+            handles.append(names[name].register_forward_hook(
+                lambda m, args, out: torch.cat([out] * sp.split, dim=-1)))
     for g in groups:
         if g in names and names[g] is not meta:
             handles.append(names[g].register_forward_pre_hook(enter(g)))
@@ -172,7 +210,7 @@ def activation_profile(
     counter = [0.0]
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     try:
-        with _experts_by_formula(meta, itemsize, counter, stack, charged), _flash_attention(), \
+        with _experts_by_formula(meta, itemsize, counter, stack, charged, share), _flash_attention(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = meta(ids)
     finally:

@@ -14,7 +14,18 @@ reduced gradient pieces are AllReduced across the ``R`` replicas (``comm_stats``
 the engine issues it when the ReduceScatter completes and waits for it, so it is counted as exposed time).
 With ``tp``, a ``(world_size / tp, tp)`` mesh: the plan's ``tp`` rules split modules over ``tp`` ranks, and the
 tp-local model is sized as above over ``world_size / tp`` ranks; torch's tensor-parallel AllReduces are added
-under ``all_reduce_tp`` (see :mod:`._tensor_parallel`), exposed.
+under ``all_reduce_tp`` (see :mod:`._tensor_parallel`), exposed; with sequence parallelism its AllGathers and
+ReduceScatters under ``all_gather_tp`` / ``reduce_scatter_tp``. With ``ep``, a ``(world_size / ep, ep)`` mesh: one ep
+rank's model holds ``E / ep`` routed experts, whose groups are sharded over the dp ranks of its ep coordinate, the
+others over all ranks; the all-to-alls of each MoE layer (``all_to_all_ep``, ``all_to_all_ep_counts``) are sized under
+balanced routing, exposed. With ``ep`` and ``tp``, the ``(dp, ep, tp)`` mesh: attention split by the tp rules, the
+``split_tokens`` feed-forwards on ``1 / tp`` of the tokens in groups over every rank, the experts over the ``dp x tp``
+ranks of their ep coordinate, the rest over the ``dp x ep`` ranks of a tp coordinate.
+With ``optimizer="muon"``, Muon's own two all-to-alls per step (``muon_gather``: each rank's pieces of the updates of
+the matrices not whole on one rank to their owners; ``muon_scatter``: the orthogonalized pieces back) are sized
+with Muon's own owner choice on the planner's pieces (:func:`muon_bucket_bytes`), per rank (``per_rank``; the
+busiest rank's in ``collectives``); under tp, each tp-split matrix is gathered whole to one rank of the
+``(dp, tp)`` mesh.
 Block-quantized parameters (a plan's ``quantization``) get the engine's quantized buffers (:mod:`._layout`):
 their AllGathers are counted under ``all_gather_quant_codes`` and ``all_gather_quant_scales``, as ``comm_stats``
 counts them; FSDP2, which has no block-quantized gather or storage, is sized without the quantization.
@@ -53,9 +64,15 @@ from lightning_vescale.plan._layout import BufferLayout, block_padding_warnings,
 from lightning_vescale.plan._resolve import GroupPolicy, ResolvedPlan
 from lightning_vescale.plan._spec import PlanError
 from lightning_vescale.plan._tensor_parallel import (
+    check_expert_parallel_size,
     check_tensor_parallel_size,
+    expert_groups,
+    expert_parallel_bytes,
+    expert_parallel_view,
+    sequence_parallel,
     tensor_parallel_bytes,
     tensor_parallel_view,
+    token_split_modules,
 )
 
 __all__ = ["DryRun", "EngineEstimate", "Workload", "check_replicate", "dry_run", "mesh_description"]
@@ -122,9 +139,13 @@ class EngineEstimate:
     collectives: dict = field(default_factory=dict)
     """Bytes sent per rank per step, by ``comm_stats`` kind (the quantized AllGathers under
     ``all_gather_quant_codes`` / ``all_gather_quant_scales``, HSDP's AllReduce under ``all_reduce_replicate``,
-    tensor parallelism's under ``all_reduce_tp``)."""
+    tensor parallelism's under ``all_reduce_tp``, and with sequence parallelism ``all_gather_tp`` /
+    ``reduce_scatter_tp``)."""
     calls: dict = field(default_factory=dict)
     """Collective calls per step, by kind."""
+    per_rank: dict = field(default_factory=dict)
+    """For the kinds whose bytes differ between ranks (Muon's ``muon_gather`` / ``muon_scatter``): bytes per step of
+    every rank, by global rank; ``collectives`` holds the busiest rank's."""
     padding: float = 0.0
     """Padding elements / real elements."""
     step_seconds: float = 0.0
@@ -135,7 +156,8 @@ class EngineEstimate:
     copy_seconds: float = 0.0
     """Copies in and out of collective buffers (FSDP2 only)."""
     replicate_seconds: float = 0.0
-    """AllReduces nothing overlaps (part of ``comm_seconds``): HSDP's across replicas, tensor parallelism's."""
+    """Collectives nothing overlaps (part of ``comm_seconds``): HSDP's AllReduces across replicas, tensor
+    parallelism's, Muon's all-to-alls in the optimizer step."""
 
     @property
     def bytes_per_step(self) -> float:
@@ -143,8 +165,8 @@ class EngineEstimate:
 
     @property
     def all_gather_bytes(self) -> float:
-        """AllGather bytes per step, quantized ones included."""
-        return float(sum(v for k, v in self.collectives.items() if k.startswith("all_gather")))
+        """The sharding's AllGather bytes per step, quantized ones included (not tensor parallelism's)."""
+        return float(sum(v for k, v in self.collectives.items() if k.startswith("all_gather") and not k.endswith("_tp")))
 
 
 @dataclass
@@ -161,6 +183,9 @@ class DryRun:
     """HSDP replicas (1: a 1-D mesh); each group is sharded over ``world_size // replicate`` ranks."""
     tensor_parallel: int = 1
     """Tensor-parallel ranks (1: none); each group is sharded over ``world_size // tensor_parallel`` ranks."""
+    expert_parallel: int = 1
+    """Expert-parallel ranks (1: none); the routed experts' groups are sharded over ``world_size // (tp * ep)``
+    ranks, the others over ``world_size // tp``."""
     mesh: str = ""
     """The mesh assumed, in words."""
     groups: list = field(default_factory=list)
@@ -213,6 +238,70 @@ def _per_rank_state_elements(layout: BufferLayout, weights: list[float]) -> torc
             diff[first + 1] += S * w
             diff[last] -= S * w
     return torch.cumsum(diff, 0)[:N] + ends
+
+
+# --------------------------------------------------------------------------------------------------------
+# Muon's own collectives
+
+
+def _piece_ranges(N: int, S: int, start: int, numel: int) -> list[tuple[int, int]]:
+    """Per rank of a buffer of shard size ``S`` on ``N`` ranks, its range of ``[start, start + numel)``, relative to
+    ``start`` (``(0, 0)``: none), as ``RaggedTensor.layout_info.ranges`` gives them to Muon."""
+    ranges = [(0, 0)] * N
+    for r in range(start // S, min((start + numel - 1) // S, N - 1) + 1):
+        lo, hi = max(start, r * S), min(start + numel, (r + 1) * S)
+        if hi > lo:
+            ranges[r] = (lo - start, hi - start)
+    return ranges
+
+
+_MuonMatrix = tuple[str, tuple[int, int], list[tuple[int, int]]]
+"""``(name, shape, ranges)``: a matrix Muon orthogonalizes whole, and per rank of its process group the flat part of
+it that rank holds (:func:`_piece_ranges`; of its tp block for a tensor-parallel one)."""
+
+
+def _muon_matrices(name: str, shape: tuple[int, ...], N: int, S: int, offset: int,
+                   numel: int) -> list[_MuonMatrix]:
+    """The Muon matrices of a parameter at ``offset`` of a buffer of shard size ``S`` on ``N`` ranks: itself (2-D),
+    or each expert ``[e]`` of a 3-D stack. ``shape``: its whole shape (a tensor-parallel one's, which ``numel`` is
+    ``1 / tp`` of: its ranges are then of its tp block)."""
+    if len(shape) == 2:
+        return [(name, (shape[0], shape[1]), _piece_ranges(N, S, offset, numel))]
+    size = numel // shape[0]
+    return [(f"{name}[{e}]", (shape[1], shape[2]), _piece_ranges(N, S, offset + e * size, size)) for e in range(shape[0])]
+
+
+def muon_bucket_bytes(matrices: list[_MuonMatrix], world_size: int, *, tensor_parallel: bool = False,
+                      initial_loads: Optional[list[float]] = None,
+                      ns_steps: int = 5) -> tuple[list[float], list[float], list[float]]:
+    """``(muon_gather, muon_scatter, loads)`` per rank of one process group: the bytes each rank sends in Muon's two
+    all-to-alls per step (its update pieces to their owners; the orthogonalized pieces back to their holders) and
+    the Newton–Schulz cost it carries. Paths and owners are Muon's own (``Muon._assign``, [Note: choosing the path]
+    in :mod:`lightning_vescale.optim.muon`, ``mode="auto"`` with the default cost model): the local path where a
+    matrix is whole on one rank, else gathered to an owner chosen by LPT; ``tensor_parallel``: the matrices split
+    by tp, each gathered to one of the ranks of the ``(dp, tp)`` mesh holding a part of it, seeded with
+    ``initial_loads`` (Note: Muon under tensor parallelism). The pieces travel in bf16."""
+    from lightning_vescale.optim.muon import _WIRE_DTYPE, Muon, _Bucket, _Matrix
+    from lightning_vescale.optim.owner import newton_schulz_cost
+
+    muon = Muon([nn.Parameter(torch.zeros(1, 1))])  # for its owner choice and cost model only
+    group = {"mode": "auto"}
+    bucket = _Bucket(None, 0, world_size, torch.device("cpu"))
+    for name, shape, ranges in matrices:
+        holders = [r for r, (lo, hi) in enumerate(ranges) if hi > lo]
+        holder = holders[0] if len(holders) == 1 and not tensor_parallel else -1
+        blocks = (((0, 0), shape),) if tensor_parallel else None  # only "not None" matters to the owner choice
+        bucket.matrices.append(_Matrix(name, 0, shape, newton_schulz_cost(shape, ns_steps), ranges, (0, 0), group,
+                                       mode="gather" if tensor_parallel else "local", holder=holder, blocks=blocks))
+    loads = muon._assign(bucket, initial_loads=initial_loads)
+    item = _WIRE_DTYPE.itemsize
+    gather, scatter = [0.0] * world_size, [0.0] * world_size
+    for m in bucket.matrices:  # _assign kept the gathered ones
+        for r, (lo, hi) in enumerate(m.ranges):
+            if hi > lo and r != m.owner:
+                gather[r] += (hi - lo) * item
+                scatter[m.owner] += (hi - lo) * item
+    return gather, scatter, loads
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -407,13 +496,15 @@ def _matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
     from lightning_vescale.models.llama import TiedOutput
     from lightning_vescale.models.moe import MoEFeedForward
 
+    split, tp = token_split_modules(model), getattr(model, "_vescale_tp_local", 1)
     weights = 0.0
-    for m in model.modules():
+    for name, m in model.named_modules():
+        tokens = 1 / tp if any(name == t or name.startswith(t + ".") for t in split) else 1  # split_tokens: 1/tp
         if isinstance(m, nn.Linear):
-            weights += m.weight.numel()
-        elif isinstance(m, MoEFeedForward):
-            share = m.router.top_k / m.router.num_experts
-            weights += sum(p.numel() for p in m.experts.parameters()) * share
+            weights += m.weight.numel() * tokens
+        elif isinstance(m, MoEFeedForward):  # top_k experts' weights per token (an ep rank's share of them: its own)
+            share = m.router.top_k / m.experts.w1_EDF.shape[0]
+            weights += sum(p.numel() for p in m.experts.parameters()) * share * tokens
         elif isinstance(m, TiedOutput):
             weights += m.weight.numel()
     attention = 0.0
@@ -445,6 +536,7 @@ def dry_run(
     activations: Optional[dict[str, float]] = None,
     replicate: int = 1,
     tensor_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> DryRun:
     """Size one training step of ``model`` sharded by ``resolved`` on ``world_size`` ranks (see the module doc).
 
@@ -463,31 +555,49 @@ def dry_run(
             (:mod:`~lightning_vescale.plan._tensor_parallel`). ``model`` / ``resolved`` may be the global ones or
             :func:`~lightning_vescale.plan._tensor_parallel.tensor_parallel_view`'s; given ``activations`` must be
             counted on that view (``None``: counted here, on it).
+        expert_parallel: a ``(world_size // ep, ep)`` mesh (``("dp", "ep")``): every routed expert stack keeps
+            ``E / ep`` experts and its group is sharded over the ``world_size // ep`` dp ranks, every other group over
+            all ranks; the all-to-alls of each MoE layer are sized under balanced routing
+            (:func:`~lightning_vescale.plan._tensor_parallel.expert_parallel_view`, ``expert_parallel_bytes``).
 
     Raises:
         PlanError: ``replicate`` does not divide ``world_size``.
     """
     R = check_replicate(world_size, replicate)
     TP = check_tensor_parallel_size(world_size, R, tensor_parallel)
+    EP = check_expert_parallel_size(world_size, R, TP, expert_parallel)
+    fresh = False  # whether model is a view made here (that the expert-parallel view may change in place)
     if TP > 1 and getattr(model, "_vescale_tp_local", 1) != TP:
         model, resolved = tensor_parallel_view(model, resolved, TP)
+        fresh = True
+    if EP > 1 and getattr(model, "_vescale_ep_local", 1) != EP:
+        model, resolved = expert_parallel_view(model, resolved, EP, copy_model=not fresh)
     N = world_size // (R * TP)  # the shard group's ranks: every per-rank figure below is on them
+    experts = expert_groups(model)  # sharded over the N // EP dp ranks of their ep coordinate
     param_dtype, reduce_dtype = PRECISIONS[workload.precision]
     groups = _forward_order(model, resolved)
     compute_dtype = param_dtype or next(model.parameters()).dtype
     if activations is None:
-        activations = activation_profile(model, [g.name for g in groups], compute_dtype=compute_dtype)
+        activations = activation_profile(model, [g.name for g in groups], compute_dtype=compute_dtype,
+                                         sequence_parallel=sequence_parallel(model))
     tokens = workload.tokens
     hidden = _hidden_size(model) * compute_dtype.itemsize
     out = DryRun(model=resolved.model_type, plan=resolved.plan.name or "unnamed", world_size=world_size,
                  workload=workload, hardware=hardware.name, num_params=getattr(model, "_vescale_global_numel", sum(p.numel for p in resolved.params.values())),
-                 replicate=R, tensor_parallel=TP, mesh=mesh_description(world_size, R, TP))
+                 replicate=R, tensor_parallel=TP, expert_parallel=EP, mesh=mesh_description(world_size, R, TP, EP))
     # HSDP's replicas: rank i of every shard group; they span every node once the shard group fills one.
     t_replicate = functools.partial(hardware.all_reduce_seconds, world_size=R, span=world_size)
     ve, fs = out.vescale, out.fsdp2
     ve.collectives.update(all_gather=0, reduce_scatter=0)
     ve_groups, fs_groups = [], []
-    state_per_rank = torch.zeros(N, dtype=torch.float64)  # on the device
+    L = N * TP  # the ranks of one replica: the (dp, ep, tp) / (dp, tp) / (dp, ep) mesh's, global rank order
+    state_per_rank = torch.zeros(L, dtype=torch.float64)  # on the device
+    token_split = token_split_modules(model)  # groups of their own over all L ranks (tp: split_tokens)
+    ranks = torch.arange(L)
+    # For each group's mesh, the index of global rank g in it (tp the fastest dimension, then ep): the dense groups'
+    # (dp * ep) ranks of g's tp coordinate, the experts' (dp * tp) ranks of g's ep coordinate, or every rank.
+    rank_in = {"dense": ranks // TP, "experts": (ranks // (EP * TP)) * TP + ranks % TP, "every": ranks}
+    clip_ranks: dict[str, int] = {}  # the ranks a parameter's norm is summed over
     states_off: dict[str, torch.Tensor] = {}  # tier -> per rank, a plan's states off the device
 
     def tier(name: str, cls: str) -> str:
@@ -499,6 +609,8 @@ def dry_run(
         ve.off_device[f"{cls}/{t}"] = ve.off_device.get(f"{cls}/{t}", 0.0) + nbytes
 
     per_rank_cache: dict[tuple, torch.Tensor] = {}
+    muon_matrices: dict[str, list[_MuonMatrix]] = {"dp": [], "tp": []}  # by process group (Muon's buckets)
+    tp_split: dict[str, tuple[int, ...]] = getattr(model, "_vescale_tp_split", {})
     total_real = total_padding = fs_padding = 0.0
     fs_state = fs_params = 0.0
     first_gather = last_reduce = fs_first_gather = fs_last_reduce = 0.0
@@ -509,7 +621,11 @@ def dry_run(
     early = _roots_done_early(model, groups)
     modules = dict(model.named_modules(remove_duplicate=False))
     for g in groups:
-        layouts = group_layouts(resolved, g, N, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
+        inside_split = any(g.name == t or g.name.startswith(t + ".") for t in token_split)
+        mesh_of = "experts" if g.name in experts else "every" if inside_split else "dense"
+        Ng = {"experts": L // EP, "every": L, "dense": N}[mesh_of]  # this group's shard ranks
+        clip_ranks.update(dict.fromkeys(g.params, L if g.name in experts or inside_split else N))
+        layouts = group_layouts(resolved, g, Ng, base_param_dtype=param_dtype, base_reduce_dtype=reduce_dtype)
         group_buffers.append((g.label, layouts))
         # A group of embeddings is not gathered for backward (it reads no weight): lightning-vescale frees it after
         # forward, and FSDP2, which would gather it again, is sized keeping it instead (one AllGather each).
@@ -546,17 +662,22 @@ def dry_run(
                 else:
                     ve.grads += S * mb
                     grad_piece += S * mb
-                grad += N * S * pb
+                grad += Ng * S * pb
                 if lay.reduce_dtype != lay.param_dtype:
-                    extra += N * S * rb
-                if N > 1:
-                    rs += (N - 1) * S * rb
+                    extra += Ng * S * rb
+                if Ng > 1:
+                    rs += (Ng - 1) * S * rb
                     rs_calls += 1
                 if R > 1:  # DBuffer.wait_reduce: one AllReduce of the reduced piece (reduce dtype) per buffer
                     ar += 2 * (R - 1) * S * rb // R
                     ar_calls += 1
             if lay.quant == "quantized_storage":
                 continue  # frozen: no optimizer states
+            if workload.optimizer == "muon" and lay.requires_grad:
+                for name, spec, off in zip(names, lay.plan.specs, lay.plan.offsets):
+                    if resolved.params[name].optimizer == "muon" and spec.numel and Ng == N:
+                        muon_matrices["tp" if name in tp_split else "dp"] += _muon_matrices(
+                            name, tp_split.get(name, tuple(spec.shape)), Ng, S, off, spec.numel)
             routes = [resolved.params[n].optimizer for n in names]
             where = [tier(n, "optimizer_states") for n in names]
             for t in sorted(set(where)):
@@ -565,10 +686,11 @@ def dry_run(
                 key = (id(lay.plan), weights)  # identical groups share one BufferPlan (the planner's cache)
                 if key not in per_rank_cache:
                     per_rank_cache[key] = _per_rank_state_elements(lay, list(weights))
+                on_ranks = per_rank_cache[key][rank_in[mesh_of]]
                 if t == "device":
-                    state_per_rank += per_rank_cache[key]
+                    state_per_rank += on_ranks
                 else:
-                    states_off[t] = states_off.get(t, torch.zeros(N, dtype=torch.float64)) + per_rank_cache[key]
+                    states_off[t] = states_off.get(t, torch.zeros(L, dtype=torch.float64)) + on_ranks
         ve.params += shard - off_params
         ve.collectives["reduce_scatter"] = ve.collectives.get("reduce_scatter", 0) + rs
         if R > 1:
@@ -583,39 +705,39 @@ def dry_run(
         ve_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, gathered, grad, extra, act,
                                 largest_bytes, recompute, gathered_late=late, in_flight=transient, grad_piece=grad_piece,
                                 done_early=g.name in early, backward_reads=reads))
-        t_ag = hardware.collective_seconds(ag / max(gathers, 1), N)
-        t_rs = hardware.collective_seconds(rs, N)
+        t_ag = hardware.collective_seconds(ag / max(gathers, 1), Ng)
+        t_rs = hardware.collective_seconds(rs, Ng)
         t_ar = t_replicate(ar) if ar else 0.0
         ve.comm_seconds += gathers * t_ag + t_rs + t_ar
         ve.replicate_seconds += t_ar
         first_gather = first_gather or t_ag
         last_reduce = t_rs or last_reduce
-        # FSDP2: every parameter cut by rows into N equal pieces (dim 0 padded to a multiple of N).
+        # FSDP2: every parameter cut by rows into Ng equal pieces (dim 0 padded to a multiple of Ng).
         f_shard = f_gathered = f_grad = f_ag = f_rs = f_ar = f_real = f_elems = f_rs_input = f_piece = 0.0
         for name in g.params:
             p = resolved.params[name]
             dtype = getattr(torch, p.dtype)
             rows = p.shape[0] if p.shape else 1
             rest = p.numel // max(rows, 1) if rows else 0
-            piece = -(-rows // N) * rest
+            piece = -(-rows // Ng) * rest
             floating = dtype.is_floating_point
             mb = dtype.itemsize
             pb = (param_dtype if floating and param_dtype is not None else dtype).itemsize
             rb = (reduce_dtype if floating and reduce_dtype is not None else param_dtype if floating and param_dtype
                   else dtype).itemsize
-            f_elems += N * piece
+            f_elems += Ng * piece
             f_shard += piece * mb
-            f_gathered += N * piece * pb
+            f_gathered += Ng * piece * pb
             f_real += p.numel
             fs_state += _state_bytes(workload.optimizer, p.optimizer, p.numel, mb) * piece
             if p.requires_grad:
-                f_grad += N * piece * pb
-                f_rs_input += N * piece * rb
+                f_grad += Ng * piece * pb
+                f_rs_input += Ng * piece * rb
                 fs.grads += piece * mb
                 f_piece += piece * mb
-                f_rs += (N - 1) * piece * rb if N > 1 else 0
+                f_rs += (Ng - 1) * piece * rb if Ng > 1 else 0
                 f_ar += 2 * (R - 1) * piece * rb / R  # FSDP2's HSDP: one AllReduce of the group's reduced pieces
-            f_ag += gathers * (N - 1) * piece * pb if N > 1 else 0
+            f_ag += gathers * (Ng - 1) * piece * pb if Ng > 1 else 0
         fs_params += f_shard
         fs_padding += f_elems - f_real
         fs.collectives["all_gather"] = fs.collectives.get("all_gather", 0) + f_ag
@@ -627,8 +749,8 @@ def dry_run(
         fs_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward and reads, g.prefetch, f_gathered, f_grad,
                                 f_rs_input - f_grad, act, largest_bytes, recompute, gather_transient=f_gathered,
                                 reduce_transient=f_grad, grad_piece=f_piece, done_early=g.name in early))
-        ft_ag = hardware.collective_seconds(f_ag / max(gathers, 1), N)
-        ft_rs = hardware.collective_seconds(f_rs, N)
+        ft_ag = hardware.collective_seconds(f_ag / max(gathers, 1), Ng)
+        ft_rs = hardware.collective_seconds(f_rs, Ng)
         ft_ar = t_replicate(f_ar) if f_ar else 0.0
         fs.comm_seconds += gathers * ft_ag + ft_rs + ft_ar
         fs.replicate_seconds += ft_ar
@@ -649,25 +771,77 @@ def dry_run(
     if R > 1:
         ve.calls["all_reduce_replicate"] = ar_calls
         fs.calls["all_reduce_replicate"] = len(groups)
-    if TP > 1:  # torch's tensor-parallel AllReduces: on the critical path (nothing overlaps them)
+    if TP > 1:  # torch's tensor-parallel collectives: on the critical path (nothing overlaps them)
         checkpointed = frozenset(g.name for g in groups if workload.checkpointing and not g.is_root)
         tp_bytes, tp_calls = tensor_parallel_bytes(model, resolved.tensor_parallel, TP, tokens,
                                                    compute_dtype.itemsize, checkpointed)
-        t_tp = hardware.all_reduce_seconds(tp_bytes / max(tp_calls, 1), world_size=TP, span=TP) * tp_calls
+        t_tp = 0.0
+        for kind, nbytes in tp_bytes.items():
+            n = tp_calls[kind]
+            t_tp += n * (hardware.all_reduce_seconds(nbytes / n, world_size=TP, span=TP) if kind == "all_reduce_tp"
+                         else hardware.collective_seconds(nbytes / n, TP))
         for est in (ve, fs):
-            est.collectives["all_reduce_tp"] = tp_bytes
-            est.calls["all_reduce_tp"] = tp_calls
+            est.collectives.update(tp_bytes)
+            est.calls.update(tp_calls)
             est.comm_seconds += t_tp
             est.replicate_seconds += t_tp  # exposed, as HSDP's AllReduce
-    if workload.clip_grad and N > 1:  # over the shard group: the replicas hold the same reduced gradients
-        n_grads = sum(1 for p in resolved.params.values() if p.requires_grad)
-        ve.collectives["all_reduce_ragged"] = 2 * (N - 1) * n_grads * 4 // N
-        ve.calls["all_reduce_ragged"] = 1
-    if workload.clip_grad and TP > 1:  # the split parameters' squared norms are summed over tp too
-        split: frozenset[str] = getattr(model, "_vescale_tp_split", frozenset())
-        n_split = sum(1 for n in split if resolved.params[n].requires_grad)
-        ve.collectives["all_reduce_ragged"] = ve.collectives.get("all_reduce_ragged", 0) + 2 * (TP - 1) * n_split * 4 // TP
-        ve.calls["all_reduce_ragged"] = ve.calls.get("all_reduce_ragged", 0) + 1
+    if EP > 1:  # the all-to-alls of every MoE layer: on the critical path (the experts wait for their rows)
+        checkpointed = frozenset(g.name for g in groups if workload.checkpointing and not g.is_root)
+        ep_bytes, ep_calls = expert_parallel_bytes(model, EP, tokens, compute_dtype.itemsize, checkpointed, TP)
+        t_ep = sum(ep_calls[k] * hardware.collective_seconds(v / max(ep_calls[k], 1), EP) for k, v in ep_bytes.items())
+        for est in (ve, fs):
+            est.collectives.update(ep_bytes)
+            est.calls.update(ep_calls)
+            est.comm_seconds += t_ep
+            est.replicate_seconds += t_ep
+        out.notes.append(f"expert parallelism: the all-to-alls (all_to_all_ep) assume balanced routing (each of the "
+                         f"{EP} ep ranks' experts gets 1/{EP} of every rank's routed rows, so {EP - 1}/{EP} of them "
+                         f"leave it); a real run's routing is uneven and its bytes (and the experts' activations and "
+                         f"FLOPs on the busiest rank) higher")
+    if workload.clip_grad:
+        # clip_grad_norm_'s norms: one AllReduce of the squared norms per set of groups the gradients are laid out
+        # over (RaggedTensor's _foreach_norm): the dense ones' shard group (the replicas hold the same reduced
+        # gradients), every rank for the experts (their norm group) and the split_tokens groups, and the tp group
+        # too for the parameters tp splits.
+        norm_sets: dict[tuple[int, bool], int] = {}
+        for name, p in resolved.params.items():
+            if p.requires_grad:
+                norm_key = (clip_ranks.get(name, N), name in tp_split and TP > 1)
+                norm_sets[norm_key] = norm_sets.get(norm_key, 0) + 1
+        clip_sent = clip_calls = 0
+        for (ranks_, split_), count in norm_sets.items():
+            for size in (ranks_, TP if split_ else 1):
+                if size > 1:
+                    clip_sent += 2 * (size - 1) * count * 4 // size  # comm_stats' count of each AllReduce
+                    clip_calls += 1
+        if clip_calls:
+            ve.collectives["all_reduce_ragged"] = clip_sent
+            ve.calls["all_reduce_ragged"] = clip_calls
+    if workload.optimizer == "muon":
+        param_order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # the optimizer's order of matrices
+        for entries in muon_matrices.values():
+            entries.sort(key=lambda m: (param_order.get(m[0].partition("[")[0], -1), m[0]))
+        gather, scatter, loads = muon_bucket_bytes(muon_matrices["dp"], N)
+        muon_per_rank = {"muon_gather": [gather[q // TP] for q in range(L)],
+                         "muon_scatter": [scatter[q // TP] for q in range(L)]}
+        muon_calls = int(any(gather))
+        if muon_matrices["tp"]:  # one (dp, tp) mesh: global rank q is dp rank q // TP's piece of tp block q % TP
+            tp_matrices = [(n, shape, [r for r in ranges for _ in range(TP)]) for n, shape, ranges in muon_matrices["tp"]]
+            # Each rank seeds the owner choice with its own load from the other buckets, rounded (as it sends it).
+            tp_gather, tp_scatter, _ = muon_bucket_bytes(tp_matrices, L, tensor_parallel=True,
+                                                         initial_loads=[float(round(loads[q // TP])) for q in range(L)])
+            muon_per_rank = {"muon_gather": [a + b for a, b in zip(muon_per_rank["muon_gather"], tp_gather)],
+                             "muon_scatter": [a + b for a, b in zip(muon_per_rank["muon_scatter"], tp_scatter)]}
+            muon_calls += int(any(tp_gather))
+        ve.per_rank.update(muon_per_rank)  # zeros where every matrix is whole on its owner (the local path)
+        if muon_calls:
+            t_muon = 0.0
+            for kind, rank_bytes in muon_per_rank.items():
+                ve.collectives[kind] = max(rank_bytes)
+                ve.calls[kind] = muon_calls
+                t_muon += hardware.collective_seconds(max(rank_bytes), L)
+            ve.comm_seconds += t_muon
+            ve.replicate_seconds += t_muon  # in the optimizer step: nothing overlaps it
     ve.optimizer = float(state_per_rank.max()) if N else 0.0
     for t, per_rank in states_off.items():
         add_off("optimizer_states", t, float(per_rank.max()))
@@ -705,8 +879,12 @@ def dry_run(
         out.notes.append("the plan's tiers keep " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in
                          sorted(ve.off_device.items())) + " per rank off the device (the transfers' time and their "
                          "buffers in flight are not counted)")
-    if workload.optimizer == "muon":
-        out.notes.append("Muon's own collectives (matrices not whole on one rank) are not counted")
+    if workload.optimizer == "muon" and (EP > 1 or token_split):
+        out.notes.append("Muon's all-to-alls of the matrices in groups sharded over other ranks than the dense ones "
+                         "(expert stacks under ep, split_tokens modules under tp) are not counted")
+    if "muon_gather" in ve.collectives:
+        out.notes.append("Muon's all-to-alls (muon_gather / muon_scatter): the busiest rank's bytes, with Muon's "
+                         "defaults (mode='auto', 5 Newton-Schulz steps); FSDP2 is sized without Muon's gathers")
     if quantized:
         parts = [f"{_count(n)} elements {'trained, gathered' if k == 'quantized_gather' else 'frozen, stored'} "
                  f"as codes + scales" for k, n in sorted(quantized.items())]
@@ -735,8 +913,12 @@ def check_replicate(world_size: int, replicate: int) -> int:
     return replicate
 
 
-def mesh_description(world_size: int, replicate: int, tensor_parallel: int = 1) -> str:
+def mesh_description(world_size: int, replicate: int, tensor_parallel: int = 1, expert_parallel: int = 1) -> str:
     """The mesh the dry run assumes, in words."""
+    if expert_parallel > 1:
+        dp = world_size // (tensor_parallel * expert_parallel)
+        return (f"3-D (dp={dp}, ep={expert_parallel}, tp={tensor_parallel})" if tensor_parallel > 1
+                else f"2-D (dp={dp}, ep={expert_parallel})")
     if tensor_parallel > 1:
         return f"2-D (dp={world_size // tensor_parallel}, tp={tensor_parallel})"
     if replicate == 1:
@@ -750,5 +932,8 @@ def _hidden_size(model: nn.Module) -> int:
 
 
 def _vocab(model: nn.Module) -> int:
+    vocab = getattr(model, "_vescale_vocab", None)  # a tensor-parallel rank's model: the whole vocabulary's logits
+    if isinstance(vocab, int):
+        return vocab
     emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     return emb.num_embeddings if emb is not None else 0

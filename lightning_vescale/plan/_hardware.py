@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_vescale.plan._spec import PlanError
 
-__all__ = ["HardwareProfile", "OpCounter", "load_profile", "measure_cpu_profile", "profile_names"]
+__all__ = ["FunctionalCollectiveCounter", "HardwareProfile", "OpCounter", "load_profile", "measure_cpu_profile", "profile_names"]
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -173,6 +173,53 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class FunctionalCollectiveCounter(TorchDispatchMode):
+    """Bytes per rank torch's functional collectives send inside it (what DTensor's redistributions issue: tensor
+    parallelism's), by kind ``<op>_<suffix>`` (``all_reduce_tp``, ``all_gather_tp``, ``reduce_scatter_tp``), counted as
+    ``comm_stats`` counts them: ``2 (n - 1) / n`` of an AllReduce's tensor, ``(n - 1)`` times an AllGather's input,
+    ``(n - 1) / n`` of a ReduceScatter's input, ``n`` the group's size. With ``all_to_all`` (a suffix), also every
+    ``all_to_all_single`` (expert parallelism's: ``all_to_all_<all_to_all>`` for the rows, ``..._counts`` for an
+    integer one, the tokens-per-expert exchange): the bytes of the rows this rank sends to the others (the engine's
+    own, Muon's, are ``comm_stats``' too: count those outside). ``calls`` counts them by kind. The reference the dry
+    run's tensor- and expert-parallel bytes are checked against (``benchmarks/plan_check.py``, the tests)."""
+
+    def __init__(self, suffix: str = "tp", *, all_to_all: Optional[str] = None) -> None:
+        super().__init__()
+        self.suffix, self.all_to_all = suffix, all_to_all
+        self.sent: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def _record(self, kind: str, nbytes: float) -> None:
+        self.sent[kind] = self.sent.get(kind, 0.0) + nbytes
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        ops = torch.ops._c10d_functional
+        if func in (ops.all_reduce.default, ops.all_gather_into_tensor.default, ops.reduce_scatter_tensor.default):
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            t = args[0]
+            nbytes = t.numel() * t.element_size()
+            n = _resolve_process_group(args[-1]).size()
+            if func is ops.all_reduce.default:
+                self._record(f"all_reduce_{self.suffix}", 2 * (n - 1) * nbytes / n)
+            elif func is ops.all_gather_into_tensor.default:
+                self._record(f"all_gather_{self.suffix}", (n - 1) * nbytes)
+            else:
+                self._record(f"reduce_scatter_{self.suffix}", (n - 1) * nbytes / n)
+        elif self.all_to_all is not None and func is torch.ops.c10d.alltoall_base_.default:
+            import torch.distributed as dist
+
+            _, t, group, _, input_splits = args[:5]
+            pg = dist.ProcessGroup.unbox(group)
+            rows = t.shape[0] if t.dim() else 0
+            splits = list(input_splits) or [rows // pg.size()] * pg.size()
+            row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
+            kind = f"all_to_all_{self.all_to_all}" + ("" if t.is_floating_point() else "_counts")
+            self._record(kind, (rows - splits[pg.rank()]) * row_bytes)
         return func(*args, **(kwargs or {}))
 
 

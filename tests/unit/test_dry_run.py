@@ -276,3 +276,25 @@ def test_hsdp_shards_over_the_shard_group_and_all_reduces_across_replicas() -> N
     assert hsdp.vescale.replicate_seconds > 0 and hsdp.vescale.step_seconds > flat.vescale.step_seconds
     with pytest.raises(PlanError, match="replicate=3 does not divide world_size=8"):
         dry_run(model, resolved, 8, replicate=3, **kw)
+
+
+def test_muon_all_to_alls_get_a_column_only_with_muon(capsys) -> None:
+    assert main(["model=llama_tiny", "world_size=4", "plan=llama", "optimizer=muon"]) == 0
+    out = capsys.readouterr().out
+    assert "muon all-to-all/step" in out and "Muon's all-to-alls (muon_gather / muon_scatter)" in out
+    assert "are not counted" not in out
+    assert main(["model=llama_tiny", "world_size=4", "plan=llama"]) == 0
+    assert "muon" not in capsys.readouterr().out.split("per rank:")[1]
+
+
+def test_muon_matrices_whole_on_one_rank_send_nothing() -> None:
+    from lightning_vescale.plan._dry_run import _piece_ranges, muon_bucket_bytes
+
+    # Three 4x4 matrices on 3 ranks of 16 elements each: whole on one rank each (local path) ...
+    whole = [(f"m{i}", (4, 4), _piece_ranges(3, 16, 16 * i, 16)) for i in range(3)]
+    assert muon_bucket_bytes(whole, 3)[:2] == ([0.0] * 3, [0.0] * 3)
+    # ... and shifted by 8 elements, every matrix straddles two ranks: each is gathered to one of them (LPT) and the
+    # other half (8 bf16 elements) goes there and back.
+    shifted = [(f"m{i}", (4, 4), _piece_ranges(4, 16, 8 + 16 * i, 16)) for i in range(3)]
+    gather, scatter, _ = muon_bucket_bytes(shifted, 4)
+    assert sum(gather) == sum(scatter) == 3 * 8 * 2

@@ -166,11 +166,48 @@ def test_tp_layouts_are_checked():
         load_plan(_plan({"match": "**.norm", "tp": {"style": "sequence"}}))
 
 
-def test_dry_run_says_it_does_not_size_sequence_parallel_yet(capsys):
+def test_dry_run_sizes_sequence_parallel(capsys):
     from lightning_vescale.plan.__main__ import main
 
-    assert main(["model=llama_tiny", "world_size=4", "plan=llama_sp", "tp=2"]) == 2
-    assert "does not size sequence-parallel layouts yet" in capsys.readouterr().err
+    assert main(["model=llama_tiny", "world_size=4", "plan=llama_sp", "tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "all-gather tp/step" in out and "reduce-scatter tp/step" in out
+
+
+def test_sequence_parallel_activations_norms_at_one_tp_share_and_a_copy_per_gather():
+    from lightning_vescale.plan._activations import SequenceParallel, activation_profile
+    from lightning_vescale.plan._tensor_parallel import sequence_parallel, tensor_parallel_view
+
+    model = _llama()  # tiny: 2 layers, dim 64, vocabulary 256
+    local, _ = tensor_parallel_view(model, resolve_plan(model, load_plan("llama_sp")), 2)
+    sp = sequence_parallel(local)
+    assert sp is not None and sp.sequence == {"norm", *(f"layers.{i}.{n}" for i in range(2)
+                                                         for n in ("attention_norm", "ffn_norm"))}
+    assert sp.gather_output == {"output"} and len(sp.gather_input) == 2 * 5 + 1
+
+    def count(sequence_parallel=None, **parts) -> float:
+        return activation_profile(local, compute_dtype=torch.float32,
+                                  sequence_parallel=sequence_parallel or SequenceParallel(2, **parts))[""]
+
+    whole = activation_profile(local, compute_dtype=torch.float32)[""]
+    norms_whole = whole - count(SequenceParallel(10**9, sequence=sp.sequence))
+    assert norms_whole > 0 and count(sequence=sp.sequence) == pytest.approx(whole - norms_whole / 2)
+    # Per token: q, k and v each save a gathered copy of the attention input, w1 and w3 of the feed-forward input,
+    # where the tp rank's model without sequence parallelism saves one of each (fp32, dim 64): 3 more per layer.
+    assert count(gather_input=sp.gather_input) - whole == 2 * 3 * 64 * 4
+    # The head's logits gathered to the whole vocabulary (256, not the tp rank's 128): the loss's log-probabilities.
+    assert count(gather_output=sp.gather_output) - whole == (256 - 128) * 4
+    assert count(sp) == pytest.approx(whole - norms_whole / 2 + 2 * 3 * 64 * 4 + (256 - 128) * 4)
+
+
+def test_dry_run_refuses_layouts_nothing_measured(capsys):
+    from lightning_vescale.plan._tensor_parallel import tensor_parallel_view
+
+    model = _llama()
+    plan = _plan({"match": "**.attention.wq", "tp": {"style": "colwise", "output": "sequence"}})
+    with pytest.raises(PlanError, match=r"layers.0.attention.wq: tp \{style: colwise, input: replicate, output: sequence\}"
+                                        r" is a layout the dry run does not size"):
+        tensor_parallel_view(model, resolve_plan(model, plan), 2)
 
 
 def test_whole_parameters_beside_split_projections_are_refused():
