@@ -1,6 +1,6 @@
 """Experts on ep, attention on tp: ``parallelize(moe, "moe", mesh)`` on a ``("dp", "ep", "tp")`` mesh.
 
-One 4-rank run, mesh (dp, ep, tp) = (1, 2, 2), checks against one process on the whole batch (fp32, AdamW, clipping,
+Four ranks, mesh (dp, ep, tp) = (1, 2, 2), one test per behaviour (``tests.dist_pool.DistributedTest``), check against one process on the whole batch (fp32, AdamW, clipping,
 auxiliary-loss-free balancing; 1e-5: the collectives sum in other orders than one backward):
 
 * the layout: attention projections report (RaggedShard, Shard) on the (dp_ep, tp) mesh, expert stacks all E experts,
@@ -17,7 +17,7 @@ auxiliary-loss-free balancing; 1e-5: the collectives sum in other orders than on
 
 Negative controls: the same plan without ``split_tokens`` is refused before anything is sharded, naming the rule to
 add; so is a MoE with a switch-style auxiliary loss (it would be computed per sequence shard).
-An 8-rank run, (2, 2, 2), trains the MoE like one process too.
+On 8 ranks, (2, 2, 2), the MoE trains like one process too.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ from lightning_vescale.models.qwen3_moe import Qwen3MoE, qwen3_moe_config
 from lightning_vescale.parallel import fully_shard_expert_parallel, register_expert_bias_update
 from lightning_vescale.placement import RaggedShard
 from lightning_vescale.plan import PlanError, load_plan
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 LOCAL_BATCH, SEQ, STEPS, CLIP, LR, BIAS_RATE = 2, 8, 3, 0.5, 1e-2, 1e-2
 # Adam's update g / (|g| + eps) moves an element whose gradient is near zero by up to lr * dg / eps for a gradient
@@ -195,23 +196,48 @@ def _parity(make, rank: int, world: int, mesh, tmp: str, name: str, shard=None, 
     return worst
 
 
-def _run_dp1_ep2_tp2(rank: int, world: int, tmp: str) -> None:
-    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
-    _parity(_moe, rank, world, mesh, tmp, "moe")
-    _parity(_deepseek, rank, world, mesh, tmp, "deepseek_v3")
-    _parity(_moe, rank, world, mesh, "", "moe", shard=_torchtitan_idiom)
-    # Gradient accumulation without synchronizing the first micro-batch, and activation checkpointing.
-    _parity(_moe, rank, world, mesh, "", "moe", accum=2, checkpointing=True)
-    # bf16 mixed precision deviates from fp32 one process as much as bf16 does without ep x tp (dp4, same run).
+def _mesh_3d() -> Any:
+    return init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+
+
+def _moe_trains_and_saves(rank: int, world: int, tmp: str) -> None:
+    _parity(_moe, rank, world, _mesh_3d(), tmp, "moe")
+
+
+def _deepseek_trains_and_saves(rank: int, world: int, tmp: str) -> None:
+    _parity(_deepseek, rank, world, _mesh_3d(), tmp, "deepseek_v3")
+
+
+def _torchtitan_idiom_trains(rank: int, world: int) -> None:
+    _parity(_moe, rank, world, _mesh_3d(), "", "moe", shard=_torchtitan_idiom)
+
+
+def _accumulation_and_checkpointing(rank: int, world: int) -> None:
+    """Gradient accumulation without synchronizing the first micro-batch, and activation checkpointing."""
+    _parity(_moe, rank, world, _mesh_3d(), "", "moe", accum=2, checkpointing=True)
+
+
+def _bf16_at_the_noise_floor(rank: int, world: int) -> None:
+    """bf16 mixed precision deviates from fp32 one process as much as bf16 does without ep x tp (dp4, same run)."""
     bf16 = lv.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    deviation = _parity(_moe, rank, world, mesh, "", "moe", mp_policy=bf16, tol=1.0)
+    deviation = _parity(_moe, rank, world, _mesh_3d(), "", "moe", mp_policy=bf16, tol=1.0)
     floor = _parity(_moe, rank, world, init_device_mesh("cpu", (world,)), "", "moe", mp_policy=bf16, tol=1.0)
     assert deviation > 1e-4 and floor > 1e-4, "bf16 must differ from fp32 measurably for the comparison to mean anything"
     assert deviation <= 3 * floor, f"bf16 dp1 x ep2 x tp2 deviates {deviation}, bf16 dp4 (the noise floor) {floor}"
-    _parity(_qwen3, rank, world, mesh, "", "moe")  # per-head q_norm / k_norm: tp: heads sums their gradients over tp
-    # Tensor parallelism without ep: the experts, whole, run inside the token-split feed-forward on every rank.
+
+
+def _qwen3_per_head_norms(rank: int, world: int) -> None:
+    """Per-head q_norm / k_norm: tp: heads sums their gradients over tp."""
+    _parity(_qwen3, rank, world, _mesh_3d(), "", "moe")
+
+
+def _moe_on_dp_tp(rank: int, world: int) -> None:
+    """Tensor parallelism without ep: the experts, whole, run inside the token-split feed-forward on every rank."""
     _parity(_moe, rank, world, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), "", "moe")
 
+
+def _refusals(rank: int, world: int) -> None:
+    mesh = _mesh_3d()
     # The moe plan without its split_tokens rule: refused before anything is sharded, naming the rule to add.
     plan = load_plan("moe")
     plan = dataclasses.replace(plan, rules=tuple(r for r in plan.rules if r.tp != "split_tokens"))
@@ -223,22 +249,44 @@ def _run_dp1_ep2_tp2(rank: int, world: int, tmp: str) -> None:
         lv.parallelize(aux, "moe", mesh)
 
 
-def test_experts_on_ep_attention_on_tp_train_like_one_process_and_save(tmp_path) -> None:
-    tmp = str(tmp_path)
-    run_distributed(_run_dp1_ep2_tp2, 4, tmp, timeout=400, pg_timeout=200)
-    for name in ("moe", "deepseek_v3"):
-        state, _ = ckpt.read_full_checkpoint(tmp_path / name)
-        want = load_file(str(tmp_path / f"{name}.safetensors"))
+class TestExpertsOnEpAttentionOnTp(DistributedTest):
+    """dp1 x ep2 x tp2 on 4 ranks."""
+
+    world_size = 4
+
+    @pytest.mark.parametrize("family", ["moe", "deepseek_v3"])
+    def test_trains_like_one_process_and_saves(self, family: str, tmp_path) -> None:
+        self.run_ranks(_moe_trains_and_saves if family == "moe" else _deepseek_trains_and_saves, str(tmp_path))
+        state, _ = ckpt.read_full_checkpoint(tmp_path / family)
+        want = load_file(str(tmp_path / f"{family}.safetensors"))
         assert set(want) <= set(state)
-        assert all(torch.equal(state[n], want[n]) for n in want), f"{name}: one process reads the checkpoint whole"
-    one = _moe()
-    one.load_state_dict({k: v for k, v in ckpt.read_full_checkpoint(tmp_path / "moe")[0].items()}, strict=False)
+        assert all(torch.equal(state[n], want[n]) for n in want), f"{family}: one process reads the checkpoint whole"
+
+    def test_torchtitan_idiom_by_hand(self) -> None:
+        self.run_ranks(_torchtitan_idiom_trains)
+
+    def test_accumulation_and_activation_checkpointing(self) -> None:
+        self.run_ranks(_accumulation_and_checkpointing)
+
+    def test_bf16_mixed_precision_at_the_dp_noise_floor(self) -> None:
+        self.run_ranks(_bf16_at_the_noise_floor)
+
+    def test_qwen3_per_head_norms(self) -> None:
+        self.run_ranks(_qwen3_per_head_norms)
+
+    def test_moe_under_tensor_parallelism_without_ep(self) -> None:
+        self.run_ranks(_moe_on_dp_tp)
+
+    def test_plans_that_would_train_wrong_are_refused(self) -> None:
+        self.run_ranks(_refusals)
 
 
-def _run_dp2_ep2_tp2(rank: int, world: int, tmp: str) -> None:
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
-    _parity(_moe, rank, world, mesh, tmp, "moe")
+def _dp2_ep2_tp2(rank: int, world: int) -> None:
+    _parity(_moe, rank, world, init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp")), "", "moe")
 
 
-def test_dp2_ep2_tp2_trains_like_one_process(tmp_path) -> None:
-    run_distributed(_run_dp2_ep2_tp2, 8, str(tmp_path), timeout=400, pg_timeout=200)
+class TestExpertsOnEpAttentionOnTp8Ranks(DistributedTest):
+    world_size = 8
+
+    def test_dp2_ep2_tp2_trains_like_one_process(self) -> None:
+        self.run_ranks(_dp2_ep2_tp2)
