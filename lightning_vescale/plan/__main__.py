@@ -278,7 +278,9 @@ def _run(argv: list[str]) -> int:
         from lightning_vescale.models.families import FAMILIES
 
         family = next(f for f in sorted(FAMILIES, key=len, reverse=True) if args["model"].startswith(f + "_"))
-        for name in (family, "moe") if ep > 1 else (family,):
+        moe_family = hasattr(FAMILIES[family].config_cls, "num_experts") or "num_experts" in getattr(
+            FAMILIES[family].config_cls, "__dataclass_fields__", {})
+        for name in (family, "moe") if ep > 1 or moe_family else (family,):
             try:
                 plan = load_plan(name)
                 break

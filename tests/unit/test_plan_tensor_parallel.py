@@ -237,3 +237,12 @@ def test_whole_parameters_beside_split_projections_are_refused():
     resolved = resolve_plan(deepseek, dataclasses.replace(plan, rules=plan.rules + split.rules))
     with pytest.raises(ValueError, match=r"layers.0.attention.wq_a \(Linear\) holds whole parameters"):
         check_tensor_parallel(deepseek, resolved.tensor_parallel, 2)
+
+
+def test_dry_run_of_a_moe_family_without_a_plan_of_its_own_takes_the_moe_plan(capsys):
+    from lightning_vescale.plan.__main__ import main
+
+    assert main(["model=qwen3_moe_tiny", "world_size=4", "tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "(tp=2 without plan=: using plan 'moe', whose tp rules split the model)" in out
+    assert "mesh: 2-D (dp=2, tp=2)" in out
