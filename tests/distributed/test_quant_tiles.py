@@ -14,6 +14,7 @@ from torch import nn
 from lightning_vescale import MixedPrecisionPolicy, collectives, comm_stats, fully_shard
 from lightning_vescale.fully_shard import sharded_groups
 from lightning_vescale.quant import BlockFormat, dequantize_block_major, quantize_all_gather, quantize_block_major
+from lightning_vescale.quant.blocks import tile_boxes
 from lightning_vescale.quant.formats import dequantize_tiles, quantize_tiles
 from tests.dist_utils import run_distributed
 
@@ -56,22 +57,31 @@ def _names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.dim() >= 2]
 
 
-def _bitwise(rank: int, world: int) -> None:
+TILE_MAJOR = {"lin.a.weight", "lin.c.weight", "stack"}  # the others: edge tiles the tile order cannot serve, or C = 128
+
+
+def _bitwise(rank: int, world: int, layout: str) -> None:
     master = build()
     for fmt in FORMATS:
         for param_dtype in (None, torch.bfloat16):
             model = copy.deepcopy(master)
-            declared = quantize_all_gather(model, fmt)
+            declared = quantize_all_gather(model, fmt, layout=layout)
             assert sorted(declared) == sorted(_names(master))
             fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
-            # Every cut falls between 128-row bands of a matrix; at 2 and 3 ranks some weights really are cut.
+            # Every cut falls between 128-row bands of a matrix, or for a tile-major master between two tiles (its
+            # pieces are whole tiles: tile_boxes raises otherwise); at 2 and 3 ranks some weights really are cut.
             cut = []
             for name in declared:
                 p = model.get_parameter(name)
                 rows, cols = p.shape[-2:]
                 lo, hi = p.local_range
-                for off in (lo, hi):
-                    assert off % (rows * cols) % (128 * cols) == 0, (name, p.local_range)
+                order = p.layout_info.order
+                assert (order is not None) == (layout == "block_major" and name in TILE_MAJOR), (name, order)
+                if order is None:
+                    for off in (lo, hi):
+                        assert off % (rows * cols) % (128 * cols) == 0, (name, p.local_range)
+                else:
+                    tile_boxes(tuple(p.shape), 128, lo, hi)
                 if 0 < hi - lo < p.numel():
                     cut.append(name)
             owned = torch.tensor([len(cut)])
@@ -92,9 +102,10 @@ def _bitwise(rank: int, world: int) -> None:
             model.reshard()
 
 
+@pytest.mark.parametrize("layout", ["block_major", "bands"])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_gathered_weights_are_the_whole_matrix_tiles_bitwise(world):
-    run_distributed(_bitwise, world)
+def test_gathered_weights_are_the_whole_matrix_tiles_bitwise(world, layout):
+    run_distributed(_bitwise, world, layout)
 
 
 def _llama() -> nn.Module:
