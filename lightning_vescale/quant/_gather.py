@@ -160,9 +160,11 @@ class QuantizedGatherBuffer(DBuffer):
                     shape = self.plan.specs[i].shape
                     n_scales = self._scale_count(i, start, end)
                     if self.tile_major[i]:
-                        dequantize_tile_piece_into(
-                            self.unsharded_view(i), codes_all[q * S + lo: q * S + lo + end - start],
-                            self._scales[q * P + so: q * P + so + n_scales], start, end, fmt)
+                        view = self.unsharded_view(i)  # written in place: its own version counter stays too
+                        with torch.autograd._unsafe_preserve_version_counter(view):
+                            dequantize_tile_piece_into(
+                                view, codes_all[q * S + lo: q * S + lo + end - start],
+                                self._scales[q * P + so: q * P + so + n_scales], start, end, fmt)
                         continue
                     values = dequantize_band_piece(
                         codes_all[q * S + lo: q * S + lo + end - start], self._scales[q * P + so: q * P + so + n_scales],
