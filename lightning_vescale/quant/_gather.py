@@ -65,7 +65,7 @@ class QuantizedGatherBuffer(DBuffer):
         counts = []
         for q in range(N):
             mine, cursor = [], 0
-            for i, spec in enumerate(plan.specs):
+            for i in range(len(plan.specs)):
                 start, end = plan.piece(i, q)
                 if end > start:
                     mine.append((i, start, end, plan.local_offset(i, q), cursor))

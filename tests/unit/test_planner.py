@@ -317,14 +317,14 @@ def _orders_optimum(specs: list[TensorSpec], N: int, a: int, upto: int) -> int:
     orders = sorted(set(itertools.permutations([(it.e, it.g, it.L, it.P) for it in items])))
     valid = planner._ValidSizes(items, a)
     S = shard_size_lower_bound(specs, N, alignment=a)
-    while S < upto:
+    while upto > S:
         for order in orders:
             c = 0
             for e, g, L, P in order:
-                l = planner._earliest_offset(c, e, g, L, S, a, P)
-                if l is None or l + e > N * S:
+                off = planner._earliest_offset(c, e, g, L, S, a, P)
+                if off is None or off + e > N * S:
                     break
-                c = l + e
+                c = off + e
             else:
                 return S
         S = valid.next(S + a)
