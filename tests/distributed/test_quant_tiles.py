@@ -261,3 +261,35 @@ def test_block_major_trains_as_the_band_layout_and_its_checkpoints_reshard(tmp_p
     plain.load_state_dict(state)
     for name, value in plain.state_dict().items():
         assert torch.equal(value, want[name]), name
+
+
+def _muon_and_state_dict_helpers(rank: int, world: int) -> None:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from lightning_vescale.optim import Muon
+
+    model = _llama()
+    master = copy.deepcopy(model)
+    quantize_all_gather(model, FORMATS[0])
+    for module in (*model.layers, model):
+        fully_shard(module)
+    wq = model.layers[0].attention.wq.weight
+    assert wq.layout_info.order is not None
+    with pytest.raises(ValueError, match="stored tile-major"):
+        Muon([wq])
+    # torch's DCP state-dict helpers see the row-major weights: full state dict, and a load of one.
+    full = get_model_state_dict(model, options=torch.distributed.checkpoint.state_dict.StateDictOptions(
+        full_state_dict=True))
+    for name, value in master.state_dict().items():
+        assert torch.equal(full[name], value), name
+    want = full["layers.0.attention.wq.weight"] + 1
+    set_model_state_dict(model, {k: v + 1 for k, v in full.items()},
+                         options=torch.distributed.checkpoint.state_dict.StateDictOptions(full_state_dict=True))
+    assert torch.equal(wq.full_tensor(), want)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_tile_major_masters_with_muon_and_torch_state_dict_helpers(world):
+    """Muon refuses a tile-major master by name (its pieces are not row-major ranges); torch's
+    get_model_state_dict / set_model_state_dict read and load the row-major weight."""
+    run_distributed(_muon_and_state_dict_helpers, world)
