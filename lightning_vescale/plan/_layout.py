@@ -146,6 +146,15 @@ class BufferLayout:
             return (N + 1) * (S * c + P * 4)
         return 0
 
+    @property
+    def reduce_transient(self) -> int:
+        """Bytes of the one transient copy before a quantized gather's ReduceScatter: the largest tile-major weight's
+        row-major gradient (``param_dtype``), copied while its region is rewritten in tile order."""
+        if self.quant != GATHER or not self.requires_grad:
+            return 0
+        sizes = [s.numel for s in self.plan.specs if is_tile_major(s, self._format, self.gather_layout)]
+        return max(sizes, default=0) * self.param_dtype.itemsize
+
 
 def quantized_gather_scales_per_rank(plan: BufferPlan, fmt: BlockFormat, layout: str = "block_major") -> int:
     """``QuantizedGatherBuffer.scales_per_rank`` without building one: the most scales a rank's pieces have
