@@ -7,7 +7,8 @@ Block-quantized parameters (a plan's ``quantization: fp8_block | int8_block``, d
 engine's buffer kinds (:mod:`lightning_vescale.quant._kinds`):
 
 * a trained one a :class:`~lightning_vescale.quant._gather.QuantizedGatherBuffer`: fp32 master pieces, tile-major
-  and cut between any two tiles where the shape allows (layout ``"block_major"``), else cut between bands of ``b``
+  and cut between any two tiles where the shape allows (layout ``"block_major"``, or ``"auto"`` where that pads
+  less), else cut between bands of ``b``
   rows of each matrix (every ``b x b`` tile whole on one rank either way), gathered as one byte of code per element
   plus one fp32 scale per tile (two AllGathers);
 * a frozen one a :class:`~lightning_vescale.quant._storage.QuantizedStorage`: ``b x b`` tiles of codes and one
@@ -67,8 +68,9 @@ class BufferLayout:
     fmt: Optional[BlockFormat] = None
     scales_per_rank: int = 0
     """Scales each rank sends per AllGather (the largest rank's count; every rank's send is padded to it)."""
-    gather_layout: str = "block_major"
-    """A quantized gather's master layout (``"block_major"`` or ``"bands"``, see :func:`quantize_all_gather`)."""
+    gather_layout: str = "auto"
+    """A quantized gather's master layout (``"auto"``, ``"block_major"`` or ``"bands"``, see
+    :func:`~lightning_vescale.quant.quantize_all_gather`)."""
     real_numel: int = 0
     """Elements of the parameters (a storage's plan counts tiles)."""
     unsharded_numel: int = 0
@@ -156,7 +158,7 @@ class BufferLayout:
         return max(sizes, default=0) * self.param_dtype.itemsize
 
 
-def quantized_gather_scales_per_rank(plan: BufferPlan, fmt: BlockFormat, layout: str = "block_major") -> int:
+def quantized_gather_scales_per_rank(plan: BufferPlan, fmt: BlockFormat, layout: str = "auto") -> int:
     """``QuantizedGatherBuffer.scales_per_rank`` without building one: the most scales a rank's pieces have
     (:func:`~lightning_vescale.quant.blocks.band_scale_count` per piece of a row-band master,
     :func:`~lightning_vescale.quant.blocks.tile_scale_count` of a tile-major one), in O(tensors + ranks) rather than
@@ -252,7 +254,7 @@ def group_layouts(
         param_dtype = gb.param_dtype or gb.dtype
         quant = gb.kind.key[0] if gb.kind is not None else None
         fmt = gb.kind.fmt if gb.kind is not None else None  # type: ignore[attr-defined]
-        gather_layout = getattr(gb.kind, "layout", "block_major")
+        gather_layout = getattr(gb.kind, "layout", "auto")
         if quant == STORAGE:
             assert fmt is not None
             # As QuantizedStorage: the unsharded weights one after another in param_dtype, 16-byte aligned.
