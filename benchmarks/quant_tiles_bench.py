@@ -120,7 +120,7 @@ def markdown(records: list[dict], command: str) -> str:
         "the widths' 128-row bands (128x8192 and 128x28672 for Llama-3-70B) that forced the shard size up at large N "
         f"is gone. The default chose block-major in {sum(r['tile_major'] > 0 for r in records)} of {len(records)} rows "
         "(it keeps bands where they pad no more: on a tie, or on small models where a 16,384-element tile is a large "
-        "part of a shard, e.g. the Llama of `tests/distributed/test_quant_tiles.py` on 2 ranks). Its padding is on its lower bound in {sum(r['padding'] <= r['lower_bound'] for r in records)} of "
+        f"part of a shard, e.g. the Llama of `tests/distributed/test_quant_tiles.py` on 2 ranks). Its padding is on its lower bound in {sum(r['padding'] <= r['lower_bound'] for r in records)} of "
         f"{len(records)} rows and at most {max(r['padding'] - r['lower_bound'] for r in records):.3%} above it.",
         f"* `!`: default padding above {BLOCK_PADDING_WARNING:.0%}, where `python -m lightning_vescale.plan` "
         "prints a warning naming the groups (the format is kept). *tiles*: tile-major weights of the layer.", "",
