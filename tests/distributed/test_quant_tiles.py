@@ -189,7 +189,7 @@ def _loss(model: nn.Module, step: int) -> torch.Tensor:
     return nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def _train(model: nn.Module, layout: str, steps: int) -> tuple[list[float], torch.Tensor]:
+def _train(model: nn.Module, layout: str, steps: int) -> tuple[list[float], torch.Tensor, torch.optim.Optimizer]:
     """Quantized AllGather in ``layout``, fp32 master, AdamW; then one more backward and clip_grad_norm_ (a global
     norm over the pieces, summed in another order when the pieces are tile-major: compared to 1e-6, not bitwise,
     and kept out of the steps, where fp8 rounding would amplify its last bit)."""
@@ -207,7 +207,7 @@ def _train(model: nn.Module, layout: str, steps: int) -> tuple[list[float], torc
         opt.zero_grad()
         losses.append(loss.item())
     _loss(model, steps).backward()
-    return losses, clip_grad_norm_(model.parameters(), 0.5)
+    return losses, clip_grad_norm_(model.parameters(), 0.5), opt
 
 
 def _train_layouts(rank: int, world: int, tmp: str) -> None:
@@ -221,7 +221,7 @@ def _train_layouts(rank: int, world: int, tmp: str) -> None:
     orders = {n: p.layout_info.order is not None for n, p in tiled.named_parameters()}
     assert orders["layers.0.attention.wq.weight"] and orders["layers.0.feed_forward.w1.weight"], orders
     assert not orders["tok_embeddings.weight"]  # 200 rows: a 72-row edge tile the tile order cannot serve
-    (tiled_losses, tiled_norm), (banded_losses, banded_norm) = runs["block_major"][1], runs["bands"][1]
+    (tiled_losses, tiled_norm, opt), (banded_losses, banded_norm, _) = runs["block_major"][1], runs["bands"][1]
     for a, b in zip(tiled_losses, banded_losses):
         assert abs(a - b) <= 1e-6, (tiled_losses, banded_losses)
     torch.testing.assert_close(tiled_norm, banded_norm, rtol=1e-6, atol=0)
@@ -231,7 +231,9 @@ def _train_layouts(rank: int, world: int, tmp: str) -> None:
     tiled.zero_grad()
     # The tile-major master reads as the row-major weight everywhere: full_tensor, state_dict, checkpoints.
     state = {k: v.full_tensor() for k, v in tiled.state_dict().items()}
-    checkpoint.save(f"{tmp}/ckpt", tiled)
+    names = {p: n for n, p in tiled.named_parameters()}
+    state.update({f"exp_avg.{names[p]}": s["exp_avg"].full_tensor() for p, s in opt.state.items()})
+    checkpoint.save(f"{tmp}/ckpt", tiled, opt)
     if rank == 0:
         torch.save(state, f"{tmp}/full.pt")
 
@@ -244,11 +246,14 @@ def _reload_layouts(rank: int, world: int, tmp: str) -> None:
     quantize_all_gather(model, FORMATS[0], layout="block_major")
     for module in (*model.layers, model):
         fully_shard(module)
-    checkpoint.load(f"{tmp}/ckpt", model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    checkpoint.load(f"{tmp}/ckpt", model, opt)
     assert any(p.layout_info.order is not None and 0 < p.local_range[1] - p.local_range[0] < p.numel()
                for p in model.parameters()), "some tile-major weight is cut on 3 ranks"
     for name, value in model.state_dict().items():
         assert torch.equal(value.full_tensor(), want[name]), name
+    for name, p in model.named_parameters():  # optimizer states of tile-major masters reshard too
+        assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), want[f"exp_avg.{name}"]), name
 
 
 def test_block_major_trains_as_the_band_layout_and_its_checkpoints_reshard(tmp_path):
@@ -264,6 +269,7 @@ def test_block_major_trains_as_the_band_layout_and_its_checkpoints_reshard(tmp_p
     plain.load_state_dict(state)
     for name, value in plain.state_dict().items():
         assert torch.equal(value, want[name]), name
+    assert len(want) > len(state)  # the optimizer's states were compared on 3 ranks
 
 
 def _muon_and_state_dict_helpers(rank: int, world: int) -> None:
