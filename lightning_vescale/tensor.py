@@ -70,7 +70,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_map
 
 from lightning_vescale import collectives
-from lightning_vescale.placement import RaggedShard, flat_range_to_boxes
+from lightning_vescale.placement import RaggedShard, ReorderedRaggedShard, flat_range_to_boxes
 
 __all__ = [
     "ElementOrder", "GlobalExtent", "OuterShard", "RaggedLayout", "RaggedTensor", "UnsupportedRaggedOp", "block_layout", "is_ragged", "is_sharded_param",
@@ -224,9 +224,10 @@ class RaggedLayout:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        if self.order is not None:
-            return (self.local_range[1] - self.local_range[0],)
-        return local_piece_shape(self.shape, *self.local_range)
+        start, end = self.local_range
+        if self.order is not None and end > start:
+            return (end - start,)
+        return local_piece_shape(self.shape, start, end)
 
     @property
     def world_size(self) -> int:
@@ -241,9 +242,11 @@ class RaggedLayout:
     def placement(self) -> RaggedShard:
         """The pieces as a :class:`RaggedShard` over ``owners`` (= the group's ranks in order, for ``fully_shard``)."""
         owners = self.owners
-        if list(owners) == sorted(owners):
-            return RaggedShard.from_flat_ranges(self.shape, self.ranges)
-        return RaggedShard.from_flat_ranges(self.shape, [self.ranges[q] for q in owners])
+        ranges = self.ranges if list(owners) == sorted(owners) else [self.ranges[q] for q in owners]
+        placement = RaggedShard.from_flat_ranges(self.shape, ranges)
+        if self.order is not None:  # the ranges index another storage order: no run of rows covers a piece
+            return ReorderedRaggedShard(placement.dims, placement.local_units)
+        return placement
 
     def boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """N-D ``(offsets, sizes)`` boxes covering this rank's piece, in flat (storage) order."""

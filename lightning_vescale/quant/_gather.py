@@ -88,9 +88,9 @@ class QuantizedGatherBuffer(DBuffer):
         return self._order if self.tile_major[index] else None
 
     def _local_piece(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        if not self.tile_major[index]:
-            return super()._local_piece(flat, index)
         start, end = self.plan.piece(index, self.rank)
+        if not self.tile_major[index] or end == start:
+            return super()._local_piece(flat, index)
         lo = self.plan.local_offset(index, self.rank)
         return flat[lo: lo + end - start]  # whole tiles in tile order: no row shape
 

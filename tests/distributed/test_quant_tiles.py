@@ -295,10 +295,17 @@ def _muon_and_state_dict_helpers(rank: int, world: int) -> None:
     set_model_state_dict(model, {k: v + 1 for k, v in full.items()},
                          options=torch.distributed.checkpoint.state_dict.StateDictOptions(full_state_dict=True))
     assert torch.equal(wq.full_tensor(), want)
+    # broadcast_from_rank0: rank 0 alone holds the full state dict (DTensor code asks the placement for the rows that
+    # cover a piece: all rows for a tile-major one).
+    plus2 = {k: v + 2 for k, v in full.items()} if rank == 0 else {}
+    set_model_state_dict(model, plus2, options=torch.distributed.checkpoint.state_dict.StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+    for name, value in master.state_dict().items():
+        assert torch.equal(model.state_dict()[name].full_tensor(), value + 2), name
 
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_tile_major_masters_with_muon_and_torch_state_dict_helpers(world):
     """Muon refuses a tile-major master by name (its pieces are not row-major ranges); torch's
-    get_model_state_dict / set_model_state_dict read and load the row-major weight."""
+    get_model_state_dict / set_model_state_dict (also broadcast_from_rank0) read and load the row-major weight."""
     run_distributed(_muon_and_state_dict_helpers, world)
