@@ -206,8 +206,9 @@ class ParamGroup:
                 self.needs_init = True
             else:
                 start, end = buf.plan.piece(mp.index, buf.rank)
+                source, order = _piece_of_other_mesh(orig).detach(), layouts[mp.fqn].order
                 with torch.no_grad():
-                    local.view(-1).copy_(_piece_of_other_mesh(orig).detach().reshape(-1)[start:end])
+                    local.view(-1).copy_(source.reshape(-1)[start:end] if order is None else order.take(source, start, end))
             mp.layout = layouts[mp.fqn]
             mp.sharded = nn.Parameter(RaggedTensor(local, mp.layout), requires_grad=orig.requires_grad)
             for attr, value in vars(orig).items():  # user declarations such as _vescale_expert_stack
@@ -240,7 +241,7 @@ class ParamGroup:
                 shape = tuple(_piece_of_other_mesh(originals[mp.fqn]).shape)
                 mesh, dim = self._reported_mesh(mp)
                 layouts[mp.fqn] = RaggedLayout(shape, tuple(buf.plan.pieces(mp.index)), buf.group, buf.rank, mesh, dim,
-                                               mp.outer)
+                                               mp.outer, buf.element_order(mp.index))
             else:
                 blocks.append((mp, extent))
         if not blocks:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from lightning_vescale import collectives
 from lightning_vescale.planner import BufferPlan
-from lightning_vescale.tensor import local_piece_shape
+from lightning_vescale.tensor import ElementOrder, local_piece_shape
 
 __all__ = ["BufferState", "DBuffer", "GatheredTier", "PieceTier"]
 
@@ -226,6 +226,11 @@ class DBuffer:
 
     def unsharded_grad_view(self, index: int) -> torch.Tensor:
         return self._unsharded_grad_views[index]
+
+    def element_order(self, index: int) -> Optional[ElementOrder]:
+        """The order of tensor ``index``'s elements in the local pieces when not row-major (a buffer kind may keep
+        one, e.g. tile-major quantized weights); None: row-major."""
+        return None
 
     def rank_slice(self, flat: torch.Tensor) -> torch.Tensor:
         S = self.shard_size

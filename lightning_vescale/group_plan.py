@@ -46,9 +46,9 @@ class BufferKind(Protocol):
         """The cut granule ``(granule_numel, period)`` (as :func:`~lightning_vescale.planner.granule` gives them) of a
         parameter whose requested granularity has the granule ``requested``."""
 
-    def planner_specs(self, specs: list[TensorSpec], alignment: int) -> tuple[list[TensorSpec], int]:
-        """What the planner lays out for these parameters, and its alignment (the engine's ``specs`` and
-        ``alignment``, 16 bytes' worth of elements, are what a DBuffer of master pieces needs)."""
+    def planner_specs(self, specs: list[TensorSpec], alignment: int, world_size: int) -> tuple[list[TensorSpec], int]:
+        """What the planner lays out for these parameters on ``world_size`` ranks, and its alignment (the engine's
+        ``specs`` and ``alignment``, 16 bytes' worth of elements, are what a DBuffer of master pieces needs)."""
 
     def make_buffer(self, plan: BufferPlan, buffer: GroupBuffer, **kwargs: Any) -> Any:
         """The buffer (a DBuffer for master pieces); ``kwargs`` are DBuffer's (group, device, dtypes ...)."""
@@ -146,7 +146,8 @@ def plan_group_buffers(entries: list[ParamEntry], world_size: int, mp_policy: Mi
         item = min(dtype.itemsize, (param_dtype or dtype).itemsize)
         # 16-byte aligned offsets and shard sizes keep NCCL on its fast paths; negligible padding.
         alignment = max(1, 16 // item)
-        planner_specs, plan_alignment = kind.planner_specs(specs, alignment) if kind is not None else (specs, alignment)
+        planner_specs, plan_alignment = (kind.planner_specs(specs, alignment, world_size) if kind is not None
+                                         else (specs, alignment))
         try:
             plan = _plan(tuple(planner_specs), world_size, plan_alignment)
         except ValueError as err:

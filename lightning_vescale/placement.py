@@ -40,6 +40,7 @@ from torch.distributed.tensor import Shard
 
 __all__ = [
     "RaggedShard",
+    "ReorderedRaggedShard",
     "flat_range_to_boxes",
     "shard_tensor",
     "gather_full",
@@ -337,6 +338,32 @@ class RaggedShard(Shard):
         """N-D boxes ``(offsets, sizes)`` that exactly cover ``rank``'s piece (see :func:`flat_range_to_boxes`)."""
         start, end = self.flat_range(shape, rank)
         return flat_range_to_boxes(shape, start, end)
+
+
+class ReorderedRaggedShard(RaggedShard):
+    """A :class:`RaggedShard` whose flat ranges index a storage order other than row-major (a
+    :class:`~lightning_vescale.tensor.ElementOrder`: block-quantized weights kept tile-major). A piece is then no
+    run of rows, so the rows that cover a non-empty piece, as DTensor code asks for them, are all rows (torch's
+    ``set_model_state_dict(..., broadcast_from_rank0=True)`` then copies the whole tensor into ``to_local()``, which
+    takes the piece in storage order)."""
+
+    def __reduce__(self) -> tuple:
+        return (ReorderedRaggedShard, (self.dims, self.local_units))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and (self.dims, self.local_units) == (other.dims, other.local_units)
+
+    def __hash__(self) -> int:
+        return hash((ReorderedRaggedShard, self.dims, self.local_units))
+
+    def __str__(self) -> str:
+        return f"RS*{self.local_units}"
+
+    def _local_shard_size_and_offset(  # type: ignore[override]
+        self, curr_local_size: int, num_chunks: int, rank: int
+    ) -> tuple[int, int]:
+        count, _ = super()._local_shard_size_and_offset(curr_local_size, num_chunks, rank)
+        return (curr_local_size, 0) if count else (0, 0)
 
 
 def _check_ndim(shape: Shape, num_dims: int) -> None:

@@ -60,7 +60,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, SupportsIndex, TypeGuard
+from typing import Any, Callable, Optional, Protocol, Sequence, SupportsIndex, TypeGuard, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -70,10 +70,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_map
 
 from lightning_vescale import collectives
-from lightning_vescale.placement import RaggedShard, flat_range_to_boxes
+from lightning_vescale.placement import RaggedShard, ReorderedRaggedShard, flat_range_to_boxes
 
 __all__ = [
-    "GlobalExtent", "OuterShard", "RaggedLayout", "RaggedTensor", "UnsupportedRaggedOp", "block_layout", "is_ragged", "is_sharded_param",
+    "ElementOrder", "GlobalExtent", "OuterShard", "RaggedLayout", "RaggedTensor", "UnsupportedRaggedOp", "block_layout", "is_ragged", "is_sharded_param",
     "RaggedPiece", "local_tensor", "piece_of",
     "local_piece_shape",
 ]
@@ -127,6 +127,24 @@ class OuterShard:
         return hash((self.placement, self.global_shape, self.offset))
 
 
+@runtime_checkable
+class ElementOrder(Protocol):
+    """A storage order of a tensor's elements other than row-major, which a :class:`RaggedLayout`'s flat ranges
+    index (an extension supplies it: block-quantized weights kept tile-major, so a cut may fall between any two
+    ``b x b`` tiles). Everything that reads or writes the logical tensor goes through it, so ``full_tensor()``,
+    state dicts and checkpoints see the row-major tensor. Must be hashable and compare by value."""
+
+    def take(self, full: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` in storage order of the row-major tensor ``full`` (flat)."""
+
+    def to_rowmajor(self, flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The row-major tensor of ``shape`` from its whole flat storage."""
+
+    def boxes(self, shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """N-D ``(offsets, sizes)`` boxes of the storage range ``[start, end)``, each contiguous in storage, in
+        storage order."""
+
+
 @dataclass(frozen=True, eq=False)
 class RaggedLayout:
     """Where the pieces of a sharded tensor live.
@@ -154,6 +172,9 @@ class RaggedLayout:
     ``outer`` the other mesh's placement."""
     outer: Optional[OuterShard] = None
     """Tensor parallelism: ``shape`` is this rank's piece of a larger DTensor laid out on another mesh."""
+    order: Optional[ElementOrder] = None
+    """The order of the flat storage the ranges index, when not row-major (a block-quantized weight kept
+    tile-major, see :class:`ElementOrder`); None: row-major."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_specs", {})
@@ -192,6 +213,8 @@ class RaggedLayout:
         if self.outer is not None:
             full = self.outer.local_slice(full, self.shape)
         start, end = self.local_range
+        if self.order is not None:
+            return self.order.take(full.reshape(self.shape), start, end)
         return full.reshape(-1)[start:end]
 
     @property
@@ -201,7 +224,10 @@ class RaggedLayout:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return local_piece_shape(self.shape, *self.local_range)
+        start, end = self.local_range
+        if self.order is not None and end > start:
+            return (end - start,)
+        return local_piece_shape(self.shape, start, end)
 
     @property
     def world_size(self) -> int:
@@ -216,12 +242,16 @@ class RaggedLayout:
     def placement(self) -> RaggedShard:
         """The pieces as a :class:`RaggedShard` over ``owners`` (= the group's ranks in order, for ``fully_shard``)."""
         owners = self.owners
-        if list(owners) == sorted(owners):
-            return RaggedShard.from_flat_ranges(self.shape, self.ranges)
-        return RaggedShard.from_flat_ranges(self.shape, [self.ranges[q] for q in owners])
+        ranges = self.ranges if list(owners) == sorted(owners) else [self.ranges[q] for q in owners]
+        placement = RaggedShard.from_flat_ranges(self.shape, ranges)
+        if self.order is not None:  # the ranges index another storage order: no run of rows covers a piece
+            return ReorderedRaggedShard(placement.dims, placement.local_units)
+        return placement
 
     def boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """N-D ``(offsets, sizes)`` boxes covering this rank's piece, in flat order."""
+        """N-D ``(offsets, sizes)`` boxes covering this rank's piece, in flat (storage) order."""
+        if self.order is not None:
+            return self.order.boxes(self.shape, *self.local_range)
         return flat_range_to_boxes(self.shape, *self.local_range)
 
     def device_mesh(self, device_type: str) -> Optional[DeviceMesh]:
@@ -270,12 +300,11 @@ class RaggedLayout:
             return True
         if not isinstance(other, RaggedLayout):
             return NotImplemented
-        return (self.shape, self.ranges, self.rank, self.outer) == (other.shape, other.ranges, other.rank, other.outer) and (
-            self.group is other.group
-        )
+        return (self.shape, self.ranges, self.rank, self.outer, self.order) == (
+            other.shape, other.ranges, other.rank, other.outer, other.order) and self.group is other.group
 
     def __hash__(self) -> int:
-        return hash((self.shape, self.ranges, self.rank, id(self.group), self.outer))
+        return hash((self.shape, self.ranges, self.rank, id(self.group), self.outer, self.order))
 
     def __repr__(self) -> str:
         return f"RaggedLayout(shape={self.shape}, local_range={self.local_range}, rank={self.rank}/{self.world_size})"
@@ -565,6 +594,8 @@ def gather_pieces(local: torch.Tensor, layout: RaggedLayout) -> torch.Tensor:
     shape = layout.shape
     sizes = [e - s for s, e in layout.ranges]
     if layout.group is None or layout.world_size == 1:
+        if layout.order is not None:
+            return layout.order.to_rowmajor(local.detach().reshape(-1), shape)
         return local.detach().reshape(shape).clone()
     padded = max(sizes)
     full = torch.empty(shape, dtype=local.dtype, device=local.device)
@@ -578,6 +609,8 @@ def gather_pieces(local: torch.Tensor, layout: RaggedLayout) -> torch.Tensor:
     out, flat_recv = wire(full.view(-1)), wire(recv)
     for q, (s, e) in enumerate(layout.ranges):
         out[s:e].copy_(flat_recv[q * padded : q * padded + (e - s)])
+    if layout.order is not None:
+        return layout.order.to_rowmajor(full.view(-1), shape)
     return full
 
 
@@ -796,6 +829,8 @@ class RaggedPiece(torch.Tensor):
         """Where this piece starts in ``src`` when ``src`` is the whole tensor or its covering rows, else None."""
         layout = self._ragged_layout
         shape, (start, end) = layout.shape, layout.local_range
+        if layout.order is not None:
+            return None  # copy_ from the whole tensor takes the piece in storage order (__torch_function__)
         if tuple(src.shape) == shape:
             return start
         row = math.prod(shape[1:])
@@ -809,6 +844,11 @@ class RaggedPiece(torch.Tensor):
         kwargs = kwargs or {}
         if func is torch.Tensor.copy_ and isinstance(args[0], RaggedPiece) and isinstance(args[1], torch.Tensor):
             dst, src = args[0], args[1]
+            layout = dst._ragged_layout
+            if layout.order is not None and tuple(src.shape) == layout.shape:
+                with torch._C.DisableTorchFunctionSubclass():
+                    dst.copy_(layout.take_piece(src), **kwargs)
+                return dst
             offset = dst._source_offset(src) if tuple(src.shape) != tuple(dst.shape) else None
             if offset is not None:
                 with torch._C.DisableTorchFunctionSubclass():

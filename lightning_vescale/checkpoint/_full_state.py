@@ -55,7 +55,9 @@ def _full(value: torch.Tensor, rank0_only: bool) -> Optional[torch.Tensor]:
     numel = math.prod(layout.shape)
     dst = [(0, numel) if q == ranks.index(first) else (0, 0) for q in range(len(ranks))]
     full = redistribute_flat(local_tensor(value).detach().reshape(-1), layout.ranges, dst, layout.group)
-    return full.view(layout.shape) if _dist.rank() == 0 else None
+    if _dist.rank() != 0:
+        return None
+    return full.view(layout.shape) if layout.order is None else layout.order.to_rowmajor(full, layout.shape)
 
 
 @_dist.over_model

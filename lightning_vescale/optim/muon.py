@@ -369,6 +369,14 @@ class Muon(Optimizer):
         if group["mode"] not in _MODES:
             raise ValueError(f"Muon mode must be one of {_MODES}, got {group['mode']!r}")
         for p, name in zip(group["params"], self._names(group)):
+            if is_ragged(p) and p.layout_info.order is not None:
+                raise ValueError(
+                    f"Muon cannot step {name}: its sharded master is stored tile-major (a quantized AllGather, "
+                    f"quantize_all_gather(..., layout='block_major'), at element or row granularity), so its pieces "
+                    f"are not row-major ranges of the matrix. Shard it with granularity 'matrix' (fully_shard(..., "
+                    f"granularity=muon_granularity(model)): each matrix whole and row-major on its owner), use "
+                    f"quantize_all_gather(..., layout='bands'), or give it to AdamW."
+                )
             outer = _tp_outer(p)
             if outer is not None and len(global_shape(p)) != 2:
                 raise ValueError(

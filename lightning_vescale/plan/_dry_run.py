@@ -321,7 +321,8 @@ class _Group:
     largest_param: float = 0.0  # bytes of its largest parameter: autograd makes its gradient, then adds it in
     recompute: float = 0.0  # checkpointing: the activations its backward makes again
     gather_transient: float = 0.0  # FSDP2: the AllGather output next to the unsharded parameters while copying out
-    reduce_transient: float = 0.0  # FSDP2: the ReduceScatter input built from the gradients
+    reduce_transient: float = 0.0  # FSDP2: the ReduceScatter input built from the gradients; ours: the copy that
+    # reorders a tile-major quantized weight's gradient into tile order (the largest such weight of the group)
     grad_piece: float = 0.0  # this rank's sharded gradient bytes: allocated at the group's ReduceScatter (both
     # engines free them at zero_grad(set_to_none=True), so none exist when forward starts)
     done_early: bool = False  # a root whose modules run after every other group's (norm, head): its backward
@@ -633,6 +634,7 @@ def dry_run(
                                        for n in (p, *resolved.params[p].aliases)])
         gathers = 2 if g.reshard_after_forward and not g.is_root and reads else 1
         shard = gathered = late = grad = extra = ag = rs = ar = real = pad = transient = grad_piece = off_params = 0.0
+        reorder = 0.0
         largest = max((resolved.params[n].numel for n in g.params), default=0)
         for lay in layouts:
             S = lay.plan.shard_size
@@ -657,6 +659,7 @@ def dry_run(
                 ag += gathers * sent
                 ag_calls[kind] = ag_calls.get(kind, 0) + gathers
             if lay.requires_grad:
+                reorder = max(reorder, lay.reduce_transient)
                 if grads_tier != "device":  # written to its tier as soon as its ReduceScatter is done
                     add_off("grads", grads_tier, S * mb)
                 else:
@@ -704,7 +707,7 @@ def dry_run(
         largest_bytes = largest * (layouts[0].param_dtype.itemsize if layouts else 4)
         ve_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, gathered, grad, extra, act,
                                 largest_bytes, recompute, gathered_late=late, in_flight=transient, grad_piece=grad_piece,
-                                done_early=g.name in early, backward_reads=reads))
+                                done_early=g.name in early, backward_reads=reads, reduce_transient=reorder))
         t_ag = hardware.collective_seconds(ag / max(gathers, 1), Ng)
         t_rs = hardware.collective_seconds(rs, Ng)
         t_ar = t_replicate(ar) if ar else 0.0

@@ -6,9 +6,11 @@ Block-quantized parameters (a plan's ``quantization: fp8_block | int8_block``, d
 2-D weights and 3-D expert stacks it covers) carry the declaration ``parallelize`` would set, so they get the
 engine's buffer kinds (:mod:`lightning_vescale.quant._kinds`):
 
-* a trained one a :class:`~lightning_vescale.quant._gather.QuantizedGatherBuffer`: fp32 master pieces as usual,
-  cut only between bands of ``b`` rows of each matrix (every ``b x b`` tile whole on one rank), gathered as one
-  byte of code per element plus one fp32 scale per tile (two AllGathers);
+* a trained one a :class:`~lightning_vescale.quant._gather.QuantizedGatherBuffer`: fp32 master pieces, tile-major
+  and cut between any two tiles where the shape allows (layout ``"block_major"``, or ``"auto"`` where that pads
+  less), else cut between bands of ``b``
+  rows of each matrix (every ``b x b`` tile whole on one rank either way), gathered as one byte of code per element
+  plus one fp32 scale per tile (two AllGathers);
 * a frozen one a :class:`~lightning_vescale.quant._storage.QuantizedStorage`: ``b x b`` tiles of codes and one
   fp32 scale per tile on each rank, gathered as they are, dequantized into the compute dtype.
 
@@ -30,8 +32,8 @@ from lightning_vescale._api import MixedPrecisionPolicy
 from lightning_vescale.group_plan import BufferKind, ParamEntry, plan_group_buffers
 from lightning_vescale.plan._spec import parse_dtype
 from lightning_vescale.planner import BufferPlan, shard_size_lower_bound
-from lightning_vescale.quant._kinds import GATHER, STORAGE, BlockQuantization
-from lightning_vescale.quant.blocks import band_scale_counts
+from lightning_vescale.quant._kinds import GATHER, STORAGE, BlockQuantization, is_tile_major
+from lightning_vescale.quant.blocks import band_scale_counts, tile_scale_count
 from lightning_vescale.quant.formats import BlockFormat, parse_format
 
 __all__ = ["BLOCK_PADDING_WARNING", "BufferLayout", "block_padding_warnings", "group_layouts",
@@ -66,6 +68,9 @@ class BufferLayout:
     fmt: Optional[BlockFormat] = None
     scales_per_rank: int = 0
     """Scales each rank sends per AllGather (the largest rank's count; every rank's send is padded to it)."""
+    gather_layout: str = "auto"
+    """A quantized gather's master layout (``"auto"``, ``"block_major"`` or ``"bands"``, see
+    :func:`~lightning_vescale.quant.quantize_all_gather`)."""
     real_numel: int = 0
     """Elements of the parameters (a storage's plan counts tiles)."""
     unsharded_numel: int = 0
@@ -143,10 +148,20 @@ class BufferLayout:
             return (N + 1) * (S * c + P * 4)
         return 0
 
+    @property
+    def reduce_transient(self) -> int:
+        """Bytes of the one transient copy before a quantized gather's ReduceScatter: the largest tile-major weight's
+        row-major gradient (``param_dtype``), copied while its region is rewritten in tile order."""
+        if self.quant != GATHER or not self.requires_grad:
+            return 0
+        sizes = [s.numel for s in self.plan.specs if is_tile_major(s, self._format, self.gather_layout)]
+        return max(sizes, default=0) * self.param_dtype.itemsize
 
-def quantized_gather_scales_per_rank(plan: BufferPlan, fmt: BlockFormat) -> int:
+
+def quantized_gather_scales_per_rank(plan: BufferPlan, fmt: BlockFormat, layout: str = "auto") -> int:
     """``QuantizedGatherBuffer.scales_per_rank`` without building one: the most scales a rank's pieces have
-    (:func:`~lightning_vescale.quant.blocks.band_scale_count` per piece), in O(tensors + ranks) rather than
+    (:func:`~lightning_vescale.quant.blocks.band_scale_count` per piece of a row-band master,
+    :func:`~lightning_vescale.quant.blocks.tile_scale_count` of a tile-major one), in O(tensors + ranks) rather than
     O(tensors x ranks): each tensor counts only the ranks it spans."""
     N, S = plan.world_size, plan.shard_size
     counts = torch.zeros(N, dtype=torch.int64)
@@ -156,6 +171,10 @@ def quantized_gather_scales_per_rank(plan: BufferPlan, fmt: BlockFormat) -> int:
         ranks = torch.arange(off // S, (off + spec.numel - 1) // S + 1)
         starts = (ranks * S - off).clamp(0, spec.numel)
         ends = ((ranks + 1) * S - off).clamp(0, spec.numel)
+        if is_tile_major(spec, fmt, layout):
+            tiles = [tile_scale_count(spec.shape, a, b, fmt.block_size) for a, b in zip(starts.tolist(), ends.tolist())]
+            counts.index_add_(0, ranks, torch.tensor(tiles, dtype=torch.int64))
+            continue
         counts.index_add_(0, ranks, band_scale_counts(spec.shape, starts, ends, fmt))
     return int(counts.max()) if N else 0
 
@@ -188,9 +207,12 @@ def block_padding_warnings(groups: list[tuple[str, list[BufferLayout]]]) -> list
                 continue
             lb = lay.lower_bound_padding_elements / max(lay.real_numel, 1)
             b = lay._format.block_size
+            banded = [s.name for s in lay.plan.specs if not is_tile_major(s, lay._format, lay.gather_layout)]
+            where = (f"cuts between {b}x{b} tiles of tile-major masters" if not banded else
+                     f"cuts only between {b}-row bands of {', '.join(banded[:3])}" + (" ..." if len(banded) > 3 else "")
+                     + (" (shapes the tile order cannot serve, whole-matrix granularity or layout 'bands')"))
             finding = (
-                f"keeping the {b}x{b} blocks of its trained {lay._format.kind} weights whole (cuts only between {b}-row "
-                f"bands) costs {pad:.2%} padding on {lay.plan.world_size} ranks (the planner's lower bound at this "
+                f"keeping the {b}x{b} blocks of its trained {lay._format.kind} weights whole ({where}) costs {pad:.2%} padding on {lay.plan.world_size} ranks (the planner's lower bound at this "
                 f"granularity: {lb:.2%}); the quantized AllGather gathers {lay.gather_vs_bf16:.3f}x the bytes of an "
                 f"unpadded bf16 one. The format is kept; fewer ranks per group, larger groups or quantization: none "
                 f"for these weights avoid the padding."
@@ -205,8 +227,8 @@ def block_padding_warnings(groups: list[tuple[str, list[BufferLayout]]]) -> list
 
 
 @functools.lru_cache(maxsize=4096)
-def _scales(plan: BufferPlan, fmt: BlockFormat) -> int:
-    return quantized_gather_scales_per_rank(plan, fmt)
+def _scales(plan: BufferPlan, fmt: BlockFormat, layout: str) -> int:
+    return quantized_gather_scales_per_rank(plan, fmt, layout)
 
 
 def group_layouts(
@@ -232,6 +254,7 @@ def group_layouts(
         param_dtype = gb.param_dtype or gb.dtype
         quant = gb.kind.key[0] if gb.kind is not None else None
         fmt = gb.kind.fmt if gb.kind is not None else None  # type: ignore[attr-defined]
+        gather_layout = getattr(gb.kind, "layout", "auto")
         if quant == STORAGE:
             assert fmt is not None
             # As QuantizedStorage: the unsharded weights one after another in param_dtype, 16-byte aligned.
@@ -245,7 +268,8 @@ def group_layouts(
         out.append(BufferLayout(
             plan=gb.plan, dtype=gb.dtype, param_dtype=param_dtype, reduce_dtype=gb.reduce_dtype or param_dtype,
             requires_grad=gb.requires_grad, quant=quant, fmt=fmt,
-            scales_per_rank=_scales(gb.plan, fmt) if quant == GATHER else 0,
+            scales_per_rank=_scales(gb.plan, fmt, gather_layout) if quant == GATHER else 0,
+            gather_layout=gather_layout,
             real_numel=real, unsharded_numel=gb.plan.world_size * gb.plan.shard_size,
         ))
     return out

@@ -18,10 +18,10 @@ from lightning_vescale.quant.tensor import QuantizedTensor, is_quantized, set_qu
 __all__ = ["declare_quantized", "quantize_all_gather", "quantize_frozen_weights"]
 
 
-def declare_quantized(param: nn.Parameter, fmt: BlockFormat) -> None:
+def declare_quantized(param: nn.Parameter, fmt: BlockFormat, layout: str = "auto") -> None:
     """Mark ``param`` block-quantized in ``fmt`` for ``fully_shard`` (stored quantized when frozen, gathered
-    quantized when trained)."""
-    param._vescale_buffer_kind = BlockQuantization(fmt)  # type: ignore[attr-defined]
+    quantized when trained; ``layout``: the trained master's, see :func:`quantize_all_gather`)."""
+    param._vescale_buffer_kind = BlockQuantization(fmt, layout)  # type: ignore[attr-defined]
 
 
 def _matching(model: nn.Module, targets: Sequence[str], exclude: Sequence[str], trainable: bool) -> list[str]:
@@ -65,17 +65,32 @@ def quantize_frozen_weights(
 
 def quantize_all_gather(
     model: nn.Module, fmt: BlockFormat, *, targets: Sequence[str] = ("*",), exclude: Sequence[str] = (),
+    layout: str = "auto",
 ) -> list[str]:
     """Declare a block-quantized AllGather for the trained 2-D / 3-D weights matching ``targets``.
 
-    Call before ``fully_shard``. Their fp32 master pieces, gradients and ReduceScatter are unchanged; each
-    unshard quantizes this rank's pieces and gathers codes + scales instead of ``param_dtype`` values.
+    Call before ``fully_shard``. Their fp32 master pieces, gradients and ReduceScatter stay; each unshard
+    quantizes this rank's pieces in DeepSeek's ``ceil(R/b) x ceil(C/b)`` tiles (the last tile row and column
+    holding the remainder) and gathers codes + scales instead of ``param_dtype`` values: the gathered weights are
+    bitwise a quantize-dequantize of the whole master on any world size, in every layout.
+
+    Args:
+        layout: how the fp32 master of a weight sharded at element or row granularity is laid out.
+            ``"block_major"``: tile-major (each ``b x b`` tile contiguous, edge tiles holding the remainder), so a
+            cut may fall between any two tiles: little padding on many ranks, whatever the widths. Its gradient is
+            reordered into tile order before the ReduceScatter (one transient copy per weight); state dicts,
+            checkpoints and ``full_tensor()`` stay row-major; Muon refuses it. ``"bands"``: row-major, cut only
+            between bands of ``b`` rows of each matrix. ``"auto"`` (default): per group and world size, the one of
+            the two the planner lays out with less padding (bands on a tie: no reorder). Weights whose edge tiles
+            the tile order cannot serve (``R % b`` or ``C % b`` not pairing up into ``b * b`` granules), with at
+            most ``b`` columns, or at whole-matrix granularity (Muon) always keep bands.
+
     Returns the names declared.
     """
     names = _matching(model, targets, exclude, trainable=True)
     _check_every_pattern_matches(model, targets, names, "trained 2-D/3-D weight", "quantize_all_gather")
     for name in names:
-        declare_quantized(model.get_parameter(name), fmt)
+        declare_quantized(model.get_parameter(name), fmt, layout)
     return names
 
 

@@ -24,7 +24,9 @@ Pieces of any of these must be whole tiles (bands); a piece that cuts one raises
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,6 +41,7 @@ from lightning_vescale.quant.formats import (
 
 __all__ = [
     "BlockCutError",
+    "TileOrder",
     "band_granule",
     "band_scale_count",
     "band_scale_counts",
@@ -54,7 +57,15 @@ __all__ = [
     "quantize_rowmajor",
     "quantize_tile_range",
     "rowmajor_to_block_major",
+    "copy_tile_range",
+    "dequantize_tile_piece_into",
+    "from_tile_order",
+    "quantize_tile_piece",
+    "tile_boxes",
     "tile_grid",
+    "tile_order_granule",
+    "tile_scale_count",
+    "to_tile_order",
     "to_tiles",
 ]
 
@@ -324,3 +335,227 @@ def dequantize_band_piece(
     else:
         values = codes.reshape(-1, cols).to(torch.float32) * per_column[dest // b]
     return values.to(dtype).reshape(-1)
+
+
+# -- tile-major (the master layout of a quantized AllGather of trained weights) --------------------------------
+#
+# [Note: tile-major master pieces]
+# A trained weight under a block-quantized AllGather may keep its fp32 master *tile-major*: each matrix flattened
+# tile by tile, every tile contiguous and row-major inside, so that a rank boundary can fall between any two tiles
+# (one tile of ``b * b`` elements as the cut granule, whatever the matrix's width) instead of only between bands of
+# ``b`` rows (``b * C`` elements). Tiles at the matrix edge hold the remainder (DeepSeek's ``ceil(R/b) x
+# ceil(C/b)`` grid, no padding stored), and the tiles of a matrix are ordered by region so that every multiple of
+# ``b * b`` elements into the matrix is a tile edge:
+#
+#   A  the ``Rf x Cf`` full tiles (``Rf = R // b``, ``Cf = C // b``) in row-major order of the grid;
+#   B  the right edge: the ``Rf`` tiles of ``b x (C % b)``, top to bottom (the submatrix ``W[:Rf*b, Cf*b:]``
+#      row-major);
+#   C  the bottom edge: the ``Cf`` tiles of ``(R % b) x b``, left to right;
+#   D  the corner ``(R % b) x (C % b)``.
+#
+# A 3-D expert stack keeps each region of all its experts together (region A of expert 0, 1, ..., then B of expert
+# 0, 1, ...), so the edge tiles of consecutive experts pair up into whole granules too. The planner then sees
+# granules of ``b * b`` elements over the whole tensor (the last one shorter), as :func:`tile_order_granule`
+# returns. Shapes whose edge tiles would put a multiple of ``b * b`` inside
+# a tile (e.g. ``R % b`` not dividing ``b``) keep the row-band layout.
+
+_Region = tuple[int, int, int, int, int]  # (start in the flat tensor, tiles, tile rows, tile cols, region id)
+
+
+def _regions(experts: int, rows: int, cols: int, b: int) -> list[_Region]:
+    rf, cf, rr, cr = rows // b, cols // b, rows % b, cols % b
+    out, start = [], 0
+    for rid, (n, th, tw) in enumerate(((rf * cf, b, b), (rf if cr else 0, b, cr), (cf if rr else 0, rr, b),
+                                        (1 if rr and cr else 0, rr, cr))):
+        if n:
+            out.append((start, experts * n, th, tw, rid))
+            start += experts * n * th * tw
+    return out
+
+
+def _stack(shape: Sequence[int]) -> tuple[int, int, int]:
+    *lead, rows, cols = _matrix_shape(shape)
+    return (lead[0] if lead else 1), rows, cols
+
+
+@functools.lru_cache(maxsize=4096)
+def tile_order_granule(shape: tuple[int, ...], block_size: int) -> Optional[tuple[int, int]]:
+    """``(b * b, numel)``: the cut granule and period of a ``(E?, R, C)`` weight stored tile-major (see [Note:
+    tile-major master pieces]), or None where tile-major gains nothing over row bands (``C <= b``: a band is a tile
+    column already) or some multiple of ``b * b`` would fall inside an edge tile."""
+    experts, rows, cols = _stack(shape)
+    b, g = block_size, block_size * block_size
+    if cols <= b or rows * cols == 0:
+        return None
+    for start, n, th, tw, _ in _regions(experts, rows, cols, b):
+        t, end = th * tw, start + n * th * tw
+        first = -(-start // g) * g
+        if first < end and ((first - start) % t or (first + g < end and g % t)):
+            return None
+    return g, experts * rows * cols
+
+
+def _region_views(mats: torch.Tensor, region: _Region, b: int, t0: int, t1: int) -> list[torch.Tensor]:
+    """Views ``(n, th, tw)`` of the row-major matrices ``mats`` ``(E, R, C)`` holding tiles ``[t0, t1)`` of
+    ``region`` (expert by expert), in order."""
+    _, n, th, tw, rid = region
+    experts, rows, cols = mats.shape
+    rf, cf = rows // b, cols // b
+    per = n // experts
+    views: list[torch.Tensor] = []
+    t = t0
+    while t < t1:
+        e, u = divmod(t, per)
+        v = min(per, u + t1 - t)
+        m = mats[e]
+        if rid == 0:
+            grid = m[: rf * b, : cf * b].unflatten(0, (rf, b)).unflatten(2, (cf, b)).permute(0, 2, 1, 3)
+            w = u
+            while w < v:
+                i, j = divmod(w, cf)
+                k = min(cf, j + v - w)
+                views.append(grid[i, j:k])
+                w += k - j
+        elif rid == 1:
+            views.append(m[: rf * b, cf * b:].unflatten(0, (rf, b))[u:v])
+        elif rid == 2:
+            views.append(m[rf * b:, : cf * b].unflatten(1, (cf, b)).permute(1, 0, 2)[u:v])
+        else:
+            views.append(m[rf * b:, cf * b:].unsqueeze(0))
+        t += v - u
+    return views
+
+
+def _tile_segments(shape: Sequence[int], b: int, start: int, end: int, what: str):
+    """``(region, t0, t1, lo, hi)`` for the tiles of the flat tile-major range ``[start, end)``, which must start
+    and end at tile edges; ``[lo, hi)`` is the segment's flat range."""
+    experts, rows, cols = _stack(shape)
+    for region in _regions(experts, rows, cols, b):
+        rs, n, th, tw, _ = region
+        t = th * tw
+        lo, hi = max(start, rs), min(end, rs + n * t)
+        if lo >= hi:
+            continue
+        if (lo - rs) % t or (hi - rs) % t:
+            raise BlockCutError(
+                f"{what}: the piece [{start}, {end}) of a tile-major {tuple(shape)} weight cuts a {th}x{tw} tile: "
+                f"a rank boundary must fall between tiles")
+        yield region, (lo - rs) // t, (hi - rs) // t, lo, hi
+
+
+def tile_scale_count(shape: Sequence[int], start: int, end: int, block_size: int) -> int:
+    """Tiles (so scales) in the flat tile-major range ``[start, end)`` (whole tiles) of a ``shape`` weight."""
+    if end <= start:
+        return 0
+    return sum(t1 - t0 for _, t0, t1, _, _ in _tile_segments(shape, block_size, start, end, "tile_scale_count"))
+
+
+def to_tile_order(w: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A row-major ``(E?, R, C)`` weight as its flat tile-major storage (a new tensor)."""
+    out = w.new_empty(w.numel())
+    copy_tile_range(out, w, block_size, 0, w.numel(), to_tiles=True)
+    return out
+
+
+def from_tile_order(flat: torch.Tensor, shape: Sequence[int], block_size: int) -> torch.Tensor:
+    """The row-major ``shape`` weight from its flat tile-major storage (a new tensor)."""
+    out = flat.new_empty(tuple(shape))
+    copy_tile_range(flat.reshape(-1), out, block_size, 0, out.numel(), to_tiles=False)
+    return out
+
+
+def copy_tile_range(flat: torch.Tensor, w: torch.Tensor, block_size: int, start: int, end: int, *,
+                    to_tiles: bool) -> None:
+    """Copy between ``flat`` (the tile-major elements ``[start, end)``, whole tiles) and the row-major weight ``w``:
+    ``to_tiles`` reads ``w``, else writes it."""
+    mats = _matrices(w)
+    for region, t0, t1, lo, _ in _tile_segments(w.shape, block_size, start, end, "copy"):
+        pos = lo - start
+        for view in _region_views(mats, region, block_size, t0, t1):
+            n = view.numel()
+            part = flat[pos: pos + n].view(view.shape)
+            if to_tiles:
+                part.copy_(view)
+            else:
+                view.copy_(part)
+            pos += n
+
+
+def tile_boxes(shape: Sequence[int], block_size: int, start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """N-D ``(offsets, sizes)`` boxes of the flat tile-major range ``[start, end)``, each contiguous there, in order:
+    one per tile (an expert's right-edge tiles merged, as they lie row-major)."""
+    shape = _matrix_shape(shape)
+    experts, rows, cols = _stack(shape)
+    lead = len(shape) == 3
+    b = block_size
+    rf, cf = rows // b, cols // b
+    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for (_, n, th, tw, rid), t0, t1, _, _ in _tile_segments(shape, b, start, end, "boxes"):
+        per = n // experts
+        t = t0
+        while t < t1:
+            e, u = divmod(t, per)
+            v = min(per, u + t1 - t)
+            pre, one = ((e,), (1,)) if lead else ((), ())
+            if rid == 0:
+                out += [((*pre, w // cf * b, w % cf * b), (*one, b, b)) for w in range(u, v)]
+            elif rid == 1:
+                out.append(((*pre, u * b, cf * b), (*one, (v - u) * b, tw)))
+            elif rid == 2:
+                out += [((*pre, rf * b, w * b), (*one, th, b)) for w in range(u, v)]
+            else:
+                out.append(((*pre, rf * b, cf * b), (*one, th, tw)))
+            t += v - u
+    return out
+
+
+def quantize_tile_piece(piece: torch.Tensor, shape: Sequence[int], start: int, end: int, fmt: BlockFormat
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the flat tile-major piece ``[start, end)`` (whole tiles) of a ``shape`` weight: codes in the piece's
+    order and one scale per tile (in tile order), bitwise those tiles of :func:`quantize_rowmajor` of the whole
+    weight (each scale over the tile's real elements)."""
+    codes = torch.empty(end - start, dtype=fmt.code_dtype, device=piece.device)
+    scales = []
+    for (_, _, th, tw, _), t0, t1, lo, hi in _tile_segments(shape, fmt.block_size, start, end, "quantize"):
+        c, sc = quantize_tiles(piece[lo - start: hi - start].view(t1 - t0, th, tw), fmt)
+        codes[lo - start: hi - start] = c.reshape(-1)
+        scales.append(sc)
+    return codes, (torch.cat(scales) if scales else piece.new_empty(0, dtype=torch.float32))
+
+
+def dequantize_tile_piece_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, start: int, end: int,
+                               fmt: BlockFormat) -> None:
+    """Dequantize the codes and scales of the tile-major piece ``[start, end)`` straight into the row-major weight
+    ``out`` (tile-major -> row-major in the same pass)."""
+    mats, b, k = _matrices(out), fmt.block_size, 0
+    for region, t0, t1, lo, hi in _tile_segments(out.shape, b, start, end, "dequantize"):
+        _, _, th, tw, _ = region
+        values = dequantize_tiles(codes[lo - start: hi - start].view(t1 - t0, th, tw), scales[k: k + t1 - t0], fmt,
+                                  out.dtype)
+        k += t1 - t0
+        pos = 0
+        for view in _region_views(mats, region, b, t0, t1):
+            view.copy_(values[pos: pos + view.shape[0]])
+            pos += view.shape[0]
+
+
+@dataclass(frozen=True)
+class TileOrder:
+    """The :class:`~lightning_vescale.tensor.ElementOrder` of a weight kept tile-major in ``block_size`` tiles."""
+
+    block_size: int
+
+    def take(self, full: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        out = full.new_empty(end - start)
+        copy_tile_range(out, full, self.block_size, start, end, to_tiles=True)
+        return out
+
+    def to_rowmajor(self, flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return from_tile_order(flat, shape, self.block_size)
+
+    def boxes(self, shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return tile_boxes(shape, self.block_size, start, end)
+
+
+def _matrices(w: torch.Tensor) -> torch.Tensor:
+    return w.reshape(-1, *w.shape[-2:])

@@ -14,11 +14,13 @@ from torch import nn
 from lightning_vescale import MixedPrecisionPolicy, collectives, comm_stats, fully_shard
 from lightning_vescale.fully_shard import sharded_groups
 from lightning_vescale.quant import BlockFormat, dequantize_block_major, quantize_all_gather, quantize_block_major
+from lightning_vescale.quant.blocks import tile_boxes
 from lightning_vescale.quant.formats import dequantize_tiles, quantize_tiles
 from tests.dist_utils import run_distributed
 
 SHAPES = {"a": (300, 256), "b": (200, 384), "c": (257, 130), "d": (128, 128)}
 STACK = (3, 200, 130)  # an expert stack: each expert's last tile row holds 72 rows
+STACK2 = (2, 192, 320)  # tile-major: the experts' 64-row and 64-column edge tiles pair up into whole granules
 FORMATS = (BlockFormat("fp8_e4m3", 128), BlockFormat("int8", 128))
 
 
@@ -27,6 +29,7 @@ class Tiles(nn.Module):
         super().__init__()
         self.lin = nn.ModuleDict({k: nn.Linear(cols, rows, bias=k == "c") for k, (rows, cols) in SHAPES.items()})
         self.stack = nn.Parameter(torch.randn(STACK) * 0.02)
+        self.stack2 = nn.Parameter(torch.randn(STACK2) * 0.02)
 
 
 def build() -> Tiles:
@@ -56,27 +59,44 @@ def _names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.dim() >= 2]
 
 
-def _bitwise(rank: int, world: int) -> None:
+TILE_MAJOR = {"lin.a.weight", "lin.c.weight", "stack2"}  # the others: edge tiles the tile order cannot serve, or C = 128
+
+
+def _bitwise(rank: int, world: int, layout: str) -> None:
     master = build()
     for fmt in FORMATS:
         for param_dtype in (None, torch.bfloat16):
             model = copy.deepcopy(master)
-            declared = quantize_all_gather(model, fmt)
+            declared = quantize_all_gather(model, fmt, layout=layout)
             assert sorted(declared) == sorted(_names(master))
             fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
-            # Every cut falls between 128-row bands of a matrix; at 2 and 3 ranks some weights really are cut.
+            # Every cut falls between 128-row bands of a matrix, or for a tile-major master between two tiles (its
+            # pieces are whole tiles: tile_boxes raises otherwise); at 3 ranks some weights really are cut.
             cut = []
             for name in declared:
                 p = model.get_parameter(name)
                 rows, cols = p.shape[-2:]
                 lo, hi = p.local_range
-                for off in (lo, hi):
-                    assert off % (rows * cols) % (128 * cols) == 0, (name, p.local_range)
+                order = p.layout_info.order
+                if layout == "auto":  # tile-major only where it can be, and only if it pads less (it does at 2 ranks)
+                    assert order is None or name in TILE_MAJOR, name
+                else:
+                    assert (order is not None) == (layout == "block_major" and name in TILE_MAJOR), (name, order)
+                if order is None:
+                    for off in (lo, hi):
+                        assert off % (rows * cols) % (128 * cols) == 0, (name, p.local_range)
+                else:
+                    tile_boxes(tuple(p.shape), 128, lo, hi)
                 if 0 < hi - lo < p.numel():
                     cut.append(name)
             owned = torch.tensor([len(cut)])
             torch.distributed.all_reduce(owned)
-            assert (owned.item() > 0) == (world > 1), (world, owned)
+            if world != 2:  # (2 ranks: these shapes split between whole tensors)
+                assert (owned.item() > 0) == (world > 1), (world, owned)
+            tiled_cut = torch.tensor([len(TILE_MAJOR & set(cut))])
+            torch.distributed.all_reduce(tiled_cut)
+            if layout == "block_major" and world == 3:
+                assert tiled_cut.item() > 0, "a tile-major weight cut between tiles"
             model.unshard()
             dtype = param_dtype or torch.float32
             for name in declared:
@@ -92,9 +112,10 @@ def _bitwise(rank: int, world: int) -> None:
             model.reshard()
 
 
+@pytest.mark.parametrize("layout", ["auto", "block_major", "bands"])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_gathered_weights_are_the_whole_matrix_tiles_bitwise(world):
-    run_distributed(_bitwise, world)
+def test_gathered_weights_are_the_whole_matrix_tiles_bitwise(world, layout):
+    run_distributed(_bitwise, world, layout)
 
 
 def _llama() -> nn.Module:
@@ -159,3 +180,132 @@ def _bytes(rank: int, world: int, model_name: str) -> None:
 @pytest.mark.parametrize("model_name", ["llama", "tiles"])
 def test_quantized_all_gather_bytes_against_bf16(world, model_name):
     run_distributed(_bytes, world, model_name)
+
+
+# -- the tile-major (block-major) master against the row-band one -------------------------------------------------
+def _loss(model: nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, 200, (2, 17), generator=g)
+    return nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _train(model: nn.Module, layout: str, steps: int) -> tuple[list[float], torch.Tensor, torch.optim.Optimizer]:
+    """Quantized AllGather in ``layout``, fp32 master, AdamW; then one more backward and clip_grad_norm_ (a global
+    norm over the pieces, summed in another order when the pieces are tile-major: compared to 1e-6, not bitwise,
+    and kept out of the steps, where fp8 rounding would amplify its last bit)."""
+    from lightning_vescale import clip_grad_norm_
+
+    quantize_all_gather(model, FORMATS[0], layout=layout)
+    for module in (*model.layers, model):
+        fully_shard(module)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        loss = _loss(model, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    _loss(model, steps).backward()
+    return losses, clip_grad_norm_(model.parameters(), 0.5), opt
+
+
+def _train_layouts(rank: int, world: int, tmp: str) -> None:
+    from lightning_vescale import checkpoint
+
+    runs = {}
+    for layout in ("bands", "block_major"):
+        model = _llama()
+        runs[layout] = (model, _train(model, layout, steps=3))
+    tiled, banded = runs["block_major"][0], runs["bands"][0]
+    orders = {n: p.layout_info.order is not None for n, p in tiled.named_parameters()}
+    assert orders["layers.0.attention.wq.weight"] and orders["layers.0.feed_forward.w1.weight"], orders
+    assert not orders["tok_embeddings.weight"]  # 200 rows: a 72-row edge tile the tile order cannot serve
+    (tiled_losses, tiled_norm, opt), (banded_losses, banded_norm, _) = runs["block_major"][1], runs["bands"][1]
+    for a, b in zip(tiled_losses, banded_losses):
+        assert abs(a - b) <= 1e-6, (tiled_losses, banded_losses)
+    torch.testing.assert_close(tiled_norm, banded_norm, rtol=1e-6, atol=0)
+    for (name, p), q in zip(tiled.named_parameters(), banded.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=1e-5, atol=1e-7, msg=name)
+    tiled.zero_grad()
+    # The tile-major master reads as the row-major weight everywhere: full_tensor, state_dict, checkpoints.
+    state = {k: v.full_tensor() for k, v in tiled.state_dict().items()}
+    names = {p: n for n, p in tiled.named_parameters()}
+    state.update({f"exp_avg.{names[p]}": s["exp_avg"].full_tensor() for p, s in opt.state.items()})
+    checkpoint.save(f"{tmp}/ckpt", tiled, opt)
+    if rank == 0:
+        torch.save(state, f"{tmp}/full.pt")
+
+
+def _reload_layouts(rank: int, world: int, tmp: str) -> None:
+    from lightning_vescale import checkpoint
+
+    want = torch.load(f"{tmp}/full.pt", weights_only=True)
+    model = _llama()
+    quantize_all_gather(model, FORMATS[0], layout="block_major")
+    for module in (*model.layers, model):
+        fully_shard(module)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    checkpoint.load(f"{tmp}/ckpt", model, opt)
+    assert any(p.layout_info.order is not None and 0 < p.local_range[1] - p.local_range[0] < p.numel()
+               for p in model.parameters()), "some tile-major weight is cut on 3 ranks"
+    for name, value in model.state_dict().items():
+        assert torch.equal(value.full_tensor(), want[name]), name
+    for name, p in model.named_parameters():  # optimizer states of tile-major masters reshard too
+        assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), want[f"exp_avg.{name}"]), name
+
+
+def test_block_major_trains_as_the_band_layout_and_its_checkpoints_reshard(tmp_path):
+    """fp32 master: the same losses (1e-6) and parameters as the row-band layout on 2 ranks; a checkpoint of the
+    tile-major master reloads bitwise on 3 ranks and, read whole, into an unsharded model in one process."""
+    from lightning_vescale import checkpoint
+
+    run_distributed(_train_layouts, 2, str(tmp_path))
+    run_distributed(_reload_layouts, 3, str(tmp_path))
+    want = torch.load(tmp_path / "full.pt", weights_only=True)
+    state, _ = checkpoint.read_full_checkpoint(tmp_path / "ckpt")
+    plain = _llama()
+    plain.load_state_dict(state)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, want[name]), name
+    assert len(want) > len(state)  # the optimizer's states were compared on 3 ranks
+
+
+def _muon_and_state_dict_helpers(rank: int, world: int) -> None:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from lightning_vescale.optim import Muon
+
+    model = _llama()
+    master = copy.deepcopy(model)
+    quantize_all_gather(model, FORMATS[0], layout="block_major")
+    for module in (*model.layers, model):
+        fully_shard(module)
+    wq = model.layers[0].attention.wq.weight
+    assert wq.layout_info.order is not None
+    with pytest.raises(ValueError, match="stored tile-major"):
+        Muon([wq])
+    # torch's DCP state-dict helpers see the row-major weights: full state dict, and a load of one.
+    full = get_model_state_dict(model, options=torch.distributed.checkpoint.state_dict.StateDictOptions(
+        full_state_dict=True))
+    for name, value in master.state_dict().items():
+        assert torch.equal(full[name], value), name
+    want = full["layers.0.attention.wq.weight"] + 1
+    set_model_state_dict(model, {k: v + 1 for k, v in full.items()},
+                         options=torch.distributed.checkpoint.state_dict.StateDictOptions(full_state_dict=True))
+    assert torch.equal(wq.full_tensor(), want)
+    # broadcast_from_rank0: rank 0 alone holds the full state dict (DTensor code asks the placement for the rows that
+    # cover a piece: all rows for a tile-major one).
+    plus2 = {k: v + 2 for k, v in full.items()} if rank == 0 else {}
+    set_model_state_dict(model, plus2, options=torch.distributed.checkpoint.state_dict.StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+    for name, value in master.state_dict().items():
+        assert torch.equal(model.state_dict()[name].full_tensor(), value + 2), name
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_tile_major_masters_with_muon_and_torch_state_dict_helpers(world):
+    """Muon refuses a tile-major master by name (its pieces are not row-major ranges); torch's
+    get_model_state_dict / set_model_state_dict (also broadcast_from_rank0) read and load the row-major weight."""
+    run_distributed(_muon_and_state_dict_helpers, world)

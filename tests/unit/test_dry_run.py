@@ -194,6 +194,7 @@ class _Quantizable(nn.Module):
 def test_quantized_layouts_are_the_engines_buffers_at_any_world_size() -> None:
     from lightning_vescale.quant import parse_format
     from lightning_vescale.quant._gather import QuantizedGatherBuffer
+    from lightning_vescale.quant._kinds import is_tile_major
     from lightning_vescale.quant._storage import QuantizedStorage
 
     with torch.device("meta"):
@@ -201,23 +202,28 @@ def test_quantized_layouts_are_the_engines_buffers_at_any_world_size() -> None:
     plan = {"rules": [{"match": "blocks.*", "group": True}, {"match": "blocks.*", "quantization": "fp8_block"},
                       {"match": "stack", "quantization": "int8_block"}, {"match": "frozen", "quantization": "int8_block"}]}
     resolved = resolve_plan(model, plan)
+    tiled: set[tuple[int, ...]] = set()
     for N in (3, 5, 16):
         for g in resolved.groups:
             for lay in group_layouts(resolved, g, N):
                 if lay.quant == "quantized_gather":  # the engine counts the scales of every rank's pieces
+                    tile_major = [is_tile_major(s, lay.fmt, "block_major") for s in lay.plan.specs]
                     buf = QuantizedGatherBuffer(lay.plan, group=None, device=torch.device("meta"), dtype=lay.dtype,
-                                                fmt=lay.fmt)
+                                                fmt=lay.fmt, tile_major=tile_major)
                     assert lay.scales_per_rank == buf.scales_per_rank > 0
-                    # Cuts only between 128-row bands of each matrix (the last band holding what remains).
+                    # Cuts between 128x128 tiles of a tile-major master (136x200: its edge tiles allow it), else
+                    # only between 128-row bands of each matrix (the last band holding what remains).
+                    tiled |= {s.shape for s, t in zip(lay.plan.specs, tile_major) if t}
                     assert all((s.granularity, s.period) == (min(128, s.shape[-2]) * s.shape[-1],
                                s.shape[-2] * s.shape[-1] if s.shape[-2] % 128 else s.numel)
-                               for s in lay.plan.specs if len(s.shape) == 2)
+                               for s, t in zip(lay.plan.specs, tile_major) if len(s.shape) == 2 and not t)
                 elif lay.quant == "quantized_storage":  # the engine plans its tiles itself
                     buf = QuantizedStorage([s.name for s in lay.plan.specs], [(130, 300)], fmt=parse_format("int8"),
                                            group=None, world_size=N, device=torch.device("meta"),
                                            param_dtype=torch.float32)
                     assert lay.plan.fingerprint() == buf.plan.fingerprint()
                     assert (lay.shard_bytes, lay.gathered_bytes) == (buf.local_nbytes(), 4 * buf.unsharded.numel())
+    assert tiled == {(136, 200)}
     layouts = [lay for g in resolved.groups for lay in group_layouts(resolved, g, 4)]
     assert {lay.quant for lay in layouts} == {None, "quantized_gather", "quantized_storage"}  # biases stay plain
     # The frozen 130x300 weight: 2x3 tiles of 128x128 int8 codes and 6 scales, 2 tiles per rank sent to 3 others.

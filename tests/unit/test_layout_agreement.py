@@ -51,3 +51,34 @@ def _agree(world: int) -> None:
 def test_dry_run_layouts_equal_the_engines(world: int, rank: int) -> None:
     with fake_world(world, rank):
         _agree(world)
+
+
+def _agree_quantized(world: int) -> None:
+    """A plan quantizing a Llama's trained weights (``fp8_block``, layout ``"auto"``): on 3 ranks tile-major masters
+    (which pad less there) beside row-band ones (80-row wk/wv: their edge tiles do not pair up), on 2 row bands only
+    (which pad less there); the dry run's plans and scale counts are the engine's."""
+    from lightning_vescale.models import LlamaConfig
+
+    plan = {"rules": [{"match": "layers.*", "quantization": "fp8_block"}]}
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=200, dim=320, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=640,
+                                  max_seq_len=32))
+    lv.parallelize(model, plan, init_device_mesh("cpu", (world,)), granularity="element", init_weights=False)
+    resolved = lv.resolved_plan_of(model)
+    tile_major = 0
+    for g in resolved.groups:
+        module = model.get_submodule(g.name) if g.name else model
+        engine = get_state(module).group
+        assert [p.fingerprint() for p in engine.plans] == [
+            lay.plan.fingerprint() for lay in group_layouts(resolved, g, world)], (world, g.name)
+        for buf, lay in zip(engine.buffers.values(), group_layouts(resolved, g, world)):
+            if lay.quant == "quantized_gather":
+                assert buf.scales_per_rank == lay.scales_per_rank  # type: ignore[attr-defined]
+                tile_major += sum(buf.tile_major)  # type: ignore[attr-defined]
+    assert (tile_major > 0) == (world == 3), (world, tile_major)
+
+
+@pytest.mark.parametrize("world, rank", [(2, 1), (3, 0)])
+def test_dry_run_layouts_equal_the_engines_with_tile_major_quantized_weights(world: int, rank: int) -> None:
+    with fake_world(world, rank):
+        _agree_quantized(world)

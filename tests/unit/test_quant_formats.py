@@ -18,9 +18,17 @@ from lightning_vescale.quant import (
 from lightning_vescale.quant.blocks import (
     band_scale_count,
     dequantize_band_piece,
+    dequantize_tile_piece_into,
+    from_tile_order,
     quantize_band_piece,
+    quantize_tile_piece,
     quantize_tile_range,
+    tile_boxes,
+    tile_grid,
+    tile_order_granule,
     tile_range_of,
+    tile_scale_count,
+    to_tile_order,
     to_tiles,
 )
 from lightning_vescale.quant.formats import dequantize_tiles, quantize_tiles
@@ -260,3 +268,52 @@ def test_unknown_format_is_refused():
     with pytest.raises(ValueError, match="supported: 'fp8_e4m3'"):
         BlockFormat("nf4")
     assert BlockFormat("fp8_block").kind == "fp8_e4m3" and BlockFormat("int8_block").kind == "int8"
+
+
+# -- tile-major masters (quantize_all_gather layout="block_major") ---------------------------------------------------
+TILE_MAJOR_SHAPES = [(300, 256), (257, 130), (576, 512), (2, 192, 320), (2, 64, 256), (64, 384)]
+
+
+@pytest.mark.parametrize("shape", TILE_MAJOR_SHAPES)
+def test_tile_major_round_trips_and_its_boxes_are_the_tiles(shape):
+    b = 128
+    assert tile_order_granule(shape, b) == (b * b, math.prod(shape))
+    w = torch.randn(shape)
+    flat = to_tile_order(w, b)
+    assert torch.equal(from_tile_order(flat, shape, b), w)
+    pos = 0
+    for offsets, sizes in tile_boxes(shape, b, 0, w.numel()):  # each box is contiguous in the tile-major storage
+        n = math.prod(sizes)
+        box = w[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        assert torch.equal(box.reshape(-1), flat[pos: pos + n]), (offsets, sizes)
+        assert sizes[-1] <= b and (sizes[-2] <= b or sizes[-1] == w.shape[-1] % b)  # a tile, or right-edge tiles
+        pos += n
+    assert pos == w.numel()
+
+
+@pytest.mark.parametrize("fmt", [BlockFormat("fp8_e4m3", 128), BlockFormat("int8", 128)], ids=lambda f: f.name)
+@pytest.mark.parametrize("shape", TILE_MAJOR_SHAPES)
+def test_tile_major_pieces_at_any_granule_edge_equal_the_whole_matrix_tiles(fmt, shape):
+    """Cut at every multiple of b*b (every granule edge the planner may use): each piece quantized alone and
+    dequantized straight into the row-major weight gives DeepSeek's whole-matrix quantize-dequantize bitwise."""
+    w = _inputs("heavy_tailed", shape)
+    flat = to_tile_order(w, 128)
+    edges = list(range(0, w.numel(), 128 * 128)) + [w.numel()]
+    out = torch.empty(shape, dtype=torch.bfloat16)
+    scales = 0
+    for lo, hi in zip(edges, edges[1:]):
+        codes, s = quantize_tile_piece(flat[lo:hi], shape, lo, hi, fmt)
+        assert s.numel() == tile_scale_count(shape, lo, hi, 128)
+        scales += s.numel()
+        dequantize_tile_piece_into(out, codes, s, lo, hi, fmt)
+    assert scales == math.prod(tile_grid(shape, 128))
+    want = dequantize_block_major(*quantize_block_major(w, fmt), shape, fmt, torch.bfloat16)
+    assert torch.equal(out, want)
+
+
+def test_tile_order_refuses_shapes_whose_edge_tiles_split_a_granule():
+    # 200 rows: 72-row edge tiles (9216 elements) do not pair up into 16384; C = 128: a band is a tile column already.
+    assert tile_order_granule((200, 384), 128) is None and tile_order_granule((3, 200, 130), 128) is None
+    assert tile_order_granule((512, 128), 128) is None
+    with pytest.raises(BlockCutError, match="cuts a 128x128 tile"):
+        quantize_tile_piece(torch.zeros(100), (300, 256), 0, 100, BlockFormat("fp8_e4m3", 128))

@@ -63,7 +63,7 @@ def test_quantize_all_gather_declares_trained_weights_only():
     model.norm.weight.requires_grad_(False)
     names = quantize_all_gather(model, FMT, exclude=("output.*",))
     assert "layers.0.attention.wq.weight" in names and "output.weight" not in names and "norm.weight" not in names
-    assert buffer_kind_of("wq", model.layers[0].attention.wq.weight).key == ("quantized_gather", FMT)
+    assert buffer_kind_of("wq", model.layers[0].attention.wq.weight).key == ("quantized_gather", FMT, "auto")
     bad = torch.nn.Parameter(torch.ones(8))
     declare_quantized(bad, FMT)
     with pytest.raises(ValueError, match="only 2-D weights and 3-D expert stacks"):
