@@ -77,11 +77,14 @@ SETUPS = {
     "moe": Setup("bench_moe"),
     "moe-ep": Setup("bench_moe", ep=2),
 }
-ENGINES = ("fsdp2", "vescale", "ddp", "vescale-bp", "vescale-rootemb", "vescale-overlap", "fsdp2-emb")
-"""Variants, to measure the choices the defaults make: ``vescale-bp``, lightning-vescale with
+ENGINES = ("fsdp2", "vescale", "ddp", "vescale-idiom", "vescale-bp", "vescale-rootemb", "vescale-overlap", "fsdp2-emb")
+"""``vescale`` is lightning-vescale with its default plan (``lv.parallelize``); ``vescale-idiom`` is the FSDP2
+tutorial's idiom with ``lightning_vescale.fully_shard`` in place of torch's (each block, then the root; no plan).
+Variants, to measure the choices the defaults make: ``vescale-bp``, lightning-vescale with
 ``set_backward_prefetch(True)`` (the default on accelerators; CPU's is off; FSDP2 always prefetches);
-``vescale-rootemb``, the token embedding
-in the root group (the default plan gives it a group of its own); ``vescale-overlap``, one ReduceScatter left
+``vescale-rootemb``, the idiom with the token
+embedding kept in the root group (``split_embeddings=False``; the default plan and the idiom give it a group of
+its own); ``vescale-overlap``, one ReduceScatter left
 in flight during backward (``set_reduces_in_flight(1)``, the default on accelerators; CPU's is 0);
 ``fsdp2-emb``, FSDP2 with the embedding in its own group as well (``reshard_after_forward=False``)."""
 PHASES = ("forward", "backward", "optimizer")
@@ -159,10 +162,11 @@ def build(engine: str, setup: Setup, world: int):
         if setup.ep > 1:
             mesh, _ = _meshes(world, setup.ep)
             lv.parallelize(model, mesh=mesh, mp_policy=policy)  # the default plan on a ("dp", "ep") mesh
-        elif variant == "vescale-rootemb":
+        elif variant in ("vescale-idiom", "vescale-rootemb"):
+            # The FSDP2 tutorial's idiom, lightning_vescale.fully_shard in place of torch's: each block, then the root.
             for block in model.layers:
                 lv.fully_shard(block, mp_policy=policy)
-            lv.fully_shard(model, mp_policy=policy)
+            lv.fully_shard(model, mp_policy=policy, split_embeddings=variant == "vescale-idiom")
         else:
             lv.parallelize(model, mp_policy=policy)  # the default plan, as users get it
         if variant == "vescale-overlap":

@@ -675,6 +675,38 @@ def _collect_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list]]:
     return list(found.values())
 
 
+# [Note: the embeddings apart]
+# The FSDP2 idiom (each block, then the model) leaves the token embedding in the root group with the norm and the
+# head. The root is gathered from its pre-forward to the end of backward, and its flat gradient buffer is allocated
+# at its first gradient (the head's, when backward starts) while the embedding's part is written only at the very
+# end: the embedding's gathered weight sat in the forward and backward peaks and its gradient in the backward peak
+# (dense bench, 2 ranks: 1.014x FSDP2's peak RSS). ``nn.Embedding``'s backward reads the indices, not the weight,
+# so as a group of its own (as the default plan makes it) it is freed after forward, not gathered for backward
+# (``ParamGroup.backward_reads_params``), and its gradient buffer lives only through its own backward; the root
+# (norm and head) reduces as soon as the head's backward is done. Measured: benchmarks/results/train_idiom.md.
+# A weight the model also reads outside the embedding's forward must be tied by parameter (then it is not split:
+# the tie is seen) or the call must pass ``split_embeddings=False``; reading the sharded weight otherwise raises.
+def _embeddings_apart(module: nn.Module, params: list[tuple[str, nn.Parameter, list]]) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``module`` running ``nn.Embedding``'s own forward whose parameters are all in ``params``
+    (not owned by a sharded submodule) and used by them alone, by name; none when nothing else would be left in
+    ``module``'s group."""
+    uses = {id(p): [m for m, _ in u] for _, p, u in params}
+    found = []
+    for name, sub in module.named_modules():
+        if sub is module or type(sub).forward is not nn.Embedding.forward or get_state(sub) is not None:
+            continue
+        own = list(sub.parameters())
+        if own and all(uses.get(id(p)) == [sub] for p in own):
+            found.append((name, sub))
+    taken = {id(p) for _, sub in found for p in sub.parameters()}
+    return found if any(id(p) not in taken for _, p, _ in params) else []
+
+
+def _prefixed(fn: Callable[[str, nn.Parameter], Granularity], prefix: str) -> Callable[[str, nn.Parameter], Granularity]:
+    """``fn`` for a submodule's parameters: names relative to the module given to ``fully_shard``."""
+    return lambda name, p: fn(f"{prefix}.{name}", p)
+
+
 def fully_shard(
     module: nn.Module,
     *,
@@ -685,6 +717,7 @@ def fully_shard(
     gradient_divide_factor: Optional[float] = None,
     norm_group: Optional[Union[dist.ProcessGroup, DeviceMesh]] = None,
     prefetch: int = 1,
+    split_embeddings: bool = True,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` in one group, laid out by the planner into DBuffers.
 
@@ -763,6 +796,15 @@ def fully_shard(
     mesh, shard_group, replicate_group = _resolve_mesh(mesh)
     device = _mesh_device(mesh)
     params = _collect_params(module)
+    granularity_fn = _granularity_fn(granularity)
+    if split_embeddings:
+        apart = _embeddings_apart(module, params)
+        for prefix, sub in apart:
+            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                        granularity=_prefixed(granularity_fn, prefix), gradient_divide_factor=gradient_divide_factor,
+                        norm_group=norm_group, prefetch=prefetch, split_embeddings=False)
+        if apart:
+            params = _collect_params(module)
     for fqn, param, _ in params:
         if not param.is_meta and param.device.type not in (device.type, "cpu"):
             raise ValueError(
@@ -770,7 +812,6 @@ def fully_shard(
                 f"to the mesh's device type (or to CPU / meta) before fully_shard"
             )
     group = None
-    granularity_fn = _granularity_fn(granularity)
     if params:
         group = ParamGroup(
             module, params, shard_group=shard_group, replicate_group=replicate_group, device=device,
