@@ -575,7 +575,34 @@ def to_markdown(all_results: dict, args) -> str:
                 cells = " | ".join(_mib(rec["breakdown"].get(c, 0)) for c in _memory.CLASSES)
                 lines.append(f"| {name} | {world} | {engine} | {ph} | {cells} | {_mib(rec['ledger_peak'])} | "
                              f"{_mib(rec['os_peak'])} | {_ratio(rec['ledger_peak'], rec['os_peak'])} |")
+    lines += ["", "## At each engine's peak, in five classes (MiB; ledger, the rank and phase with the highest peak)", "",
+              "sharded states: sharded parameters + sharded gradients + optimizer states; gathered buffers: unsharded "
+              "parameters; gradient buffers: unsharded gradients; transient copies: the engine's communication buffers "
+              "+ the backend's staging.", "",
+              "| setup | ranks | engine | phase | op at the peak | " + " | ".join(SUMMARY) + " | not tensors | ledger | OS "
+              "| ledger/OS |", "|---|---|---|---|---|" + "---|" * (len(SUMMARY) + 4)]
+    for key, res in all_results.items():
+        name, world = key.rsplit("@", 1)
+        for engine, r in res.items():
+            phases = {ph: rec for ph, rec in ((r.get("ledger") or {}).get("phases") or {}).items() if ph != "end"}
+            if not phases:
+                continue
+            ph, rec = max(phases.items(), key=lambda kv: kv[1]["ledger_peak"])
+            cells = " | ".join(_mib(sum(rec["breakdown"].get(c, 0) for c in classes)) for classes in SUMMARY.values())
+            lines.append(f"| {name} | {world} | {engine} | {ph} | `{rec.get('op_at_peak', '')}` | {cells} | "
+                         f"{_mib(rec['breakdown'].get('not tensors', 0))} | {_mib(rec['ledger_peak'])} | "
+                         f"{_mib(rec['os_peak'])} | {_ratio(rec['ledger_peak'], rec['os_peak'])} |")
     return "\n".join(lines) + "\n"
+
+
+SUMMARY = {
+    "sharded states": ("sharded params", "gradients", "optimizer states"),
+    "activations": ("activations",),
+    "gathered buffers": ("unsharded params",),
+    "gradient buffers": ("unsharded grads",),
+    "transient copies": ("comm buffers", "comm staging (backend)"),
+}
+"""The ledger's classes (``_memory.CLASSES``) summed into the five a memory budget is read in."""
 
 
 def main() -> None:
