@@ -77,7 +77,8 @@ SETUPS = {
     "moe": Setup("bench_moe"),
     "moe-ep": Setup("bench_moe", ep=2),
 }
-ENGINES = ("fsdp2", "vescale", "ddp", "vescale-idiom", "vescale-bp", "vescale-rootemb", "vescale-overlap", "fsdp2-emb")
+ENGINES = ("fsdp2", "vescale", "ddp", "vescale-idiom", "vescale-bp", "vescale-rootemb", "vescale-overlap",
+           "vescale-rootreshard", "fsdp2-emb")
 """``vescale`` is lightning-vescale with its default plan (``lv.parallelize``); ``vescale-idiom`` is the FSDP2
 tutorial's idiom with ``lightning_vescale.fully_shard`` in place of torch's (each block, then the root; no plan).
 Variants, to measure the choices the defaults make: ``vescale-bp``, lightning-vescale with
@@ -86,6 +87,8 @@ Variants, to measure the choices the defaults make: ``vescale-bp``, lightning-ve
 embedding kept in the root group (``split_embeddings=False``; the default plan and the idiom give it a group of
 its own); ``vescale-overlap``, one ReduceScatter left
 in flight during backward (``set_reduces_in_flight(1)``, the default on accelerators; CPU's is 0);
+``vescale-rootreshard``, the default plan with ``set_reshard_after_forward(True, recurse=False)`` on the root (its
+norm and head freed after forward and gathered again when backward reaches the logits: one more AllGather);
 ``fsdp2-emb``, FSDP2 with the embedding in its own group as well (``reshard_after_forward=False``)."""
 PHASES = ("forward", "backward", "optimizer")
 
@@ -169,6 +172,8 @@ def build(engine: str, setup: Setup, world: int):
             lv.fully_shard(model, mp_policy=policy, split_embeddings=variant == "vescale-idiom")
         else:
             lv.parallelize(model, mp_policy=policy)  # the default plan, as users get it
+        if variant == "vescale-rootreshard":
+            model.set_reshard_after_forward(True, recurse=False)  # the root gathered again for backward
         if variant == "vescale-overlap":
             model.set_reduces_in_flight(1)
         if variant == "vescale-bp":

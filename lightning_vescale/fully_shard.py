@@ -6,7 +6,8 @@ submodule) one :class:`ParamGroup`. Hooks drive it through a training step:
 
 * pre-forward: wait for the group's AllGather (issued here, or earlier as a prefetch) and issue the
   AllGather of the next group in forward order, so it overlaps this group's compute;
-* post-forward: free the unsharded buffer (``reshard_after_forward``; never for the root, whose
+* post-forward: free the unsharded buffer (``reshard_after_forward``; not for the root unless
+  ``set_reshard_after_forward(True)`` was called on it, as FSDP2, since its
   parameters backward needs first) and hook the outputs so that backward reaching them runs
   pre-backward;
 * pre-backward: finish every ReduceScatter that has completed, gather again (not a group of embeddings, whose
@@ -285,6 +286,9 @@ class _VeScaleState:
         self.mesh = mesh
         self.mp_policy = mp_policy
         self.prefetch = prefetch  # how many groups ahead this group's hooks issue AllGathers
+        # As FSDP2's _auto_reshard_after_forward: the root keeps its parameters from forward to backward (its
+        # backward comes first) unless set_reshard_after_forward was called on it.
+        self.auto_reshard_after_forward = True
         self.is_root: Optional[bool] = None
         self.root: Optional[_VeScaleState] = None
         # Gather the next group in backward order during this group's backward (see default_backward_prefetch).
@@ -380,7 +384,8 @@ class _VeScaleState:
             self.group.training_state = TrainingState.IDLE
             # No output needs a gradient (evaluation, or a frozen module): no backward will come to free the
             # parameters, so free them now; the root otherwise keeps them for backward.
-            if not tensors or (self.group.reshard_after_forward and not self.is_root):
+            root_keeps = self.is_root and self.auto_reshard_after_forward
+            if not tensors or (self.group.reshard_after_forward and not root_keeps):
                 self.group.reshard(keep_for_backward=bool(tensors) and self.group.backward_reads_params)
         if self.is_root and self.mp_policy.output_dtype is not None:
             # Only the model's outputs: inner groups feed each other in param_dtype.
@@ -581,7 +586,12 @@ class VeScaleModule(_MixinBase):
                 state.group.reduces_in_flight = count
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Whether the groups free their gathered parameters after forward and gather them again for backward. As
+        FSDP2's method, this applies to the root too (which otherwise keeps them, whatever ``fully_shard`` was given:
+        its backward comes first): True there takes the root's gathered weights (the head) out of the loss's backward
+        for one more AllGather of the root per step."""
         for state in self._vescale_states(recurse):
+            state.auto_reshard_after_forward = False
             if state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
 
@@ -736,7 +746,8 @@ def fully_shard(
             of the default process group on the backend's device type.
         reshard_after_forward: free the gathered parameters after forward and gather again for backward
             (ZeRO-3). False keeps them until backward ends (ZeRO-2-like: more memory, one AllGather less).
-            The root module's parameters are never freed between its forward and backward. A module whose
+            The root module's parameters are not freed between its forward and backward unless
+            ``set_reshard_after_forward(True)`` is called on it (as FSDP2). A module whose
             parameters are used only by ``nn.Embedding`` s is not gathered again: their backward reads no weight.
         mp_policy: mixed precision; the local pieces keep the original dtype (fp32 master weights).
         granularity: the cut granularity per parameter, a unit no rank boundary may split (see

@@ -245,6 +245,38 @@ def _embedding_split_from_the_root(rank: int, world: int) -> None:
             assert torch.allclose(p.grad.full_tensor(), ref_grad, atol=1e-6), name
 
 
+def _root_resharded_after_forward_when_asked(rank: int, world: int) -> None:
+    """The root keeps its parameters from forward to backward by default, whatever fully_shard was given; after
+    set_reshard_after_forward(True) on it (FSDP2's method) it frees them after forward and gathers them again when
+    backward reaches its outputs: one more AllGather, the same gradients."""
+    torch.manual_seed(0)
+    ref = MLP(num_blocks=2)
+    x, target = torch.randn(4, 7), torch.randn(4, 5)
+    F.mse_loss(ref(x), target).backward()
+    for asked in (False, True):
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        for block in model.blocks:
+            lv.fully_shard(block)
+        lv.fully_shard(model)
+        if asked:
+            model.set_reshard_after_forward(True, recurse=False)
+        root = sharded_groups(model)[0]
+        calls = []
+        original = collectives.all_gather_into_tensor
+        collectives.all_gather_into_tensor = lambda *a, **k: calls.append(1) or original(*a, **k)
+        try:
+            out = model(x)
+            assert root.is_unsharded is not asked
+            F.mse_loss(out, target).backward()
+        finally:
+            collectives.all_gather_into_tensor = original
+        # The first forward also checks the plans (one more AllGather); root, blocks twice, and the root again.
+        assert len(calls) == 1 + 1 + 2 * len(model.blocks) + asked, (asked, len(calls))
+        for name, p in model.named_parameters():
+            assert torch.allclose(p.grad.full_tensor(), ref.get_parameter(name).grad, atol=1e-6), name
+
+
 def _backward_prefetch_follows_post_forward_order(rank: int, world: int) -> None:
     """Backward prefetches in reverse order of the groups' post-forwards: a root holding only the head is done
     first in backward and is not gathered again; the input layer, in a group of its own kept gathered from
@@ -342,6 +374,7 @@ def _run(rank: int, world: int) -> None:
     _cast_grad_buffer_freed_at_reduce_scatter(rank, world)
     _embedding_not_gathered_for_backward(rank, world)
     _embedding_split_from_the_root(rank, world)
+    _root_resharded_after_forward_when_asked(rank, world)
     _backward_prefetch_follows_post_forward_order(rank, world)
     _backward_prefetch_switch(rank, world)
     _explicit_prefetch_plans(rank, world)
