@@ -6,10 +6,9 @@ submodule) one :class:`ParamGroup`. Hooks drive it through a training step:
 
 * pre-forward: wait for the group's AllGather (issued here, or earlier as a prefetch) and issue the
   AllGather of the next group in forward order, so it overlaps this group's compute;
-* post-forward: free the unsharded buffer (``reshard_after_forward``; not for the root unless
-  ``set_reshard_after_forward(True)`` was called on it, as FSDP2, since its
-  parameters backward needs first) and hook the outputs so that backward reaching them runs
-  pre-backward;
+* post-forward: free the unsharded buffer (``reshard_after_forward``; not for the root, whose parameters
+  backward needs first, unless ``set_reshard_after_forward(True)`` was called on it, as in FSDP2) and hook the
+  outputs so that backward reaching them runs pre-backward;
 * pre-backward: finish every ReduceScatter that has completed, gather again (not a group of embeddings, whose
   backward reads no weight), prefetch the next group in backward order (``set_backward_prefetch``); the
   group's first parameter gradient (a tensor hook, before autograd accumulates it) allocates the gradient
