@@ -77,12 +77,18 @@ SETUPS = {
     "moe": Setup("bench_moe"),
     "moe-ep": Setup("bench_moe", ep=2),
 }
-ENGINES = ("fsdp2", "vescale", "ddp", "vescale-bp", "vescale-rootemb", "vescale-overlap", "fsdp2-emb")
-"""Variants, to measure the choices the defaults make: ``vescale-bp``, lightning-vescale with
+ENGINES = ("fsdp2", "vescale", "ddp", "vescale-idiom", "vescale-bp", "vescale-rootemb", "vescale-overlap",
+           "vescale-rootreshard", "fsdp2-emb")
+"""``vescale`` is lightning-vescale with its default plan (``lv.parallelize``); ``vescale-idiom`` is the FSDP2
+tutorial's idiom with ``lightning_vescale.fully_shard`` in place of torch's (each block, then the root; no plan).
+Variants, to measure the choices the defaults make: ``vescale-bp``, lightning-vescale with
 ``set_backward_prefetch(True)`` (the default on accelerators; CPU's is off; FSDP2 always prefetches);
-``vescale-rootemb``, the token embedding
-in the root group (the default plan gives it a group of its own); ``vescale-overlap``, one ReduceScatter left
+``vescale-rootemb``, the idiom with the token
+embedding kept in the root group (``split_embeddings=False``; the default plan and the idiom give it a group of
+its own); ``vescale-overlap``, one ReduceScatter left
 in flight during backward (``set_reduces_in_flight(1)``, the default on accelerators; CPU's is 0);
+``vescale-rootreshard``, the default plan with ``set_reshard_after_forward(True, recurse=False)`` on the root (its
+norm and head freed after forward and gathered again when backward reaches the logits: one more AllGather);
 ``fsdp2-emb``, FSDP2 with the embedding in its own group as well (``reshard_after_forward=False``)."""
 PHASES = ("forward", "backward", "optimizer")
 
@@ -159,12 +165,15 @@ def build(engine: str, setup: Setup, world: int):
         if setup.ep > 1:
             mesh, _ = _meshes(world, setup.ep)
             lv.parallelize(model, mesh=mesh, mp_policy=policy)  # the default plan on a ("dp", "ep") mesh
-        elif variant == "vescale-rootemb":
+        elif variant in ("vescale-idiom", "vescale-rootemb"):
+            # The FSDP2 tutorial's idiom, lightning_vescale.fully_shard in place of torch's: each block, then the root.
             for block in model.layers:
                 lv.fully_shard(block, mp_policy=policy)
-            lv.fully_shard(model, mp_policy=policy)
+            lv.fully_shard(model, mp_policy=policy, split_embeddings=variant == "vescale-idiom")
         else:
             lv.parallelize(model, mp_policy=policy)  # the default plan, as users get it
+        if variant == "vescale-rootreshard":
+            model.set_reshard_after_forward(True, recurse=False)  # the root gathered again for backward
         if variant == "vescale-overlap":
             model.set_reduces_in_flight(1)
         if variant == "vescale-bp":
@@ -571,7 +580,34 @@ def to_markdown(all_results: dict, args) -> str:
                 cells = " | ".join(_mib(rec["breakdown"].get(c, 0)) for c in _memory.CLASSES)
                 lines.append(f"| {name} | {world} | {engine} | {ph} | {cells} | {_mib(rec['ledger_peak'])} | "
                              f"{_mib(rec['os_peak'])} | {_ratio(rec['ledger_peak'], rec['os_peak'])} |")
+    lines += ["", "## At each engine's peak, in five classes (MiB; ledger, the rank and phase with the highest peak)", "",
+              "sharded states: sharded parameters + sharded gradients + optimizer states; gathered buffers: unsharded "
+              "parameters; gradient buffers: unsharded gradients; transient copies: the engine's communication buffers "
+              "+ the backend's staging.", "",
+              "| setup | ranks | engine | phase | op at the peak | " + " | ".join(SUMMARY) + " | not tensors | ledger | OS "
+              "| ledger/OS |", "|---|---|---|---|---|" + "---|" * (len(SUMMARY) + 4)]
+    for key, res in all_results.items():
+        name, world = key.rsplit("@", 1)
+        for engine, r in res.items():
+            phases = {ph: rec for ph, rec in ((r.get("ledger") or {}).get("phases") or {}).items() if ph != "end"}
+            if not phases:
+                continue
+            ph, rec = max(phases.items(), key=lambda kv: kv[1]["ledger_peak"])
+            cells = " | ".join(_mib(sum(rec["breakdown"].get(c, 0) for c in classes)) for classes in SUMMARY.values())
+            lines.append(f"| {name} | {world} | {engine} | {ph} | `{rec.get('op_at_peak', '')}` | {cells} | "
+                         f"{_mib(rec['breakdown'].get('not tensors', 0))} | {_mib(rec['ledger_peak'])} | "
+                         f"{_mib(rec['os_peak'])} | {_ratio(rec['ledger_peak'], rec['os_peak'])} |")
     return "\n".join(lines) + "\n"
+
+
+SUMMARY = {
+    "sharded states": ("sharded params", "gradients", "optimizer states"),
+    "activations": ("activations",),
+    "gathered buffers": ("unsharded params",),
+    "gradient buffers": ("unsharded grads",),
+    "transient copies": ("comm buffers", "comm staging (backend)"),
+}
+"""The ledger's classes (``_memory.CLASSES``) summed into the five a memory budget is read in."""
 
 
 def main() -> None:

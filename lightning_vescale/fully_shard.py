@@ -6,9 +6,9 @@ submodule) one :class:`ParamGroup`. Hooks drive it through a training step:
 
 * pre-forward: wait for the group's AllGather (issued here, or earlier as a prefetch) and issue the
   AllGather of the next group in forward order, so it overlaps this group's compute;
-* post-forward: free the unsharded buffer (``reshard_after_forward``; never for the root, whose
-  parameters backward needs first) and hook the outputs so that backward reaching them runs
-  pre-backward;
+* post-forward: free the unsharded buffer (``reshard_after_forward``; not for the root, whose parameters
+  backward needs first, unless ``set_reshard_after_forward(True)`` was called on it, as in FSDP2) and hook the
+  outputs so that backward reaching them runs pre-backward;
 * pre-backward: finish every ReduceScatter that has completed, gather again (not a group of embeddings, whose
   backward reads no weight), prefetch the next group in backward order (``set_backward_prefetch``); the
   group's first parameter gradient (a tensor hook, before autograd accumulates it) allocates the gradient
@@ -285,6 +285,9 @@ class _VeScaleState:
         self.mesh = mesh
         self.mp_policy = mp_policy
         self.prefetch = prefetch  # how many groups ahead this group's hooks issue AllGathers
+        # As FSDP2's _auto_reshard_after_forward: the root keeps its parameters from forward to backward (its
+        # backward comes first) unless set_reshard_after_forward was called on it.
+        self.auto_reshard_after_forward = True
         self.is_root: Optional[bool] = None
         self.root: Optional[_VeScaleState] = None
         # Gather the next group in backward order during this group's backward (see default_backward_prefetch).
@@ -380,7 +383,8 @@ class _VeScaleState:
             self.group.training_state = TrainingState.IDLE
             # No output needs a gradient (evaluation, or a frozen module): no backward will come to free the
             # parameters, so free them now; the root otherwise keeps them for backward.
-            if not tensors or (self.group.reshard_after_forward and not self.is_root):
+            root_keeps = self.is_root and self.auto_reshard_after_forward
+            if not tensors or (self.group.reshard_after_forward and not root_keeps):
                 self.group.reshard(keep_for_backward=bool(tensors) and self.group.backward_reads_params)
         if self.is_root and self.mp_policy.output_dtype is not None:
             # Only the model's outputs: inner groups feed each other in param_dtype.
@@ -581,7 +585,12 @@ class VeScaleModule(_MixinBase):
                 state.group.reduces_in_flight = count
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Whether the groups free their gathered parameters after forward and gather them again for backward. As
+        FSDP2's method, this applies to the root too (which otherwise keeps them, whatever ``fully_shard`` was given:
+        its backward comes first): True there takes the root's gathered weights (the head) out of the loss's backward
+        for one more AllGather of the root per step."""
         for state in self._vescale_states(recurse):
+            state.auto_reshard_after_forward = False
             if state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
 
@@ -675,6 +684,38 @@ def _collect_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list]]:
     return list(found.values())
 
 
+# [Note: the embeddings apart]
+# The FSDP2 idiom (each block, then the model) leaves the token embedding in the root group with the norm and the
+# head. The root is gathered from its pre-forward to the end of backward, and its flat gradient buffer is allocated
+# at its first gradient (the head's, when backward starts) while the embedding's part is written only at the very
+# end: the embedding's gathered weight sat in the forward and backward peaks and its gradient in the backward peak
+# (dense bench, 2 ranks: 1.014x FSDP2's peak RSS). ``nn.Embedding``'s backward reads the indices, not the weight,
+# so as a group of its own (as the default plan makes it) it is freed after forward, not gathered for backward
+# (``ParamGroup.backward_reads_params``), and its gradient buffer lives only through its own backward; the root
+# (norm and head) reduces as soon as the head's backward is done. Measured: benchmarks/results/train_idiom.md.
+# A weight the model also reads outside the embedding's forward must be tied by parameter (then it is not split:
+# the tie is seen) or the call must pass ``split_embeddings=False``; reading the sharded weight otherwise raises.
+def _embeddings_apart(module: nn.Module, params: list[tuple[str, nn.Parameter, list]]) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``module`` running ``nn.Embedding``'s own forward whose parameters are all in ``params``
+    (not owned by a sharded submodule) and used by them alone, by name; none when nothing else would be left in
+    ``module``'s group."""
+    uses = {id(p): [m for m, _ in u] for _, p, u in params}
+    found = []
+    for name, sub in module.named_modules():
+        if sub is module or type(sub).forward is not nn.Embedding.forward or get_state(sub) is not None:
+            continue
+        own = list(sub.parameters())
+        if own and all(uses.get(id(p)) == [sub] for p in own):
+            found.append((name, sub))
+    taken = {id(p) for _, sub in found for p in sub.parameters()}
+    return found if any(id(p) not in taken for _, p, _ in params) else []
+
+
+def _prefixed(fn: Callable[[str, nn.Parameter], Granularity], prefix: str) -> Callable[[str, nn.Parameter], Granularity]:
+    """``fn`` for a submodule's parameters: names relative to the module given to ``fully_shard``."""
+    return lambda name, p: fn(f"{prefix}.{name}", p)
+
+
 def fully_shard(
     module: nn.Module,
     *,
@@ -685,6 +726,7 @@ def fully_shard(
     gradient_divide_factor: Optional[float] = None,
     norm_group: Optional[Union[dist.ProcessGroup, DeviceMesh]] = None,
     prefetch: int = 1,
+    split_embeddings: bool = True,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` in one group, laid out by the planner into DBuffers.
 
@@ -703,7 +745,8 @@ def fully_shard(
             of the default process group on the backend's device type.
         reshard_after_forward: free the gathered parameters after forward and gather again for backward
             (ZeRO-3). False keeps them until backward ends (ZeRO-2-like: more memory, one AllGather less).
-            The root module's parameters are never freed between its forward and backward. A module whose
+            The root module's parameters are not freed between its forward and backward unless
+            ``set_reshard_after_forward(True)`` is called on it (as FSDP2). A module whose
             parameters are used only by ``nn.Embedding`` s is not gathered again: their backward reads no weight.
         mp_policy: mixed precision; the local pieces keep the original dtype (fp32 master weights).
         granularity: the cut granularity per parameter, a unit no rank boundary may split (see
@@ -763,6 +806,15 @@ def fully_shard(
     mesh, shard_group, replicate_group = _resolve_mesh(mesh)
     device = _mesh_device(mesh)
     params = _collect_params(module)
+    granularity_fn = _granularity_fn(granularity)
+    if split_embeddings:
+        apart = _embeddings_apart(module, params)
+        for prefix, sub in apart:
+            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                        granularity=_prefixed(granularity_fn, prefix), gradient_divide_factor=gradient_divide_factor,
+                        norm_group=norm_group, prefetch=prefetch, split_embeddings=False)
+        if apart:
+            params = _collect_params(module)
     for fqn, param, _ in params:
         if not param.is_meta and param.device.type not in (device.type, "cpu"):
             raise ValueError(
@@ -770,7 +822,6 @@ def fully_shard(
                 f"to the mesh's device type (or to CPU / meta) before fully_shard"
             )
     group = None
-    granularity_fn = _granularity_fn(granularity)
     if params:
         group = ParamGroup(
             module, params, shard_group=shard_group, replicate_group=replicate_group, device=device,

@@ -437,8 +437,10 @@ def parallelize_spmd(
         def granularity_of(inner: str, p: nn.Parameter, prefix: str = prefix) -> Any:
             return policies[prefix + inner].granularity
 
+        # The plan's groups are the groups (the dry run sizes exactly these): no embedding split off behind it.
         kwargs: dict[str, Any] = dict(mesh=dense_mesh, reshard_after_forward=g.reshard_after_forward, prefetch=g.prefetch,
-                      mp_policy=_group_mp_policy(g.param_dtype, g.reduce_dtype, mp_policy), granularity=granularity_of)
+                      mp_policy=_group_mp_policy(g.param_dtype, g.reduce_dtype, mp_policy), granularity=granularity_of,
+                      split_embeddings=False)
         if gradient_divide_factor is not None:
             kwargs["gradient_divide_factor"] = gradient_divide_factor
         kwargs.update(shard_kwargs.get(id(module), {}))

@@ -211,6 +211,72 @@ def _embedding_not_gathered_for_backward(rank: int, world: int) -> None:
     assert torch.allclose(got, ref.embed.weight.grad, atol=1e-6), (got - ref.embed.weight.grad).abs().max()
 
 
+def _embedding_split_from_the_root(rank: int, world: int) -> None:
+    """The FSDP2 idiom (each block, then the model) gives an untied embedding a group of its own, sharded with the
+    root's arguments (a granularity mapping matches names relative to the root), so it is not gathered for
+    backward; the same gradients as one process. ``split_embeddings=False`` keeps it in the root's group."""
+    torch.manual_seed(0)
+    ref = _EmbeddingMLP()
+    idx, target = torch.randint(0, 11, (4, 3)), torch.randn(4, 3, 5)
+    F.mse_loss(ref(idx), target).backward()
+    for split in (True, False):
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        for block in model.mlp.blocks:
+            lv.fully_shard(block)
+        lv.fully_shard(model, granularity={"embed.weight": "row"}, split_embeddings=split)
+        root = sharded_groups(model)[0]  # modules() order: the root first
+        in_root = [mp.fqn for mp in root.managed]
+        embed = sharded_groups(model.embed)
+        assert ("embed.weight" not in in_root and len(embed) == 1) if split else ("embed.weight" in in_root), in_root
+        if split:
+            assert embed[0].buffers[(torch.float32, True)].plan.specs[0].granularity == 7  # a row, from the mapping
+        seen: list = []
+
+        def watch_backward(module: nn.Module, args: tuple, out: torch.Tensor, split: bool = split) -> None:
+            if split:
+                out.register_hook(lambda grad: seen.append(embed[0].is_unsharded))
+
+        model.embed.register_forward_hook(watch_backward)
+        F.mse_loss(model(idx), target).backward()
+        assert seen == ([False] if split else []), seen
+        for name, p in model.named_parameters():
+            ref_grad = ref.get_parameter(name).grad
+            assert torch.allclose(p.grad.full_tensor(), ref_grad, atol=1e-6), name
+
+
+def _root_resharded_after_forward_when_asked(rank: int, world: int) -> None:
+    """The root keeps its parameters from forward to backward by default, whatever fully_shard was given; after
+    set_reshard_after_forward(True) on it (FSDP2's method) it frees them after forward and gathers them again when
+    backward reaches its outputs: one more AllGather, the same gradients."""
+    torch.manual_seed(0)
+    ref = MLP(num_blocks=2)
+    x, target = torch.randn(4, 7), torch.randn(4, 5)
+    F.mse_loss(ref(x), target).backward()
+    for asked in (False, True):
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        for block in model.blocks:
+            lv.fully_shard(block)
+        lv.fully_shard(model)
+        if asked:
+            model.set_reshard_after_forward(True, recurse=False)
+        root = sharded_groups(model)[0]
+        calls = []
+        original = collectives.all_gather_into_tensor
+        collectives.all_gather_into_tensor = lambda *a, **k: calls.append(1) or original(*a, **k)
+        try:
+            out = model(x)
+            assert root.is_unsharded is not asked
+            F.mse_loss(out, target).backward()
+        finally:
+            collectives.all_gather_into_tensor = original
+        # The first forward also checks the plans (one more AllGather); root, blocks twice, and the root again.
+        assert len(calls) == 1 + 1 + 2 * len(model.blocks) + asked, (asked, len(calls))
+        for name, p in model.named_parameters():
+            assert torch.allclose(p.grad.full_tensor(), ref.get_parameter(name).grad, atol=1e-6), name
+
+
 def _backward_prefetch_follows_post_forward_order(rank: int, world: int) -> None:
     """Backward prefetches in reverse order of the groups' post-forwards: a root holding only the head is done
     first in backward and is not gathered again; the input layer, in a group of its own kept gathered from
@@ -307,6 +373,8 @@ def _run(rank: int, world: int) -> None:
     _grad_buffer_allocated_at_first_gradient(rank, world)
     _cast_grad_buffer_freed_at_reduce_scatter(rank, world)
     _embedding_not_gathered_for_backward(rank, world)
+    _embedding_split_from_the_root(rank, world)
+    _root_resharded_after_forward_when_asked(rank, world)
     _backward_prefetch_follows_post_forward_order(rank, world)
     _backward_prefetch_switch(rank, world)
     _explicit_prefetch_plans(rank, world)
