@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional, Union
 
-__all__ = ["TIERS", "MemoryPolicy", "Tier", "check_explicit_policy", "check_plan_tiers", "parse_bytes"]
+__all__ = [
+    "TIERS", "MemoryPolicy", "Tier", "check_explicit_policy", "check_plan_tiers", "check_policy_fields", "parse_bytes",
+]
 
 Tier = Literal["device", "host", "disk"]
 TIERS: tuple[str, ...] = ("device", "host", "disk")
@@ -77,25 +80,35 @@ class MemoryPolicy:
     the disk's time behind backward and the next forward, at that much more peak memory."""
 
     def __post_init__(self) -> None:
-        for name in ("optimizer_states", "params", "grads", "gathered_params"):  # a tier
-            value = getattr(self, name)
-            if value not in TIERS:
-                raise ValueError(f"MemoryPolicy.{name} must be one of {TIERS}, got {value!r}")
-        if self.activations not in (*TIERS, "checkpoint"):
-            raise ValueError(f"MemoryPolicy.activations must be one of {(*TIERS, 'checkpoint')}, got "
-                             f"{self.activations!r}")
+        check_policy_fields({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "MemoryPolicy.")
         object.__setattr__(self, "activation_blocks", tuple(self.activation_blocks))
-        if self.budget is not None:
-            parse_bytes(self.budget)
-        if self.bucket_bytes <= 0:
-            raise ValueError(f"MemoryPolicy.bucket_bytes must be > 0, got {self.bucket_bytes}")
-        if self.prefetch_buckets < 1:
-            raise ValueError(f"MemoryPolicy.prefetch_buckets must be >= 1 (the bucket stepping), got "
-                             f"{self.prefetch_buckets}")
         if "disk" in (self.optimizer_states, self.params, self.grads, self.gathered_params, self.activations):
             if not self.disk_dir:
                 raise ValueError("MemoryPolicy: a 'disk' tier needs disk_dir=<a directory on a local disk>")
             _check_writable(self.disk_dir)
+
+
+def check_policy_fields(values: Mapping[str, Any], prefix: str) -> None:
+    """Raise ``ValueError`` (naming ``<prefix><field>``) for a :class:`MemoryPolicy` field value it cannot take:
+    the checks that need nothing but the values (no disk), shared by the policy and the recipes' ``memory``
+    config, which holds the same fields for Hydra."""
+    for name in ("optimizer_states", "params", "grads", "gathered_params"):  # a tier
+        if name in values and values[name] not in TIERS:
+            raise ValueError(f"{prefix}{name} must be one of {', '.join(TIERS)}, got {values[name]!r}")
+    activations = values.get("activations", "device")
+    if activations not in (*TIERS, "checkpoint"):
+        raise ValueError(f"{prefix}activations must be one of {', '.join((*TIERS, 'checkpoint'))}, got "
+                         f"{activations!r}")
+    if values.get("budget") is not None:
+        try:
+            parse_bytes(values["budget"])
+        except ValueError as e:
+            raise ValueError(f"{prefix}budget: {e}") from None
+    if values.get("bucket_bytes", 1) <= 0:
+        raise ValueError(f"{prefix}bucket_bytes must be > 0, got {values['bucket_bytes']}")
+    if values.get("prefetch_buckets", 1) < 1:
+        raise ValueError(f"{prefix}prefetch_buckets must be >= 1 (the bucket stepping), got "
+                         f"{values['prefetch_buckets']}")
 
 
 def _check_writable(directory: str) -> None:

@@ -136,3 +136,33 @@ def test_swap_files_of_a_killed_process_are_removed_but_never_a_live_ones(tmp_pa
         store.close()
     finally:
         os.close(lock)
+
+
+def test_recipe_memory_config_holds_the_policys_fields_and_defaults():
+    """The recipes' ``memory`` group mirrors MemoryPolicy for Hydra; names and defaults must not drift apart."""
+    import dataclasses
+
+    from lightning_vescale.memory import MemoryPolicy
+    from lightning_vescale.recipe.schema import MemoryConfig
+
+    policy = {f.name: f for f in dataclasses.fields(MemoryPolicy)}
+    config = {f.name: f for f in dataclasses.fields(MemoryConfig)}
+    assert list(config) == list(policy)
+    for name, f in policy.items():
+        mine = config[name]
+        want = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        got = mine.default_factory() if mine.default is dataclasses.MISSING else mine.default
+        assert tuple(got) == tuple(want) if isinstance(want, tuple) else got == want, name
+
+
+def test_recipe_memory_config_uses_the_policys_checks():
+    import pytest
+
+    from lightning_vescale.recipe.schema import MemoryConfig
+
+    with pytest.raises(ValueError, match=r"memory.params must be one of device, host, disk, got 'gpu'"):
+        MemoryConfig(params="gpu")
+    with pytest.raises(ValueError, match=r"memory.budget: "):
+        MemoryConfig(budget="lots")
+    with pytest.raises(ValueError, match=r"memory.prefetch_buckets must be >= 1"):
+        MemoryConfig(prefetch_buckets=0)

@@ -238,7 +238,7 @@ def test_unknown_options_list_the_valid_ones(group, option):
         (["scheduler.decay=exp"], r"scheduler.decay must be one of cosine, linear, constant, got 'exp'"),
         (["trainer.precision=bf16"], r"trainer.precision must be one of .*got 'bf16'"),
         (["trainer.devices=0"], r"trainer.devices must be >= 1, got 0"),
-        (["memory=offload_disk", "memory.prefetch_buckets=0"], r"memory.prefetch_buckets must be >= 1, got 0"),
+        (["memory=offload_disk", "memory.prefetch_buckets=0"], r"memory.prefetch_buckets must be >= 1 \(the bucket stepping\), got 0"),
         (["trainer.max_steps=0"], r"trainer.max_steps must be >= 1, got 0"),
         (["trainer.gradient_clip_val=-1"], r"trainer.gradient_clip_val must be a finite number > 0 or null"),
         (["trainer.checkpoint_keep=3"], r"trainer.checkpoint_keep must be -1 or 1, got 3"),
