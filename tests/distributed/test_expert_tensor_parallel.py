@@ -57,32 +57,28 @@ ADAM_EPS = 1e-3
 TOL = 1e-5
 
 
+def _decisive(model):
+    """Router weights large enough that no near-tie between experts can flip at 1e-7."""
+    with torch.no_grad():
+        for layer in model.moe_layers():
+            layer.router.weight.normal_(0, 1.0)
+    return model
+
+
 def _moe() -> MoE:
     torch.manual_seed(0)
     config = dataclasses.replace(moe_config("tiny"), vocab_size=64, dim=32, moe_hidden=32, shared_expert_hidden=32)
-    model = MoE(config)
-    with torch.no_grad():
-        for layer in model.moe_layers():
-            layer.router.weight.normal_(0, 1.0)  # decisive routing: no near-ties that 1e-7 could flip
-    return model
+    return _decisive(MoE(config))
 
 
 def _deepseek() -> DeepSeekV3:
     torch.manual_seed(0)
-    model = DeepSeekV3(deepseek_v3_config("tiny"))
-    with torch.no_grad():
-        for layer in model.moe_layers():
-            layer.router.weight.normal_(0, 1.0)
-    return model
+    return _decisive(DeepSeekV3(deepseek_v3_config("tiny")))
 
 
 def _qwen3() -> MoE:
     torch.manual_seed(0)
-    model = Qwen3MoE(qwen3_moe_config("tiny"))
-    with torch.no_grad():
-        for layer in model.moe_layers():
-            layer.router.weight.normal_(0, 1.0)
-    return model
+    return _decisive(Qwen3MoE(qwen3_moe_config("tiny")))
 
 
 def _batch(step: int, replicas: int, vocab: int) -> torch.Tensor:
