@@ -301,8 +301,8 @@ def _mark_collective_sites() -> None:
     buffer, the AllGather), its gradient reduction (the fp32 cast, the ReduceScatter), and the collectives."""
     from torch.profiler import record_function
 
-    import lightning_vescale.collectives as collectives
-    from lightning_vescale.dbuffer import DBuffer
+    import lightning_vescale.engine.collectives as collectives
+    from lightning_vescale.engine.dbuffer import DBuffer
 
     def named(name: str, fn: Callable) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning_vescale as lv  # noqa: E402
-from lightning_vescale.fully_shard import sharded_groups  # noqa: E402
+from lightning_vescale.engine.fully_shard import sharded_groups  # noqa: E402
 from lightning_vescale.memory import MemoryPolicy, apply_memory_policy, memory_stats  # noqa: E402
 from lightning_vescale.models import Llama, LlamaConfig  # noqa: E402
 

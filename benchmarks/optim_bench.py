@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train_bench  # noqa: E402
 
-from lightning_vescale.tensor import RaggedTensor  # noqa: E402
+from lightning_vescale.engine.tensor import RaggedTensor  # noqa: E402
 
 
 def _pair(setup: train_bench.Setup, world: int, foreach: bool):

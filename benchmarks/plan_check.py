@@ -137,7 +137,7 @@ def worker(rank: int, world: int, init_file: str, args, out_file: str) -> None:
     warm_up(Llama, LlamaConfig)
     gen = torch.Generator().manual_seed(1234 + rank)
     batches = [torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps)]
-    from lightning_vescale.parallelize import build_mesh
+    from lightning_vescale.parallel.parallelize import build_mesh
 
     mesh = build_mesh(torch.device("cpu"), world, args.replicate) if args.replicate > 1 else None
     if args.tp > 1 or args.ep > 1:

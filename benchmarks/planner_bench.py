@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from lightning_vescale.engine.planner import TensorSpec, plan_buffer, shard_size_lower_bound  # noqa: E402
 from lightning_vescale.models.families import FAMILIES  # noqa: E402
 from lightning_vescale.models.moe import MoE, MoEConfig  # noqa: E402
 from lightning_vescale.optim import newton_schulz_cost  # noqa: E402
-from lightning_vescale.planner import TensorSpec, plan_buffer, shard_size_lower_bound  # noqa: E402
 
 WORLD_SIZES = [8, 16, 32, 64, 128, 256, 512, 1024]
 GRANULARITIES = ["row", 16, 128, "matrix"]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_vescale.planner import TensorSpec, plan_buffer, shard_size_lower_bound
+from lightning_vescale.engine.planner import TensorSpec, plan_buffer, shard_size_lower_bound
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK = 128
@@ -308,7 +308,7 @@ def _memory_worker(rank: int, world: int, steps: int) -> dict:
     import torch.nn.functional as F
 
     import lightning_vescale as lv
-    from lightning_vescale.fully_shard import sharded_groups
+    from lightning_vescale.engine.fully_shard import sharded_groups
     from lightning_vescale.models import Llama
     from lightning_vescale.quant import BlockFormat, QuantizedTensor, _storage, quantize_frozen_weights
     from lightning_vescale.quant.lora import LoRAConfig, apply_lora

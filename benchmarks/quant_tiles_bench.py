@@ -1,7 +1,7 @@
 """Quantized AllGather of trained weights on whole 128x128 tiles: the padding the block granularity costs on real layers.
 
 Run: ``python benchmarks/quant_tiles_bench.py [--world-sizes 8,16,...]``; writes ``benchmarks/results/quant_tiles.{json,md}``.
-Pure (no processes): the engine's own :func:`~lightning_vescale.group_plan.plan_group_buffers` with the engine's
+Pure (no processes): the engine's own :func:`~lightning_vescale.engine.group_plan.plan_group_buffers` with the engine's
 buffer kind (:class:`~lightning_vescale.quant._kinds.QuantizedGatherKind`) on one transformer layer of DeepSeek-V3,
 GPT-OSS-120B and Llama-3-70B as one group (fp32 master, bf16 ``param_dtype``, the routers left unquantized as
 ``quant.exclude`` does), at N = 8 ... 1024. Per layer and N:
@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 from quant_bench import LAYERS  # noqa: E402
 
-from lightning_vescale._api import MixedPrecisionPolicy  # noqa: E402
-from lightning_vescale.group_plan import ParamEntry, plan_group_buffers  # noqa: E402
+from lightning_vescale.engine.group_plan import ParamEntry, plan_group_buffers  # noqa: E402
+from lightning_vescale.engine.planner import TensorSpec, plan_buffer, shard_size_lower_bound  # noqa: E402
+from lightning_vescale.engine.policies import MixedPrecisionPolicy  # noqa: E402
 from lightning_vescale.plan._layout import BLOCK_PADDING_WARNING, quantized_gather_scales_per_rank  # noqa: E402
-from lightning_vescale.planner import TensorSpec, plan_buffer, shard_size_lower_bound  # noqa: E402
 from lightning_vescale.quant._kinds import QuantizedGatherKind, is_tile_major  # noqa: E402
 from lightning_vescale.quant.formats import BlockFormat  # noqa: E402
 

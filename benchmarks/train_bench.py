@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _memory  # noqa: E402
 
 import lightning_vescale as lv  # noqa: E402
-from lightning_vescale.fully_shard import sharded_groups  # noqa: E402
+from lightning_vescale.engine.fully_shard import sharded_groups  # noqa: E402
 from lightning_vescale.models import Llama, LlamaConfig, MoE, MoEConfig  # noqa: E402
 from lightning_vescale.models.moe import GroupedExperts  # noqa: E402
 

@@ -32,9 +32,10 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from lightning_vescale._api import MixedPrecisionPolicy
-from lightning_vescale.clip_grad import clip_grad_norm_
-from lightning_vescale.fully_shard import GranularityArg
+from lightning_vescale.engine.clip_grad import clip_grad_norm_
+from lightning_vescale.engine.fully_shard import GranularityArg
+from lightning_vescale.engine.policies import MixedPrecisionPolicy
+from lightning_vescale.engine.tensor import is_sharded_param
 from lightning_vescale.memory import (
     MemoryHandles,
     MemoryPolicy,
@@ -42,7 +43,7 @@ from lightning_vescale.memory import (
     check_explicit_policy,
     check_plan_tiers,
 )
-from lightning_vescale.parallelize import (
+from lightning_vescale.parallel.parallelize import (
     AutoWrapPolicy,
     PlanLike,
     build_mesh,
@@ -54,7 +55,6 @@ from lightning_vescale.parallelize import (
     remap_optimizer,
 )
 from lightning_vescale.plan import ResolvedPlan, load_plan
-from lightning_vescale.tensor import is_sharded_param
 
 __all__ = ["VeScaleAccelerator", "VeScaleConfig", "prepare_vescale"]
 

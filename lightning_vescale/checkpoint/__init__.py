@@ -1,6 +1,6 @@
 """Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): resharding, all-or-nothing, code-free loads.
 
-Sharded parameters and the optimizer states shaped like them are :class:`~lightning_vescale.tensor.RaggedTensor` s,
+Sharded parameters and the optimizer states shaped like them are :class:`~lightning_vescale.engine.tensor.RaggedTensor` s,
 which tell DCP their chunks through its tensor-subclass hooks (as DTensor does): every rank writes only its
 pieces, and a load on any world size reads exactly the saved boxes that overlap its new pieces, never a
 gather. Non-tensor values are stored as JSON (never pickled), every stored item is checksummed, and a load

@@ -1,7 +1,7 @@
 """Process-group helpers for checkpointing; everything also runs in one process without a process group.
 
 Every collective here runs over the checkpointed model's own ranks (:func:`over` sets them for a save or a
-load, from :func:`lightning_vescale._groups.model_process_group`): ``rank()`` and ``world_size()`` are within
+load, from :func:`lightning_vescale.engine.process_groups.model_process_group`): ``rank()`` and ``world_size()`` are within
 that group, "rank 0" is its first rank, and ranks that do not hold the model take no part.
 """
 
@@ -58,7 +58,7 @@ def over_model(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from lightning_vescale._groups import model_process_group
+        from lightning_vescale.engine.process_groups import model_process_group
 
         model = signature.bind(*args, **kwargs).arguments["model"]
         with over(model_process_group(model)):

@@ -28,10 +28,10 @@ from lightning_vescale.checkpoint._state import (
     model_entries,
     optimizer_params,
 )
+from lightning_vescale.engine.placement import redistribute_flat
+from lightning_vescale.engine.tensor import is_ragged, local_tensor
 from lightning_vescale.memory.optimizer_states import resident_states
 from lightning_vescale.memory.pieces import resident_pieces
-from lightning_vescale.placement import redistribute_flat
-from lightning_vescale.tensor import is_ragged, local_tensor
 
 __all__ = [
     "export_full_optimizer_state_dict", "export_full_state_dict", "load_full_optimizer_state_dict", "load_full_state_dict",
@@ -233,7 +233,7 @@ def read_state_file(path: os.PathLike | str) -> dict[str, Any]:
 def load_full_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
     """``optimizer.load_state_dict`` of a full optimizer state (torch's own format, as DDP or one process saves it):
     every per-element state then keeps only this rank's piece of its parameter's layout. Every rank loads."""
-    from lightning_vescale._optim_states import lay_out_like_params
+    from lightning_vescale.engine.optim_states import lay_out_like_params
 
     optimizer.load_state_dict(dict(state_dict))
     lay_out_like_params(optimizer)

@@ -59,10 +59,10 @@ from lightning_vescale.checkpoint._state import (
 )
 from lightning_vescale.checkpoint._storage import CheckpointError
 from lightning_vescale.checkpoint._values import from_bytes_tensor, to_bytes_tensor
+from lightning_vescale.engine.tensor import RaggedLayout, RaggedTensor, is_ragged, local_tensor
 from lightning_vescale.memory.optimizer_states import resident_states
 from lightning_vescale.memory.pieces import resident_pieces
-from lightning_vescale.state_dict_report import listing, mismatch_report
-from lightning_vescale.tensor import RaggedLayout, RaggedTensor, is_ragged, local_tensor
+from lightning_vescale.state_dict.report import listing, mismatch_report
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """State dicts of a sharded model and its optimizer, keyed by parameter name, for DCP and for loading.
 
-A sharded parameter is a :class:`~lightning_vescale.tensor.RaggedTensor`: DCP asks it for its chunks
+A sharded parameter is a :class:`~lightning_vescale.engine.tensor.RaggedTensor`: DCP asks it for its chunks
 (``__create_write_items__`` / ``__create_chunk_list__``) and writes or reads its pieces in place
 (``__get_tensor_shard__``), so a state dict is simply the parameters themselves and the optimizer's
 states shaped like them (which elementwise ops keep as RaggedTensors of the parameter's layout).
@@ -9,7 +9,7 @@ reordering.
 
 An optimizer may keep states that are not shaped like their parameter, sharded with it (AdamW8bit's one scale
 per block of elements): it declares their layout with a method ``state_layout(param, key)`` returning a
-:class:`~lightning_vescale.tensor.RaggedLayout` (for a sharded parameter) or a shape (for a plain one), None for
+:class:`~lightning_vescale.engine.tensor.RaggedLayout` (for a sharded parameter) or a shape (for a plain one), None for
 per-element and scalar states. Such states are saved as they are (RaggedTensors of that layout), staged in the
 layout the optimizer declares on the loading world size, gathered whole by the full export, and given whole to
 the optimizer's ``load_state_dict`` by a full load (it takes its piece).
@@ -23,12 +23,12 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
-from lightning_vescale._dtype_kinds import check_dtype_kinds
-from lightning_vescale._param_group import TrainingState
-from lightning_vescale.dbuffer import BufferState
-from lightning_vescale.fully_shard import sharded_groups
-from lightning_vescale.state_dict_report import listing, mismatch_report
-from lightning_vescale.tensor import RaggedLayout, RaggedTensor, block_layout, is_ragged, local_tensor
+from lightning_vescale.engine.dbuffer import BufferState
+from lightning_vescale.engine.fully_shard import sharded_groups
+from lightning_vescale.engine.param_group import TrainingState
+from lightning_vescale.engine.tensor import RaggedLayout, RaggedTensor, block_layout, is_ragged, local_tensor
+from lightning_vescale.state_dict.dtype_kinds import check_dtype_kinds
+from lightning_vescale.state_dict.report import listing, mismatch_report
 
 __all__ = [
     "check_idle", "get_model_state_dict", "get_optimizer_state_dict", "model_entries", "optimizer_params",

@@ -29,9 +29,9 @@ from lightning.fabric.plugins.precision.utils import (
 from lightning_utilities import apply_to_collection
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_vescale._api import MixedPrecisionPolicy
-from lightning_vescale.fully_shard import GranularityArg, get_state, sharded_groups
-from lightning_vescale.parallelize import (  # noqa: F401 - the strategies' names for them
+from lightning_vescale.engine.fully_shard import GranularityArg, get_state, sharded_groups
+from lightning_vescale.engine.policies import MixedPrecisionPolicy
+from lightning_vescale.parallel.parallelize import (  # noqa: F401 - the strategies' names for them
     CPU_TIMEOUT,
     SUPPORTED_PRECISION,
     AutoWrapPolicy,

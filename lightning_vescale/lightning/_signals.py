@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnect
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
-from lightning_vescale.collectives import named_collective
+from lightning_vescale.engine.collectives import named_collective
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -43,10 +43,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_vescale._api import MixedPrecisionPolicy
-from lightning_vescale.clip_grad import clip_grad_norm_
-from lightning_vescale.collectives import named_collective
-from lightning_vescale.fully_shard import GranularityArg
+from lightning_vescale.engine.clip_grad import clip_grad_norm_
+from lightning_vescale.engine.collectives import named_collective
+from lightning_vescale.engine.fully_shard import GranularityArg
+from lightning_vescale.engine.policies import MixedPrecisionPolicy
+from lightning_vescale.engine.tensor import is_sharded_param
 from lightning_vescale.lightning._checkpoints import load_file_into, save_as_file
 from lightning_vescale.lightning._common import (
     ProcessGroupEnvironment,
@@ -66,7 +67,7 @@ from lightning_vescale.memory import (
     check_explicit_policy,
     check_plan_tiers,
 )
-from lightning_vescale.parallelize import (
+from lightning_vescale.parallel.parallelize import (
     AutoWrapPolicy,
     PlanLike,
     build_mesh,
@@ -82,7 +83,6 @@ from lightning_vescale.parallelize import (
     resolve_for,
 )
 from lightning_vescale.plan import ResolvedPlan, load_plan
-from lightning_vescale.tensor import is_sharded_param
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

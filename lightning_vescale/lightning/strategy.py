@@ -44,10 +44,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_vescale._api import MixedPrecisionPolicy
-from lightning_vescale.clip_grad import clip_grad_norm_
-from lightning_vescale.collectives import named_collective
-from lightning_vescale.fully_shard import GranularityArg, get_state, sharded_groups
+from lightning_vescale.engine.clip_grad import clip_grad_norm_
+from lightning_vescale.engine.collectives import named_collective
+from lightning_vescale.engine.fully_shard import GranularityArg, get_state, sharded_groups
+from lightning_vescale.engine.policies import MixedPrecisionPolicy
+from lightning_vescale.engine.tensor import is_sharded_param
 from lightning_vescale.lightning._common import (
     ProcessGroupEnvironment,
     _VeScalePrecisionMixin,
@@ -68,7 +69,7 @@ from lightning_vescale.memory import (
     check_explicit_policy,
     check_plan_tiers,
 )
-from lightning_vescale.parallelize import (
+from lightning_vescale.parallel.parallelize import (
     AutoWrapPolicy,
     PlanLike,
     build_expert_parallel_mesh,
@@ -87,7 +88,6 @@ from lightning_vescale.parallelize import (
     top_level_roots,
 )
 from lightning_vescale.plan import ResolvedPlan, load_plan
-from lightning_vescale.tensor import is_sharded_param
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

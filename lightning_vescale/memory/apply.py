@@ -66,8 +66,8 @@ class TierPlacement:
 def tier_placement(model: nn.Module, policy: Optional[MemoryPolicy]) -> TierPlacement:
     """The tier of each buffer's weights and gradient pieces and of each parameter's optimizer states: the plan's
     (:func:`~lightning_vescale.plan.policy_of`) for the classes it places, ``policy``'s for the rest."""
-    from lightning_vescale.dbuffer import DBuffer
-    from lightning_vescale.fully_shard import sharded_groups
+    from lightning_vescale.engine.dbuffer import DBuffer
+    from lightning_vescale.engine.fully_shard import sharded_groups
     from lightning_vescale.plan._registry import policy_of
 
     policy = policy or MemoryPolicy()
@@ -173,14 +173,14 @@ def _check_room(placement: TierPlacement, disk_dir: Optional[str], gathered: int
 
 def _gathered_buffers(model: nn.Module) -> list:
     """The plain floating-point DBuffers of groups that reshard after forward (gathered again for backward)."""
-    from lightning_vescale.dbuffer import DBuffer
+    from lightning_vescale.engine.dbuffer import DBuffer
 
     return [b for g in _sharded_groups(model) if g.reshard_after_forward and g.backward_reads_params
             for b in g.buffers.values() if type(b) is DBuffer and b.dtype.is_floating_point]
 
 
 def _sharded_groups(model: nn.Module) -> list:
-    from lightning_vescale.fully_shard import sharded_groups
+    from lightning_vescale.engine.fully_shard import sharded_groups
 
     return sharded_groups(model)
 

@@ -65,11 +65,11 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from lightning_vescale.engine.tensor import is_ragged, local_tensor
 from lightning_vescale.memory.disk import DiskStore, alloc_together, realign
 from lightning_vescale.memory.ledger import memory_stats
 from lightning_vescale.memory.pieces import PieceOffload
 from lightning_vescale.memory.policy import MemoryPolicy
-from lightning_vescale.tensor import is_ragged, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class StateOffload:
         for name, method in self._patched.items():
             setattr(optimizer, name, method)
         if model is not None and self.moves_states and self._reader is not None:
-            from lightning_vescale.fully_shard import sharded_groups
+            from lightning_vescale.engine.fully_shard import sharded_groups
 
             for group in sharded_groups(model):
                 group.grads_reduced_hooks.append(self._grads_reduced)

@@ -1,7 +1,7 @@
 """Sharded master weights and gradient pieces on the host or disk tier between uses.
 
 [Note: offloading the pieces]
-Each :class:`~lightning_vescale.dbuffer.DBuffer` owns this rank's piece of its group's master weights (``local``)
+Each :class:`~lightning_vescale.engine.dbuffer.DBuffer` owns this rank's piece of its group's master weights (``local``)
 and of their gradients (``local_grad``); the sharded parameters and their ``.grad`` are RaggedTensors aliasing
 them. With ``MemoryPolicy(params=...)`` a weights piece lives on the tier between uses: its storage is released
 (resized to 0, so every alias keeps its identity and becomes valid again when the storage is re-allocated in
@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, cast
 import torch
 import torch.nn as nn
 
-from lightning_vescale.clip_grad import GRADIENT_TIERS
-from lightning_vescale.dbuffer import DBuffer
+from lightning_vescale.engine.clip_grad import GRADIENT_TIERS
+from lightning_vescale.engine.dbuffer import DBuffer
 from lightning_vescale.memory.disk import DiskStore
 from lightning_vescale.memory.ledger import memory_stats
 from lightning_vescale.memory.policy import MemoryPolicy
@@ -232,7 +232,7 @@ class PieceOffload:
 
     def __init__(self, model: nn.Module, policy: MemoryPolicy,
                  tiers: Optional[Mapping[int, tuple[str, str]]] = None) -> None:
-        from lightning_vescale.fully_shard import sharded_groups
+        from lightning_vescale.engine.fully_shard import sharded_groups
 
         chosen = []  # (group, buffer, weights tier, gradients tier)
         for group in sharded_groups(model):
@@ -419,7 +419,7 @@ def offload_of_grads(params: list[torch.Tensor]) -> Optional[PieceOffload]:
 
 
 def _offloads_of(model: nn.Module) -> list[BufferOffload]:
-    from lightning_vescale.fully_shard import sharded_groups
+    from lightning_vescale.engine.fully_shard import sharded_groups
 
     return [offload for group in sharded_groups(model) for buf in group.buffers.values()
             if isinstance(offload := getattr(buf, "offload", None), BufferOffload)]

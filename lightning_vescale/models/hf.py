@@ -34,14 +34,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from lightning_vescale._dtype_kinds import dtype_kind_mismatches
 from lightning_vescale.models.hf_deepseek_v3 import DEEPSEEK_V3_ADAPTER
 from lightning_vescale.models.hf_qwen3_moe import QWEN3_MOE_ADAPTER
 from lightning_vescale.models.llama import Llama, LlamaConfig, RopeScaling
 from lightning_vescale.models.moe import GroupedExperts, MoE, MoEConfig
 from lightning_vescale.quant.hf_fp8 import fold_fp8_state, fp8_format
 from lightning_vescale.quant.tensor import QuantizedTensor, is_quantized, set_quantized_parameter
-from lightning_vescale.state_dict_report import listing, mismatch_report
+from lightning_vescale.state_dict.dtype_kinds import dtype_kind_mismatches
+from lightning_vescale.state_dict.report import listing, mismatch_report
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "from_pretrained", "hf_parameter_names", "read_pretrained_config", "save_pretrained"]
 

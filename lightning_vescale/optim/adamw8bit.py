@@ -49,8 +49,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer, ParamsT, _get_scalar_dtype, _get_value, _to_scalar
 
-from lightning_vescale.planner import element_blocks
-from lightning_vescale.tensor import RaggedLayout, RaggedTensor, is_ragged, local_tensor
+from lightning_vescale.engine.planner import element_blocks
+from lightning_vescale.engine.tensor import RaggedLayout, RaggedTensor, is_ragged, local_tensor
 
 __all__ = [
     "AdamW8bit",

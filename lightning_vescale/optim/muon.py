@@ -64,10 +64,10 @@ from torch.optim._muon import (
 )
 from torch.optim.optimizer import Optimizer, ParamsT, _to_scalar
 
-from lightning_vescale import collectives
-from lightning_vescale._groups import ranks_process_group
+from lightning_vescale.engine import collectives
+from lightning_vescale.engine.process_groups import ranks_process_group
+from lightning_vescale.engine.tensor import OuterShard, RaggedLayout, RaggedTensor, is_ragged, local_tensor
 from lightning_vescale.optim.owner import assign_owners, newton_schulz_cost
-from lightning_vescale.tensor import OuterShard, RaggedLayout, RaggedTensor, is_ragged, local_tensor
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 from torch.optim.adam import Adam, adam
 
-from lightning_vescale.fully_shard import ParameterNames
+from lightning_vescale.engine.fully_shard import ParameterNames
 from lightning_vescale.optim.muon import (
     Mode,
     Muon,

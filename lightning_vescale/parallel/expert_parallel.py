@@ -68,8 +68,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
+from lightning_vescale.engine.tensor import GlobalExtent
 from lightning_vescale.models.moe import GroupedExperts, TopKRouter
-from lightning_vescale.tensor import GlobalExtent
 
 __all__ = [
     "ExpertParallelGroupedExperts",
@@ -268,7 +268,7 @@ def fully_shard_expert_parallel(
     Returns:
         ``model``.
     """
-    from lightning_vescale.fully_shard import fully_shard, get_state
+    from lightning_vescale.engine.fully_shard import fully_shard, get_state
     from lightning_vescale.plan._resolve import embedding_groups
 
     names = mesh.mesh_dim_names or ()

@@ -19,9 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map
 
-from lightning_vescale._api import MixedPrecisionPolicy
-from lightning_vescale._init import init_sharded_weights
-from lightning_vescale.fully_shard import (
+from lightning_vescale.engine.fully_shard import (
     GranularityArg,
     VeScaleModule,
     _default_mesh,
@@ -29,6 +27,9 @@ from lightning_vescale.fully_shard import (
     get_state,
     sharded_groups,
 )
+from lightning_vescale.engine.meta_init import init_sharded_weights
+from lightning_vescale.engine.policies import MixedPrecisionPolicy
+from lightning_vescale.engine.tensor import is_ragged, is_sharded_param
 from lightning_vescale.parallel.tensor_parallel import (
     TENSOR_PARALLEL_DIM_NAMES,
     apply_tensor_parallel,
@@ -52,7 +53,6 @@ from lightning_vescale.plan._compile import (  # noqa: F401 - the integrations' 
 )
 from lightning_vescale.plan._registry import register_policy
 from lightning_vescale.plan._spec import is_mpmd_plan, parse_dtype
-from lightning_vescale.tensor import is_ragged, is_sharded_param
 
 logger = logging.getLogger(__name__)
 
@@ -526,7 +526,7 @@ def broadcast_module_states(module: nn.Module, mesh: Union[DeviceMesh, torch.dev
         return
     if mesh is None or isinstance(mesh, torch.device):
         mesh = _default_mesh()
-    from lightning_vescale.fully_shard import _mesh_device
+    from lightning_vescale.engine.fully_shard import _mesh_device
 
     device = _mesh_device(mesh)
     seen: set[int] = set()

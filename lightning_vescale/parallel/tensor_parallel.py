@@ -3,7 +3,7 @@
 The styles are torch's (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInputOutput``);
 this module maps the plan's words onto them, finds the tp dimension of a mesh, and checks shapes against the tp size
 before any process group exists, naming the module and the fix. ``fully_shard`` then shards the resulting DTensors
-over the data-parallel dimension (see [Note: RaggedTensor as a DTensor] in :mod:`lightning_vescale.tensor`).
+over the data-parallel dimension (see [Note: RaggedTensor as a DTensor] in :mod:`lightning_vescale.engine.tensor`).
 
 [Note: experts on ep, attention on tp]
 On a ``("dp", "ep", "tp")`` mesh attention and dense projections are split over ``tp`` as usual, so the activations

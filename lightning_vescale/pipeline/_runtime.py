@@ -233,7 +233,7 @@ class MPMDModel(nn.Module):
     def _groups(self) -> list:
         """The stage's sharded groups (found once: walking the modules every micro-batch is measurable here)."""
         if self._groups_cache is None:
-            from lightning_vescale.fully_shard import sharded_groups
+            from lightning_vescale.engine.fully_shard import sharded_groups
 
             self._groups_cache = sharded_groups(self)
         return self._groups_cache

@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional, TypeGuard, Union
 
 import torch.nn as nn
 
-from lightning_vescale._api import MixedPrecisionPolicy
-from lightning_vescale.fully_shard import GranularityArg, _granularity_fn, get_state, granularity_by_pattern
+from lightning_vescale.engine.fully_shard import GranularityArg, _granularity_fn, get_state, granularity_by_pattern
+from lightning_vescale.engine.policies import MixedPrecisionPolicy
 from lightning_vescale.plan._files import load_plan
 from lightning_vescale.plan._resolve import ResolvedPlan, default_plan, plan_from_modules, resolve_plan
 from lightning_vescale.plan._spec import Plan, PlanError, dtype_name

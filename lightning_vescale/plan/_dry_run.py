@@ -57,7 +57,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from lightning_vescale._param_group import backward_reads_params
+from lightning_vescale.engine.param_group import backward_reads_params
 from lightning_vescale.plan._activations import activation_profile
 from lightning_vescale.plan._hardware import HardwareProfile
 from lightning_vescale.plan._layout import BufferLayout, block_padding_warnings, group_layouts

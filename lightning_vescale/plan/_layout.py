@@ -1,5 +1,5 @@
 """The buffers a resolved group gets on ``N`` ranks, without a process group: the engine's own
-:func:`~lightning_vescale.group_plan.plan_group_buffers` (the function :class:`~lightning_vescale._param_group.ParamGroup`
+:func:`~lightning_vescale.engine.group_plan.plan_group_buffers` (the function :class:`~lightning_vescale.engine.param_group.ParamGroup`
 builds its buffers from) on the group's parameters as the plan describes them, and the bytes of each buffer.
 
 Block-quantized parameters (a plan's ``quantization: fp8_block | int8_block``, declared by ``parallelize`` on the
@@ -28,10 +28,10 @@ import torch
 
 if TYPE_CHECKING:  # the resolved plan prints its table through this module
     from lightning_vescale.plan._resolve import GroupPolicy, ParamPolicy, ResolvedPlan
-from lightning_vescale._api import MixedPrecisionPolicy
-from lightning_vescale.group_plan import BufferKind, ParamEntry, plan_group_buffers
+from lightning_vescale.engine.group_plan import BufferKind, ParamEntry, plan_group_buffers
+from lightning_vescale.engine.planner import BufferPlan, shard_size_lower_bound
+from lightning_vescale.engine.policies import MixedPrecisionPolicy
 from lightning_vescale.plan._spec import parse_dtype
-from lightning_vescale.planner import BufferPlan, shard_size_lower_bound
 from lightning_vescale.quant._kinds import GATHER, STORAGE, BlockQuantization, is_tile_major
 from lightning_vescale.quant.blocks import band_scale_counts, tile_scale_count
 from lightning_vescale.quant.formats import BlockFormat, parse_format
@@ -103,7 +103,7 @@ class BufferLayout:
 
     @property
     def lower_bound_padding_elements(self) -> int:
-        """Padding at the planner's lower bound on the shard size (:func:`~lightning_vescale.planner.shard_size_lower_bound`):
+        """Padding at the planner's lower bound on the shard size (:func:`~lightning_vescale.engine.planner.shard_size_lower_bound`):
         what no order of these tensors can avoid at their granularity."""
         lb = _lower_bound(self.plan)
         if self.quant == STORAGE:

@@ -38,7 +38,9 @@ from typing import Any, Callable, Optional, Protocol, Union
 
 import torch.nn as nn
 
-from lightning_vescale.fully_shard import get_state
+from lightning_vescale.engine.fully_shard import get_state
+from lightning_vescale.engine.planner import granularity_numel
+from lightning_vescale.engine.tensor import is_sharded_param
 from lightning_vescale.plan._glob import glob_matches
 from lightning_vescale.plan._spec import (
     GROUP_FIELDS,
@@ -52,8 +54,6 @@ from lightning_vescale.plan._spec import (
     tier_classes,
     tp_style_name,
 )
-from lightning_vescale.planner import granularity_numel
-from lightning_vescale.tensor import is_sharded_param
 
 __all__ = ["GroupPolicy", "ParamPolicy", "ResolvedPlan", "default_plan", "plan_from_modules", "resolve_plan"]
 

@@ -67,8 +67,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, TypeGuard, Union
 
 import torch
 
+from lightning_vescale.engine.planner import parse_element_blocks
 from lightning_vescale.plan._glob import compile_glob
-from lightning_vescale.planner import parse_element_blocks
 
 if TYPE_CHECKING:
     from lightning_vescale.pipeline._spec import MPMDPlan

@@ -1,7 +1,7 @@
 """QuantizedGatherBuffer: a DBuffer whose AllGather moves block-quantized codes and scales instead of ``param_dtype``.
 
 [Note: quantized AllGather of trained weights]
-Everything about a trained group stays as in :class:`~lightning_vescale.dbuffer.DBuffer` (fp32 master pieces,
+Everything about a trained group stays as in :class:`~lightning_vescale.engine.dbuffer.DBuffer` (fp32 master pieces,
 views, gradients, the ReduceScatter in ``reduce_dtype``) except how ``unsharded`` is filled:
 
 1. each rank quantizes its own piece of every weight (:mod:`~lightning_vescale.quant.blocks`, row bands): the
@@ -33,8 +33,8 @@ from typing import Optional
 
 import torch
 
-from lightning_vescale import collectives
-from lightning_vescale.dbuffer import BufferState, DBuffer, _alloc_storage
+from lightning_vescale.engine import collectives
+from lightning_vescale.engine.dbuffer import BufferState, DBuffer, _alloc_storage
 from lightning_vescale.quant.blocks import (
     TileOrder,
     band_scale_count,

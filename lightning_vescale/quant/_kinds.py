@@ -4,7 +4,7 @@ A parameter is block-quantized when it carries the declaration ``param._vescale_
 BlockQuantization(fmt)`` (set by :func:`~lightning_vescale.quant.quantize_frozen_weights` on a meta-device model or
 :func:`~lightning_vescale.quant.quantize_all_gather` on trained weights) or is a
 :class:`~lightning_vescale.quant.tensor.QuantizedTensor` (whose class carries ``BlockQuantization()``). The engine
-asks the declaration for a kind (see [Note: buffer kinds] in :mod:`lightning_vescale.group_plan`):
+asks the declaration for a kind (see [Note: buffer kinds] in :mod:`lightning_vescale.engine.group_plan`):
 
 * :class:`QuantizedStorageKind` for a frozen one: a :class:`~lightning_vescale.quant._storage.QuantizedStorage`,
   stored sharded as codes + scales, gathered as codes + scales, dequantized into the compute dtype for forward;
@@ -26,8 +26,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_vescale.group_plan import GroupBuffer
-from lightning_vescale.planner import BufferPlan, TensorSpec, granule, plan_buffer
+from lightning_vescale.engine.group_plan import GroupBuffer
+from lightning_vescale.engine.planner import BufferPlan, TensorSpec, granule, plan_buffer
 from lightning_vescale.quant._gather import QuantizedGatherBuffer
 from lightning_vescale.quant._storage import QuantizedStorage
 from lightning_vescale.quant.blocks import tile_grid, tile_order_granule

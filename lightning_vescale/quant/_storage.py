@@ -23,13 +23,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_vescale import collectives
-from lightning_vescale.dbuffer import BufferState, _alloc_storage, _free_storage, alias
-from lightning_vescale.planner import BufferPlan, TensorSpec, plan_buffer
+from lightning_vescale.engine import collectives
+from lightning_vescale.engine.dbuffer import BufferState, _alloc_storage, _free_storage, alias
+from lightning_vescale.engine.planner import BufferPlan, TensorSpec, plan_buffer
+from lightning_vescale.engine.tensor import RaggedLayout, RaggedTensor
 from lightning_vescale.quant.blocks import codes_shape, dequantize_block_major, tile_grid
 from lightning_vescale.quant.formats import BlockFormat
 from lightning_vescale.quant.tensor import QuantizedTensor
-from lightning_vescale.tensor import RaggedLayout, RaggedTensor
 
 __all__ = ["QuantizedStorage"]
 

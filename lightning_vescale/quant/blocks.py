@@ -221,7 +221,7 @@ def dequantize_rowmajor(
 
 
 def band_granule(shape: Sequence[int], block_size: int) -> tuple[int, int]:
-    """``(granule, period)`` of the bands of a ``(E?, R, C)`` weight (as :func:`lightning_vescale.planner.granule`
+    """``(granule, period)`` of the bands of a ``(E?, R, C)`` weight (as :func:`lightning_vescale.engine.planner.granule`
     gives for ``block_size`` rows): ``b * C`` elements, restarting at every matrix (``R * C``), the last band of
     each matrix holding the ``R - (Tr - 1) * b`` rows that remain."""
     *_, rows, cols = _matrix_shape(shape)
@@ -541,7 +541,7 @@ def dequantize_tile_piece_into(out: torch.Tensor, codes: torch.Tensor, scales: t
 
 @dataclass(frozen=True)
 class TileOrder:
-    """The :class:`~lightning_vescale.tensor.ElementOrder` of a weight kept tile-major in ``block_size`` tiles."""
+    """The :class:`~lightning_vescale.engine.tensor.ElementOrder` of a weight kept tile-major in ``block_size`` tiles."""
 
     block_size: int
 

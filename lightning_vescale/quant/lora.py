@@ -130,7 +130,7 @@ def load_base_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     """
     from lightning_vescale.checkpoint import load_full_state_dict
     from lightning_vescale.quant.tensor import SCALE_SUFFIX, is_quantized
-    from lightning_vescale.state_dict_report import mismatch_report
+    from lightning_vescale.state_dict.report import mismatch_report
 
     wrapped = lora_modules(model)
     renamed = {}

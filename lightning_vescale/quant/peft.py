@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from lightning_vescale.engine.tensor import is_ragged
 from lightning_vescale.quant.lora import LoRALinear, lora_modules
 from lightning_vescale.quant.tensor import is_quantized, weights_state_dict
-from lightning_vescale.tensor import is_ragged
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "base_state_dict", "merged_state_dict", "save_peft_adapter"]
 

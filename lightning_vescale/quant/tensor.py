@@ -10,7 +10,7 @@ the weight as block-major ``codes`` ``(E?, Tr, Tc, b, b)`` and fp32 ``scale_inv`
   quantization, as QLoRA computes), except transposes and ``torch.stack``, which move whole tiles and stay
   quantized (how Hugging Face per-expert weights become our expert stacks without re-quantizing), and
   in-place ops, which are refused (the weight is frozen);
-* :class:`~lightning_vescale.tensor.RaggedTensor` s of one tile range per rank (*sharded*: made by
+* :class:`~lightning_vescale.engine.tensor.RaggedTensor` s of one tile range per rank (*sharded*: made by
   ``fully_shard`` for a frozen parameter declared quantized). It runs no compute (the engine gathers codes
   and scales and dequantizes into the unsharded buffer for forward); ``copy_`` from a full weight quantizes
   this rank's tiles, ``copy_`` from an unsharded QuantizedTensor copies its codes and scales (no
@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from lightning_vescale.engine.tensor import RaggedTensor, UnsupportedRaggedOp
 from lightning_vescale.quant.blocks import (
     codes_shape,
     dequantize_block_major,
@@ -39,7 +40,6 @@ from lightning_vescale.quant.blocks import (
     tile_grid,
 )
 from lightning_vescale.quant.formats import BlockFormat
-from lightning_vescale.tensor import RaggedTensor, UnsupportedRaggedOp
 
 __all__ = [
     "SCALE_SUFFIX", "QuantizedTensor", "install_state_dict_hooks", "is_quantized", "set_quantized_parameter",

@@ -35,6 +35,7 @@ import hydra.utils
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_vescale.engine.planner import element_blocks
 from lightning_vescale.export import (
     TOKENIZER_DIR,
     copy_tokenizer_files,
@@ -47,7 +48,6 @@ from lightning_vescale.export import (
 )
 from lightning_vescale.models import from_pretrained, num_params
 from lightning_vescale.models.hf import read_pretrained_config
-from lightning_vescale.planner import element_blocks
 from lightning_vescale.quant.tensor import weights_state_dict
 from lightning_vescale.recipe.checks import (
     ConfigError,
@@ -71,7 +71,7 @@ from lightning_vescale.recipe.schema import (
     register_configs,
     validate,
 )
-from lightning_vescale.state_dict_report import mismatch_report
+from lightning_vescale.state_dict.report import mismatch_report
 
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import Logger

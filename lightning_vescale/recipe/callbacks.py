@@ -42,7 +42,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgre
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_vescale.collectives import comm_stats
+from lightning_vescale.engine.collectives import comm_stats
 from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
 from lightning_vescale.memory.ledger import memory_stats
 from lightning_vescale.recipe.numbers import format_bytes, format_loss
@@ -403,7 +403,7 @@ class NonFiniteGuard(Callback):
         self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        from lightning_vescale.clip_grad import local_grads_finite
+        from lightning_vescale.engine.clip_grad import local_grads_finite
 
         params = [p for group in optimizer.param_groups for p in group["params"]]
         flags = torch.zeros(trainer.world_size, 2, dtype=torch.int32, device=trainer.strategy.root_device)
@@ -411,7 +411,7 @@ class NonFiniteGuard(Callback):
         flags[trainer.global_rank, 1] = int(not local_grads_finite(params))
         self._bad_loss = None
         if _distributed():
-            from lightning_vescale.collectives import named_collective
+            from lightning_vescale.engine.collectives import named_collective
 
             with named_collective("all_reduce (non-finite check)"):
                 dist.all_reduce(flags)  # the one collective: every rank gets every rank's flags

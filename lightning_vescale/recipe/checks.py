@@ -469,7 +469,7 @@ def _check_overrides_keep_the_shapes(config: FinetuneConfig) -> None:
     changed = {k: v for k, v in model.overrides().items() if getattr(theirs, k, v) != v}
     if not changed:
         return
-    from lightning_vescale.state_dict_report import mismatch_report
+    from lightning_vescale.state_dict.report import mismatch_report
 
     report = mismatch_report(_meta_shapes(model.build_config()), _meta_shapes(theirs), ours="model",
                              theirs="checkpoint")
@@ -488,7 +488,7 @@ def _check_safetensors_shapes(path: Path, config: FinetuneConfig) -> None:
     """The tensors' names and shapes of a ``.safetensors`` file (its header) against the chosen model."""
     from safetensors import safe_open
 
-    from lightning_vescale.state_dict_report import mismatch_report
+    from lightning_vescale.state_dict.report import mismatch_report
 
     with safe_open(str(path), framework="pt") as f:
         given = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable

@@ -38,7 +38,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 
-from lightning_vescale._dtype_kinds import check_dtype_kinds
 from lightning_vescale.models.moe import MoE, TopKRouter
 from lightning_vescale.recipe.schema import (
     ModelConfig,
@@ -46,6 +45,7 @@ from lightning_vescale.recipe.schema import (
     QuantConfig,
     SchedulerConfig,
 )
+from lightning_vescale.state_dict.dtype_kinds import check_dtype_kinds
 
 __all__ = ["CausalLMModule", "build_optimizer_from_config", "load_full_state_dict_into", "lr_multiplier"]
 
@@ -271,7 +271,7 @@ def load_full_state_dict_into(model: nn.Module, state_dict: Mapping[str, torch.T
     """
     from torch.distributed.tensor import DTensor
 
-    from lightning_vescale.fully_shard import get_state
+    from lightning_vescale.engine.fully_shard import get_state
 
     check_dtype_kinds(model, state_dict, what="initial state dict")
     if any(get_state(m) is not None for m in model.modules()):

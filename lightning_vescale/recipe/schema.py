@@ -531,7 +531,7 @@ class VeScaleStrategyConfig(StrategyConfig):
 
 
 def _is_element_blocks(value: Any) -> bool:
-    from lightning_vescale.planner import parse_element_blocks
+    from lightning_vescale.engine.planner import parse_element_blocks
 
     try:
         return parse_element_blocks(value) is not None

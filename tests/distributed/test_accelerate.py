@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_vescale as lv
 from lightning_vescale.accelerate import VeScaleAccelerator, VeScaleConfig, prepare_vescale
-from lightning_vescale.fully_shard import sharded_groups
+from lightning_vescale.engine.fully_shard import sharded_groups
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP, TinyTransformer
 

@@ -29,9 +29,9 @@ import torch.nn as nn
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
+from lightning_vescale.engine.tensor import RaggedTensor, is_ragged, local_tensor
 from lightning_vescale.memory import MemoryPolicy, offload_optimizer_states
 from lightning_vescale.optim import AdamW8bit, adamw8bit_granularity
-from lightning_vescale.tensor import RaggedTensor, is_ragged, local_tensor
 from tests.dist_utils import run_distributed
 
 SAVED_STEPS = 3

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_vescale as lv
-from lightning_vescale.fully_shard import get_state
+from lightning_vescale.engine.fully_shard import get_state
 from lightning_vescale.models import MoE, moe_config
 from lightning_vescale.parallel import (
     apply_expert_parallel,

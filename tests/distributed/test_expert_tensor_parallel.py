@@ -38,13 +38,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
-from lightning_vescale.fully_shard import get_state
+from lightning_vescale.engine.fully_shard import get_state
+from lightning_vescale.engine.placement import RaggedShard
 from lightning_vescale.memory import checkpoint_blocks
 from lightning_vescale.models import MoE, moe_config
 from lightning_vescale.models.deepseek_v3 import DeepSeekV3, deepseek_v3_config
 from lightning_vescale.models.qwen3_moe import Qwen3MoE, qwen3_moe_config
 from lightning_vescale.parallel import fully_shard_expert_parallel, register_expert_bias_update
-from lightning_vescale.placement import RaggedShard
 from lightning_vescale.plan import PlanError, load_plan
 from tests.dist_pool import DistributedTest
 

@@ -20,7 +20,7 @@ from lightning.fabric import Fabric
 
 import lightning_vescale as lv
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
-from lightning_vescale.fully_shard import sharded_groups
+from lightning_vescale.engine.fully_shard import sharded_groups
 from lightning_vescale.lightning import VeScaleFabricStrategy
 from tests.dist_utils import max_piece_diff, run_distributed
 from tests.toy_models import MLP, TinyTransformer

@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lightning_vescale as lv
-from lightning_vescale import collectives
-from lightning_vescale.fully_shard import sharded_groups
+from lightning_vescale.engine import collectives
+from lightning_vescale.engine.fully_shard import sharded_groups
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP
 

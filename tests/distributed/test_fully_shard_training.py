@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_vescale as lv
-from lightning_vescale import collectives
-from lightning_vescale.fully_shard import sharded_groups
+from lightning_vescale.engine import collectives
+from lightning_vescale.engine.fully_shard import sharded_groups
 from tests.dist_pool import DistributedTest
 from tests.toy_models import MLP, TinyTransformer
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lightning_vescale as lv
-from lightning_vescale.fully_shard import granularity_by_pattern
+from lightning_vescale.engine.fully_shard import granularity_by_pattern
 from tests.dist_utils import run_distributed
 
 

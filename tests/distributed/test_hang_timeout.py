@@ -2,7 +2,7 @@
 
 One rank stops itself with SIGSTOP (as a debugger, a swapped-out VM or a stuck filesystem would stop it);
 the others must not wait for torch's 30-minute default but fail after ``timeout`` with a
-:class:`~lightning_vescale.collectives.CollectiveError`. The ranks run in processes of their own (the
+:class:`~lightning_vescale.engine.collectives.CollectiveError`. The ranks run in processes of their own (the
 stopped one is killed at the end), so this file has its own small launcher instead of ``run_distributed``.
 Without the timeout reaching the process groups, the waiting ranks would outlive the launcher's join
 limit and the test fails.
@@ -116,7 +116,7 @@ def test_a_stopped_peer_stops_training_with_the_rank_and_the_collective() -> Non
 
 
 def _hsdp_mesh_rank(rank: int, world: int) -> None:
-    from lightning_vescale import collectives
+    from lightning_vescale.engine import collectives
     from lightning_vescale.lightning._common import build_mesh
 
     # The default group waits long, so only the mesh's own groups can end the wait within the test.
@@ -155,7 +155,7 @@ def _sigterm_connector():
 
 
 def _lightning_collectives_rank(rank: int, world: int) -> None:
-    from lightning_vescale.collectives import CollectiveError
+    from lightning_vescale.engine.collectives import CollectiveError
     from lightning_vescale.lightning import VeScaleFabricStrategy, VeScaleStrategy
 
     dist.init_process_group("gloo", init_method=f"file://{os.environ['PG_INIT_FILE']}", rank=rank,

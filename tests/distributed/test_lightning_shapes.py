@@ -21,8 +21,8 @@ from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
+from lightning_vescale.engine.tensor import is_ragged
 from lightning_vescale.lightning import ProcessGroupEnvironment
-from lightning_vescale.tensor import is_ragged
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP
 

@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_vescale as lv
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
-from lightning_vescale.fully_shard import sharded_groups
+from lightning_vescale.engine.fully_shard import sharded_groups
+from lightning_vescale.engine.tensor import is_ragged
 from lightning_vescale.lightning import ProcessGroupEnvironment, VeScaleStrategy
-from lightning_vescale.tensor import is_ragged
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP
 

@@ -331,7 +331,7 @@ def _gathered(rank: int, world: int, tmp: str) -> None:
     AllGathers' bytes replaced by reads."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_vescale.fully_shard import sharded_groups
+    from lightning_vescale.engine.fully_shard import sharded_groups
     from lightning_vescale.memory import apply_memory_policy, memory_stats
     from lightning_vescale.memory.pieces import resident_pieces
 

@@ -21,10 +21,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
-from lightning_vescale.fully_shard import sharded_groups
+from lightning_vescale.engine.fully_shard import sharded_groups
 from lightning_vescale.models.llama import Llama, LlamaConfig
 from lightning_vescale.models.vlm import VLM, synthetic_vlm_batch, vlm_config
-from lightning_vescale.parallelize import resolve_for
+from lightning_vescale.parallel.parallelize import resolve_for
 from lightning_vescale.pipeline import (
     MPMDModel,
     _runtime,

@@ -28,13 +28,13 @@ import torch.nn.functional as F
 
 import lightning_vescale as lv
 import lightning_vescale.optim.muon as muon_module
+from lightning_vescale.engine.tensor import UnsupportedRaggedOp
 from lightning_vescale.optim import (
     Muon,
     build_optimizer,
     muon_granularity,
     route_parameters,
 )
-from lightning_vescale.tensor import UnsupportedRaggedOp
 from tests.dist_utils import run_distributed
 
 LOCAL_BATCH = 3

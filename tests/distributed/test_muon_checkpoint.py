@@ -41,8 +41,8 @@ import torch.nn.functional as F
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
+from lightning_vescale.engine.tensor import RaggedTensor, is_ragged
 from lightning_vescale.optim import build_optimizer, muon_granularity
-from lightning_vescale.tensor import RaggedTensor, is_ragged
 from tests.asserts import assert_equal_tree
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
-from lightning_vescale.fully_shard import get_state
+from lightning_vescale.engine.fully_shard import get_state
 from lightning_vescale.optim import route_parameters
 from lightning_vescale.plan import policy_of, resolve_plan
 from lightning_vescale.plan._dry_run import Workload, dry_run

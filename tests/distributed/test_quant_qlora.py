@@ -102,7 +102,7 @@ def _qlora(rank: int, world: int, tmp: str, fmt_kind: str) -> None:
                     for n, p in ref.named_parameters() if isinstance(p, QuantizedTensor)}, os.path.join(tmp, "codes.pt"))
 
     # Memory: the frozen base per rank vs bf16 sharding of the same weights.
-    from lightning_vescale.fully_shard import sharded_groups
+    from lightning_vescale.engine.fully_shard import sharded_groups
     from lightning_vescale.quant._storage import QuantizedStorage
 
     stored = sum(b.local_nbytes() for g in sharded_groups(model) for b in g.buffers.values()

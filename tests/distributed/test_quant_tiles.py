@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_vescale import MixedPrecisionPolicy, collectives, comm_stats, fully_shard
-from lightning_vescale.fully_shard import sharded_groups
+from lightning_vescale import MixedPrecisionPolicy, comm_stats, fully_shard
+from lightning_vescale.engine import collectives
+from lightning_vescale.engine.fully_shard import sharded_groups
 from lightning_vescale.quant import BlockFormat, dequantize_block_major, quantize_all_gather, quantize_block_major
 from lightning_vescale.quant.blocks import tile_boxes
 from lightning_vescale.quant.formats import dequantize_tiles, quantize_tiles

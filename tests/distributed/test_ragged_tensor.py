@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lightning_vescale as lv
-from lightning_vescale.tensor import RaggedTensor, UnsupportedRaggedOp, is_ragged
+from lightning_vescale.engine.tensor import RaggedTensor, UnsupportedRaggedOp, is_ragged
 from tests.dist_utils import run_distributed
 from tests.toy_models import MLP
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_vescale.placement import RaggedShard, gather_full, redistribute, redistribute_flat, shard_tensor
-from lightning_vescale.planner import TensorSpec, granularity_numel, plan_buffer
+from lightning_vescale.engine.placement import RaggedShard, gather_full, redistribute, redistribute_flat, shard_tensor
+from lightning_vescale.engine.planner import TensorSpec, granularity_numel, plan_buffer
 from tests.dist_utils import run_distributed
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float8_e4m3fn]

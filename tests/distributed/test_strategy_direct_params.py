@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_vescale.fully_shard import get_state, sharded_groups
-from lightning_vescale.tensor import is_ragged
+from lightning_vescale.engine.fully_shard import get_state, sharded_groups
+from lightning_vescale.engine.tensor import is_ragged
 from tests.dist_utils import run_distributed
 from tests.distributed.test_lightning_strategy import Recorder, assert_close, ddp, fit
 from tests.toy_models import Block

@@ -25,8 +25,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
+from lightning_vescale.engine.placement import RaggedShard
 from lightning_vescale.optim import Muon
-from lightning_vescale.placement import RaggedShard
 from lightning_vescale.quant import BlockFormat, quantize_all_gather
 from tests.dist_utils import run_distributed
 

@@ -25,9 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
+from lightning_vescale.engine.placement import RaggedShard
 from lightning_vescale.memory import checkpoint_blocks
 from lightning_vescale.models.llama import Llama, LlamaConfig
-from lightning_vescale.placement import RaggedShard
 from lightning_vescale.plan import load_plan, resolve_plan
 from lightning_vescale.plan._dry_run import Workload, dry_run
 from lightning_vescale.plan._hardware import load_profile

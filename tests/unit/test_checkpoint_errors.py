@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.checkpoint import _save_load
-from lightning_vescale.state_dict_report import mismatch_report
+from lightning_vescale.state_dict.report import mismatch_report
 from tests.toy_models import MLP, TinyTransformer
 
 

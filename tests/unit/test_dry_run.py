@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_vescale.engine.planner import TensorSpec, plan_buffer
 from lightning_vescale.models.families import FAMILIES
 from lightning_vescale.plan import PlanError, resolve_plan
 from lightning_vescale.plan.__main__ import main, world_sizes
@@ -17,7 +18,6 @@ from lightning_vescale.plan._activations import activation_bytes_per_token, acti
 from lightning_vescale.plan._dry_run import Workload, _per_rank_state_elements, dry_run
 from lightning_vescale.plan._hardware import load_profile
 from lightning_vescale.plan._layout import BufferLayout, group_layouts
-from lightning_vescale.planner import TensorSpec, plan_buffer
 
 
 def build(family: str, preset: str, **overrides) -> nn.Module:

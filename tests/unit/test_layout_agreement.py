@@ -14,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_vescale as lv
-from lightning_vescale.fully_shard import get_state
+from lightning_vescale.engine.fully_shard import get_state
 from lightning_vescale.models import Llama, llama_config
 from lightning_vescale.models.moe import MoE, moe_config
 from lightning_vescale.plan._layout import group_layouts

@@ -8,12 +8,12 @@ import torch
 import torch.nn as nn
 import yaml
 
+from lightning_vescale.engine.planner import TensorSpec, granularity_numel, plan_buffer
 from lightning_vescale.models.families import FAMILIES
-from lightning_vescale.parallelize import resolve_for
+from lightning_vescale.parallel.parallelize import resolve_for
 from lightning_vescale.plan import Plan, PlanError, default_plan, load_plan, plan_from_modules, resolve_plan
 from lightning_vescale.plan._glob import glob_matches
 from lightning_vescale.plan._layout import group_layouts
-from lightning_vescale.planner import TensorSpec, granularity_numel, plan_buffer
 from tests.toy_models import MLP, TinyTransformer
 
 

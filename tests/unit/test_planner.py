@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import lightning_vescale.planner as planner
-from lightning_vescale.planner import (
+import lightning_vescale.engine.planner as planner
+from lightning_vescale.engine.planner import (
     BufferPlan,
     TensorSpec,
     granularity_numel,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_vescale.group_plan import buffer_kind_of
+from lightning_vescale.engine.group_plan import buffer_kind_of
 from lightning_vescale.models import Llama, LlamaConfig
 from lightning_vescale.quant import BlockFormat, QuantizedTensor, quantize_all_gather, quantize_frozen_weights
 from lightning_vescale.quant._kinds import quantization_of

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_vescale.tensor import RaggedLayout, RaggedTensor, UnsupportedRaggedOp
+from lightning_vescale.engine.tensor import RaggedLayout, RaggedTensor, UnsupportedRaggedOp
 
 
 def _layout(n: int) -> RaggedLayout:

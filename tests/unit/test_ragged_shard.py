@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_vescale.placement import RaggedShard, flat_range_to_boxes, shard_tensor
-from lightning_vescale.planner import TensorSpec, granularity_numel, plan_buffer
+from lightning_vescale.engine.placement import RaggedShard, flat_range_to_boxes, shard_tensor
+from lightning_vescale.engine.planner import TensorSpec, granularity_numel, plan_buffer
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_vescale as lv
 import lightning_vescale.lightning  # noqa: F401 - registers the strategies
+from lightning_vescale.engine.tensor import is_ragged
 from lightning_vescale.lightning import (
     VeScaleFabricStrategy,
     VeScalePrecision,
@@ -30,7 +31,6 @@ from lightning_vescale.lightning._common import (
     shard_module,
     top_level_roots,
 )
-from lightning_vescale.tensor import is_ragged
 
 
 @pytest.fixture

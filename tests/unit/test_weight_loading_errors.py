@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lightning_vescale._dtype_kinds import check_dtype_kinds
 from lightning_vescale.models import Llama, LlamaConfig, from_pretrained, save_pretrained
+from lightning_vescale.state_dict.dtype_kinds import check_dtype_kinds
 from tests.toy_models import MLP
 
 CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=48, max_seq_len=16)

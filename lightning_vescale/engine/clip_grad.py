@@ -29,7 +29,7 @@ def clip_grad_norm_(
     """Clip gradients of sharded (and ordinary) parameters by their global norm, like
     ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
 
-    Sharded gradients are :class:`~lightning_vescale.tensor.RaggedTensor` s, whose ``_foreach_norm`` is the
+    Sharded gradients are :class:`~lightning_vescale.engine.tensor.RaggedTensor` s, whose ``_foreach_norm`` is the
     global norm (one all-reduce per process group for the whole list), so this is
     ``torch.nn.utils.clip_grad_norm_`` with ``foreach=True``; calling torch's directly gives the same result.
     Expert stacks of expert parallelism are laid out over all dp x ep ranks, so each element counts once.

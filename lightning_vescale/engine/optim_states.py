@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_vescale.tensor import RaggedTensor, is_ragged
+from lightning_vescale.engine.tensor import RaggedTensor, is_ragged
 
 __all__ = ["lay_out_like_params"]
 

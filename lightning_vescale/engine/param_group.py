@@ -4,7 +4,7 @@ A group owns one :class:`DBuffer` per (dtype, requires_grad): usually a single b
 AllGather and one ReduceScatter per group. Each original parameter becomes
 
 * a *sharded* ``nn.Parameter`` registered on the module(s) that used it — a
-  :class:`~lightning_vescale.tensor.RaggedTensor` of the global shape wrapping a view into the DBuffer's
+  :class:`~lightning_vescale.engine.tensor.RaggedTensor` of the global shape wrapping a view into the DBuffer's
   local piece; this is what ``model.parameters()`` yields and what the optimizer steps. Its ``.grad`` is
   a RaggedTensor of the same layout on the DBuffer's local gradient piece;
 * an *unsharded* ``nn.Parameter`` — a view into the DBuffer's unsharded buffer, swapped onto the
@@ -25,12 +25,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_vescale import collectives
-from lightning_vescale._api import MixedPrecisionPolicy
-from lightning_vescale.dbuffer import BufferState, DBuffer
-from lightning_vescale.group_plan import BufferKind, ParamEntry, buffer_kind_of, plan_group_buffers
-from lightning_vescale.planner import BufferPlan, Granularity
-from lightning_vescale.tensor import OuterShard, RaggedLayout, RaggedTensor, _contiguous_strides, piece_of
+from lightning_vescale.engine import collectives
+from lightning_vescale.engine.dbuffer import BufferState, DBuffer
+from lightning_vescale.engine.group_plan import BufferKind, ParamEntry, buffer_kind_of, plan_group_buffers
+from lightning_vescale.engine.planner import BufferPlan, Granularity
+from lightning_vescale.engine.policies import MixedPrecisionPolicy
+from lightning_vescale.engine.tensor import OuterShard, RaggedLayout, RaggedTensor, _contiguous_strides, piece_of
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class ParamGroup:
     def _layouts(self, originals: dict[str, nn.Parameter]) -> dict[str, RaggedLayout]:
         """Each parameter's :class:`RaggedLayout`: its pieces over the shard group.
 
-        A parameter that is a block of a larger tensor (a :class:`~lightning_vescale.tensor.GlobalExtent` in
+        A parameter that is a block of a larger tensor (a :class:`~lightning_vescale.engine.tensor.GlobalExtent` in
         ``_vescale_global_extent``, as expert parallelism sets on each rank's expert stack) is laid out as that
         larger tensor over ``norm_group``, whose ranks then hold every element once: its pieces are gathered there (one
         small all-gather of int64 ranges).

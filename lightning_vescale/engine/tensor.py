@@ -31,7 +31,7 @@ DTensor, another layout), which takes this rank's piece of it (``load_state_dict
 [Note: RaggedTensor as a DTensor]
 A RaggedTensor *is* a :class:`torch.distributed.tensor.DTensor` (veScale's design): ``isinstance(p, DTensor)``,
 ``p.device_mesh`` (the ``fully_shard`` mesh; a 2-D (replicate, shard) mesh for HSDP), ``p.placements``
-(:class:`~lightning_vescale.placement.RaggedShard` on the shard dim, ``Replicate()`` on the others),
+(:class:`~lightning_vescale.engine.placement.RaggedShard` on the shard dim, ``Replicate()`` on the others),
 ``full_tensor()``, ``to_local()`` and ``redistribute(...)``, so DTensor-aware code works unchanged:
 ``torch.distributed.checkpoint.state_dict``'s helpers (full and sharded, ``broadcast_from_rank0``), ``dcp.save`` /
 ``dcp.load``, ``clip_grad_norm_``, the FSDP2 tutorial's ``full_tensor()`` export and ``distribute_tensor`` +
@@ -69,8 +69,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_t
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_map
 
-from lightning_vescale import collectives
-from lightning_vescale.placement import RaggedShard, ReorderedRaggedShard, flat_range_to_boxes
+from lightning_vescale.engine import collectives
+from lightning_vescale.engine.placement import RaggedShard, ReorderedRaggedShard, flat_range_to_boxes
 
 __all__ = [
     "ElementOrder", "GlobalExtent", "OuterShard", "RaggedLayout", "RaggedTensor", "UnsupportedRaggedOp", "block_layout", "is_ragged", "is_sharded_param",

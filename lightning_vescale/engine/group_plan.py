@@ -1,15 +1,15 @@
 """A group's buffers, decided once: the pure function the engine builds its DBuffers from and the dry run sizes.
 
 [Note: one layout for the engine and the dry run]
-``fully_shard`` (:class:`~lightning_vescale._param_group.ParamGroup`) and the dry run
+``fully_shard`` (:class:`~lightning_vescale.engine.param_group.ParamGroup`) and the dry run
 (:mod:`lightning_vescale.plan`) both call :func:`plan_group_buffers` with a group's parameters described by
 :class:`ParamEntry` (name, shape, dtype, ``requires_grad``, granularity, buffer kind) and get the same
 :class:`GroupBuffer` s: which parameters share a buffer (same dtype, ``requires_grad`` and kind), their granules
 and optimizer costs (:func:`owner_cost`), the dtypes each buffer stores, gathers and reduces in, its alignment
-and its :class:`~lightning_vescale.planner.BufferPlan`. Nothing here needs a process group or a tensor.
+and its :class:`~lightning_vescale.engine.planner.BufferPlan`. Nothing here needs a process group or a tensor.
 
 [Note: buffer kinds]
-The engine stores ordinary parameters in :class:`~lightning_vescale.dbuffer.DBuffer` s. An extension can store a
+The engine stores ordinary parameters in :class:`~lightning_vescale.engine.dbuffer.DBuffer` s. An extension can store a
 parameter otherwise (block-quantized weights: frozen codes and scales, or an AllGather of codes) by giving it a
 declaration, ``param._vescale_buffer_kind``, an object whose ``kind_for(name, param)`` returns a
 :class:`BufferKind` (or None: an ordinary parameter after all), as FSDP2's tensor subclasses supply
@@ -26,8 +26,8 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
-from lightning_vescale._api import MixedPrecisionPolicy
-from lightning_vescale.planner import BufferPlan, Granularity, TensorSpec, granule, plan_buffer
+from lightning_vescale.engine.planner import BufferPlan, Granularity, TensorSpec, granule, plan_buffer
+from lightning_vescale.engine.policies import MixedPrecisionPolicy
 
 __all__ = ["BufferKind", "GroupBuffer", "ParamEntry", "buffer_kind_of", "owner_cost", "plan_group_buffers"]
 
@@ -43,7 +43,7 @@ class BufferKind(Protocol):
     False: it keeps a storage of its own and :meth:`make_parameters` makes them."""
 
     def granule(self, name: str, shape: tuple[int, ...], requested: tuple[int, int]) -> tuple[int, int]:
-        """The cut granule ``(granule_numel, period)`` (as :func:`~lightning_vescale.planner.granule` gives them) of a
+        """The cut granule ``(granule_numel, period)`` (as :func:`~lightning_vescale.engine.planner.granule` gives them) of a
         parameter whose requested granularity has the granule ``requested``."""
 
     def planner_specs(self, specs: list[TensorSpec], alignment: int, world_size: int) -> tuple[list[TensorSpec], int]:

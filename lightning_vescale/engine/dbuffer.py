@@ -1,7 +1,7 @@
 """DBuffer: a group's flat distributed storage for tensors of one dtype.
 
 [Note: DBuffer layout]
-A :class:`~lightning_vescale.planner.BufferPlan` places every tensor of the buffer at an offset of a
+A :class:`~lightning_vescale.engine.planner.BufferPlan` places every tensor of the buffer at an offset of a
 flat buffer of ``N * S`` elements; rank ``r`` owns ``[r * S, (r + 1) * S)``. The DBuffer keeps
 
 * ``local``           (S,)    persistent, original dtype (fp32 master) — the sharded parameters are
@@ -37,9 +37,9 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_vescale import collectives
-from lightning_vescale.planner import BufferPlan
-from lightning_vescale.tensor import ElementOrder, local_piece_shape
+from lightning_vescale.engine import collectives
+from lightning_vescale.engine.planner import BufferPlan
+from lightning_vescale.engine.tensor import ElementOrder, local_piece_shape
 
 __all__ = ["BufferState", "DBuffer", "GatheredTier", "PieceTier"]
 

@@ -18,8 +18,8 @@ _CREATED: dict[tuple[int, ...], tuple[object, dist.ProcessGroup]] = {}
 
 
 def _known_groups(model: nn.Module) -> list[dist.ProcessGroup]:
-    from lightning_vescale.fully_shard import get_state
-    from lightning_vescale.tensor import is_ragged
+    from lightning_vescale.engine.fully_shard import get_state
+    from lightning_vescale.engine.tensor import is_ragged
 
     groups = []
     for m in model.modules():
@@ -34,7 +34,7 @@ def _known_groups(model: nn.Module) -> list[dist.ProcessGroup]:
 
 def model_ranks(model: nn.Module) -> Optional[list[int]]:
     """The global ranks holding a piece of ``model`` (its meshes' ranks, sorted); None if nothing is sharded."""
-    from lightning_vescale.fully_shard import get_state
+    from lightning_vescale.engine.fully_shard import get_state
 
     ranks: set[int] = set()
     for m in model.modules():
@@ -43,7 +43,7 @@ def model_ranks(model: nn.Module) -> Optional[list[int]]:
             ranks.update(int(r) for r in state.mesh.mesh.flatten().tolist())
     for g in _known_groups(model):
         ranks.update(dist.get_process_group_ranks(g))
-    from lightning_vescale.tensor import is_ragged
+    from lightning_vescale.engine.tensor import is_ragged
 
     for p in model.parameters():  # a tensor-parallel parameter's (dp, tp) mesh: every rank of it holds the model
         if is_ragged(p) and p.layout_info.outer is not None and p.layout_info.mesh is not None:

@@ -117,7 +117,7 @@ class RaggedShard(Shard):
     of units of ``prod(shape[k:])`` contiguous elements; rank ``r`` holds ``local_units[r]`` units
     (uneven, possibly zero), ranks in order. ``Shard(0)`` of FSDP2 is the special case ``dims=(0,)``
     with equal row shares (:meth:`even`). :meth:`from_flat_ranges` builds the placement from the
-    per-rank flat ranges a :class:`~lightning_vescale.planner.BufferPlan` gives.
+    per-rank flat ranges a :class:`~lightning_vescale.engine.planner.BufferPlan` gives.
 
     The placement does not store the tensor's shape: every method takes the global ``shape``.
     """
@@ -342,7 +342,7 @@ class RaggedShard(Shard):
 
 class ReorderedRaggedShard(RaggedShard):
     """A :class:`RaggedShard` whose flat ranges index a storage order other than row-major (a
-    :class:`~lightning_vescale.tensor.ElementOrder`: block-quantized weights kept tile-major). A piece is then no
+    :class:`~lightning_vescale.engine.tensor.ElementOrder`: block-quantized weights kept tile-major). A piece is then no
     run of rows, so the rows that cover a non-empty piece, as DTensor code asks for them, are all rows (torch's
     ``set_model_state_dict(..., broadcast_from_rank0=True)`` then copies the whole tensor into ``to_local()``, which
     takes the piece in storage order)."""

@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from lightning_vescale._param_group import ParamGroup, _set_param
-from lightning_vescale.fully_shard import get_state
+from lightning_vescale.engine.fully_shard import get_state
+from lightning_vescale.engine.param_group import ParamGroup, _set_param
 
 __all__ = ["init_sharded_weights"]
 

@@ -44,14 +44,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_vescale import (
-    _optim_states,  # noqa: F401 - loaded optimizer states take their parameter's layout
+from lightning_vescale.engine import (
     collectives,
+    optim_states,  # noqa: F401 - loaded optimizer states take their parameter's layout
 )
-from lightning_vescale._api import MixedPrecisionPolicy
-from lightning_vescale._param_group import SHARDED_ORIGINALS, ParamGroup, TrainingState
-from lightning_vescale.planner import Granularity
-from lightning_vescale.tensor import is_ragged
+from lightning_vescale.engine.param_group import SHARDED_ORIGINALS, ParamGroup, TrainingState
+from lightning_vescale.engine.planner import Granularity
+from lightning_vescale.engine.policies import MixedPrecisionPolicy
+from lightning_vescale.engine.tensor import is_ragged
 
 logger = logging.getLogger(__name__)
 
@@ -733,7 +733,7 @@ def fully_shard(
     Apply it bottom-up, like FSDP2: each transformer block first, then the root. Each call takes the
     parameters of ``module`` that no sharded submodule already owns and makes them one group: one
     AllGather before the group's forward (prefetched one group ahead), one ReduceScatter after its
-    backward. The module's parameters become :class:`~lightning_vescale.tensor.RaggedTensor` s: they report
+    backward. The module's parameters become :class:`~lightning_vescale.engine.tensor.RaggedTensor` s: they report
     the full shape, hold this rank's piece (a view into the group's DBuffer, ``p.to_local()``), and run
     elementwise ops on it, so an ordinary ``torch.optim`` optimizer built on ``model.parameters()`` steps only
     what this rank owns while code that reads ``p.shape`` / ``p.dim()`` sees the unsharded model.
@@ -750,7 +750,7 @@ def fully_shard(
             parameters are used only by ``nn.Embedding`` s is not gathered again: their backward reads no weight.
         mp_policy: mixed precision; the local pieces keep the original dtype (fp32 master weights).
         granularity: the cut granularity per parameter, a unit no rank boundary may split (see
-            :func:`~lightning_vescale.planner.granule`): ``"element"`` (default, least padding); for matrices,
+            :func:`~lightning_vescale.engine.planner.granule`): ``"element"`` (default, least padding); for matrices,
             ``"row"`` (a row), an int ``k`` (blocks of ``k`` rows, the last block of a matrix holding what
             remains: 128 keeps 128x128 quantization blocks whole) or ``"matrix"`` (a whole matrix, as Muon
             wants); ``"tensor"`` (the whole tensor). A 3-D ``(E, rows, cols)`` parameter is a stack of ``E``
