@@ -142,14 +142,15 @@ class RaggedShard(Shard):
         self.__post_init__()
 
     def __reduce__(self) -> tuple:
-        return (RaggedShard, (self.dims, self.local_units))
+        return (type(self), (self.dims, self.local_units))
 
     def __eq__(self, other: object) -> bool:
-        # Never equal to a plain Shard(0) (whose C++ equality would otherwise answer for a mixed comparison).
-        return isinstance(other, RaggedShard) and (self.dims, self.local_units) == (other.dims, other.local_units)
+        # Never equal to a plain Shard(0) (whose C++ equality would otherwise answer for a mixed comparison), nor
+        # to a subclass's placement with the same pieces (its storage order differs): the same type only.
+        return type(other) is type(self) and (self.dims, self.local_units) == (other.dims, other.local_units)
 
     def __hash__(self) -> int:
-        return hash((RaggedShard, self.dims, self.local_units))
+        return hash((type(self), self.dims, self.local_units))
 
     def __str__(self) -> str:
         return f"RS{self.local_units}"
@@ -346,15 +347,6 @@ class ReorderedRaggedShard(RaggedShard):
     run of rows, so the rows that cover a non-empty piece, as DTensor code asks for them, are all rows (torch's
     ``set_model_state_dict(..., broadcast_from_rank0=True)`` then copies the whole tensor into ``to_local()``, which
     takes the piece in storage order)."""
-
-    def __reduce__(self) -> tuple:
-        return (ReorderedRaggedShard, (self.dims, self.local_units))
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and (self.dims, self.local_units) == (other.dims, other.local_units)
-
-    def __hash__(self) -> int:
-        return hash((ReorderedRaggedShard, self.dims, self.local_units))
 
     def __str__(self) -> str:
         return f"RS*{self.local_units}"

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_vescale.engine.placement import RaggedShard, flat_range_to_boxes, shard_tensor
+from lightning_vescale.engine.placement import RaggedShard, ReorderedRaggedShard, flat_range_to_boxes, shard_tensor
 from lightning_vescale.engine.planner import TensorSpec, granularity_numel, plan_buffer
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -224,3 +224,17 @@ def test_from_flat_ranges_errors_and_empty_tensors():
     assert RaggedShard.from_flat_ranges((4, 3, 2), [(0, 8), (8, 24)]) == RaggedShard((0, 1), (4, 8))
     # an empty piece at the end sits one row past the last
     assert RaggedShard((0,), (4, 0)).global_offset((4, 6), 1) == (4, 0)
+
+
+def test_a_reordered_placement_never_equals_the_row_major_one_with_the_same_pieces() -> None:
+    plain, reordered = RaggedShard((0,), (2, 2)), ReorderedRaggedShard((0,), (2, 2))
+    assert plain != reordered and reordered != plain  # both ways: a redistribute between them is no no-op
+    assert reordered == ReorderedRaggedShard((0,), (2, 2)) and hash(reordered) != hash(plain)
+
+
+def test_pickling_a_placement_keeps_its_type() -> None:
+    import pickle
+
+    for placement in (RaggedShard((0,), (3, 1)), ReorderedRaggedShard((0,), (3, 1))):
+        copy = pickle.loads(pickle.dumps(placement))  # noqa: S301 - our own bytes, made just above
+        assert type(copy) is type(placement) and copy == placement
