@@ -199,7 +199,7 @@ def resolve_for(
         fallback = lambda full, inner, p: fn(inner, p)  # noqa: E731 - names inside the group, as fully_shard gives
     resolved = resolve_plan(model, plan, roots=roots, defaults=caller, granularity_fallback=fallback)
     if tensor_parallel:
-        from lightning_vescale.parallel.tensor_parallel import token_split_modules
+        from lightning_vescale.plan._tp_rules import token_split_modules
 
         grouped = {g.name for g in resolved.groups}
         loose = [n for n in token_split_modules(resolved.tensor_parallel) if n not in grouped]

@@ -157,7 +157,7 @@ def tensor_parallel_view(model: nn.Module, resolved: ResolvedPlan, tp: int) -> t
     Raises ``ValueError`` (from :func:`~lightning_vescale.parallel.check_tensor_parallel`) where ``tp`` does not
     divide a split shape or the heads, and a :class:`PlanError` where the plan splits nothing or gives a layout
     the dry run does not size."""
-    from lightning_vescale.parallel.tensor_parallel import check_tensor_parallel
+    from lightning_vescale.plan._tp_rules import check_tensor_parallel
 
     if tp == 1:
         return model, resolved

@@ -10,6 +10,14 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_vescale"
 ENGINE = "lightning_vescale.engine"
 # What the package's top level may hold besides packages: the public entry modules (docs/ARCHITECTURE.md).
 TOP_LEVEL_MODULES = {"__init__", "_lightning_hook", "accelerate", "convert", "export"}
+# docs/ARCHITECTURE.md's layers, bottom up: a module imports its own layer or lower ones only.
+LAYERS = {
+    "engine": 0,
+    "quant": 1, "optim": 1, "memory": 1, "checkpoint": 1, "plan": 1, "state_dict": 1, "models": 1, "data": 1,
+    "parallel": 2, "pipeline": 2,
+    "lightning": 3, "accelerate": 3, "_lightning_hook": 3, "export": 3, "convert": 3,
+    "recipe": 4,
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -92,6 +100,19 @@ def test_the_engine_imports_nothing_of_the_package_outside_it() -> None:
     assert len(engine) > 10, sorted(engine)  # the engine's modules were found
     bad = {m: sorted(i for i in graph[m] if i not in engine) for m in engine}
     assert not any(bad.values()), {m: v for m, v in bad.items() if v}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return max(LAYERS.values()) + 1 if len(parts) == 1 else LAYERS[parts[1]]  # the package root: above all
+
+
+def test_every_import_points_down_the_layers() -> None:
+    graph = _graph()
+    assert {m.split(".")[1] for m in graph if "." in m} <= set(LAYERS), "give each package a layer"
+    up = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                if _layer(d) > _layer(m) and not (d == "lightning_vescale" and _layer(m) == LAYERS["recipe"]))
+    assert not up, up
 
 
 def test_models_import_no_engine_applier_or_integration() -> None:
