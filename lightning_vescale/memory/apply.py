@@ -23,7 +23,7 @@ from lightning_vescale.memory.gathered import GatheredOffload
 from lightning_vescale.memory.optimizer_states import StateOffload, offload_optimizer_states
 from lightning_vescale.memory.pieces import PieceOffload, offload_pieces
 from lightning_vescale.memory.policy import MemoryPolicy, Tier
-from lightning_vescale.plan._registry import mark_tiers_applied
+from lightning_vescale.plan import mark_tiers_applied
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def tier_placement(model: nn.Module, policy: Optional[MemoryPolicy]) -> TierPlac
     (:func:`~lightning_vescale.plan.policy_of`) for the classes it places, ``policy``'s for the rest."""
     from lightning_vescale.engine.dbuffer import DBuffer
     from lightning_vescale.engine.fully_shard import sharded_groups
-    from lightning_vescale.plan._registry import policy_of
+    from lightning_vescale.plan import policy_of
 
     policy = policy or MemoryPolicy()
     out = TierPlacement(default_states=policy.optimizer_states)

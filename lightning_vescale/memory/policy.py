@@ -151,7 +151,7 @@ def check_plan_tiers(plan: Any, memory: Optional[MemoryPolicy], where: str) -> N
     e.g. MPMD plans, are checked where they are applied)."""
     if plan is None:
         return
-    from lightning_vescale.plan._spec import Plan, is_mpmd_plan
+    from lightning_vescale.plan import Plan, is_mpmd_plan
 
     if is_mpmd_plan(plan):
         return

@@ -269,7 +269,7 @@ def fully_shard_expert_parallel(
         ``model``.
     """
     from lightning_vescale.engine.fully_shard import fully_shard, get_state
-    from lightning_vescale.plan._resolve import embedding_groups
+    from lightning_vescale.plan import embedding_groups
 
     names = mesh.mesh_dim_names or ()
     with_tp = mesh.ndim == 3 and tuple(names) == (dp_dim, ep_dim, "tp")

@@ -54,8 +54,7 @@ from lightning_vescale.pipeline._runtime import (
     run_chain,
 )
 from lightning_vescale.pipeline._spec import MPMDPlan
-from lightning_vescale.plan._dry_run import Workload, dry_run
-from lightning_vescale.plan._hardware import HardwareProfile, OpCounter
+from lightning_vescale.plan import HardwareProfile, OpCounter, Workload, dry_run
 
 __all__ = ["LayoutCost", "StageCost", "candidate_plans", "choose_layout", "predict_mpmd", "predict_uniform"]
 
@@ -134,7 +133,7 @@ def _collectives(modules: Mapping[str, nn.Module], plan: Any, ranks: int, hardwa
     """Of ``modules`` sharded by ``plan`` over ``ranks`` ranks, from the dry run: (AllGather seconds per forward
     and backward, ReduceScatter seconds, optimizer seconds, AllGather seconds gathering each group once, the
     gathered bytes beyond the shard)."""
-    from lightning_vescale.plan._compile import resolve_for
+    from lightning_vescale.plan import resolve_for
 
     container = nn.Module()
     for name, module in modules.items():

@@ -131,7 +131,7 @@ def check_stage_shapes(model: nn.Module, plan: MPMDPlan, inputs: Sequence[Any]) 
 def check_stage_plans(model: nn.Module, plan: MPMDPlan) -> None:
     """Resolve every stage's sharding plan against the stage's modules (on the meta device, on every rank, so a
     bad plan of any stage stops every rank before a process group is created)."""
-    from lightning_vescale.plan._compile import resolve_for
+    from lightning_vescale.plan import resolve_for
 
     shadow = _meta_clone(model)
     for stage in plan.stages:

@@ -32,8 +32,7 @@ from typing import Any, Union
 
 from torch import nn
 
-from lightning_vescale.plan import Plan, PlanError, load_plan
-from lightning_vescale.plan._spec import is_mpmd_plan
+from lightning_vescale.plan import Plan, PlanError, is_mpmd_plan, load_plan
 
 __all__ = ["SCHEDULES", "MPMDPlan", "StageSpec", "is_mpmd_plan"]
 

@@ -18,29 +18,41 @@ conflicting rules and uncovered parameters are :class:`PlanError` s naming the r
 meta device (bytes per rank, collectives, padding, predicted step time) without any device.
 """
 
+from lightning_vescale.plan._compile import resolve_for
+from lightning_vescale.plan._dry_run import Workload, dry_run
 from lightning_vescale.plan._files import load_plan, plan_names
-from lightning_vescale.plan._registry import policy_of
+from lightning_vescale.plan._hardware import HardwareProfile, OpCounter
+from lightning_vescale.plan._registry import mark_tiers_applied, policy_of
 from lightning_vescale.plan._resolve import (
     GroupPolicy,
     ParamPolicy,
     ResolvedPlan,
     default_plan,
+    embedding_groups,
     plan_from_modules,
     resolve_plan,
 )
-from lightning_vescale.plan._spec import Plan, PlanError, Rule
+from lightning_vescale.plan._spec import Plan, PlanError, Rule, is_mpmd_plan
 
 __all__ = [
     "GroupPolicy",
+    "HardwareProfile",
+    "OpCounter",
     "ParamPolicy",
     "Plan",
     "PlanError",
     "ResolvedPlan",
     "Rule",
+    "Workload",
     "default_plan",
+    "dry_run",
+    "embedding_groups",
+    "is_mpmd_plan",
     "load_plan",
+    "mark_tiers_applied",
     "plan_from_modules",
     "plan_names",
     "policy_of",
+    "resolve_for",
     "resolve_plan",
 ]

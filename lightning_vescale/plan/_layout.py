@@ -32,7 +32,7 @@ from lightning_vescale.engine.group_plan import BufferKind, ParamEntry, plan_gro
 from lightning_vescale.engine.planner import BufferPlan, shard_size_lower_bound
 from lightning_vescale.engine.policies import MixedPrecisionPolicy
 from lightning_vescale.plan._spec import parse_dtype
-from lightning_vescale.quant._kinds import GATHER, STORAGE, BlockQuantization, is_tile_major
+from lightning_vescale.quant import GATHER, STORAGE, BlockQuantization, is_tile_major
 from lightning_vescale.quant.blocks import band_scale_counts, tile_scale_count
 from lightning_vescale.quant.formats import BlockFormat, parse_format
 

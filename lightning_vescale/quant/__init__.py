@@ -15,7 +15,7 @@ Block-scaled ``torch._scaled_mm`` (FP8 matmuls on Hopper) does not run on CPU, s
 into the compute dtype first (weight-only quantization); codes never enter a matmul.
 """
 
-from lightning_vescale.quant._kinds import BlockQuantization
+from lightning_vescale.quant._kinds import GATHER, STORAGE, BlockQuantization, is_tile_major
 from lightning_vescale.quant._sharding import quantize_all_gather, quantize_frozen_weights
 from lightning_vescale.quant.blocks import (
     BlockCutError,
@@ -34,10 +34,14 @@ QuantizedTensor._vescale_buffer_kind = BlockQuantization()  # type: ignore[attr-
 __all__ = [
     "BlockCutError",
     "BlockFormat",
+    "BlockQuantization",
+    "GATHER",
     "QuantizedTensor",
+    "STORAGE",
     "dequantize_block_major",
     "dequantize_rowmajor",
     "is_quantized",
+    "is_tile_major",
     "parse_format",
     "quantize_all_gather",
     "quantize_block_major",
