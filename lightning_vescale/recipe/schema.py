@@ -21,6 +21,11 @@ field, what it got and what is allowed. The YAML files only pick and override.
 
 Components that carry ``_target_`` are built with ``hydra.utils.instantiate``, so a new optimizer or
 strategy plugs in with a new YAML file (and, for validation of its keys, a schema dataclass here).
+
+A schema holds its component's arguments in types Hydra reads; the defaults, allowed values and checks are the
+component's own wherever it exposes them (``MemoryPolicy``, ``AdamW8bit``, ``build_optimizer``, ``BlockFormat``,
+``LoRAConfig``, the plan's granularities), and ``tests/unit/test_recipe_schema_drift.py`` checks the names,
+defaults and accepted values of every schema against its component, so the two cannot drift apart.
 """
 
 from __future__ import annotations
