@@ -54,7 +54,10 @@ from lightning_vescale.engine.tensor import RaggedLayout, RaggedTensor, is_ragge
 
 __all__ = [
     "AdamW8bit",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_MIN_8BIT_SIZE",
     "adamw8bit_granularity",
+    "check_block_args",
     "create_dynamic_map",
     "dequantize_blockwise",
     "optimizer_state_bytes",
@@ -209,6 +212,15 @@ def _straddled_cut(layout: RaggedLayout, block_size: int) -> Optional[int]:
     return None
 
 
+def check_block_args(block_size: Any, min_8bit_size: Any, prefix: str = "") -> None:
+    """Raise ``ValueError`` (naming ``<prefix>block_size`` / ``<prefix>min_8bit_size``) for values
+    :class:`AdamW8bit` cannot take: its own check, shared with the recipes' ``optimizer=adamw8bit`` config."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{prefix}block_size must be a positive int, got {block_size!r}")
+    if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+        raise ValueError(f"{prefix}min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
+
+
 class AdamW8bit(Optimizer):
     """``torch.optim.AdamW`` with both moments stored as 8-bit codes plus one fp32 scale per block.
 
@@ -252,10 +264,7 @@ class AdamW8bit(Optimizer):
             raise ValueError(f"Invalid betas: {betas}; expected two numbers in [0, 1)")
         if not weight_decay >= 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-            raise ValueError(f"min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
+        check_block_args(block_size, min_8bit_size)
         self.block_size = block_size
         self.min_8bit_size = min_8bit_size
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}

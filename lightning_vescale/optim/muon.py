@@ -48,7 +48,7 @@ import hashlib
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Sequence, TypeGuard
+from typing import Any, Literal, Optional, Sequence, TypeGuard, get_args
 
 import torch
 import torch.distributed as dist
@@ -71,10 +71,13 @@ from lightning_vescale.optim.owner import assign_owners, newton_schulz_cost
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Muon", "MuonCostModel", "Mode"]
+__all__ = ["ADJUST_LR_FNS", "MODES", "Muon", "MuonCostModel", "Mode"]
 
 Mode = Literal["auto", "local", "gather"]
-_MODES = ("auto", "local", "gather")
+MODES: tuple[str, ...] = get_args(Mode)
+"""Values of ``mode`` (see [Note: choosing the path])."""
+ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw")
+"""Values of ``adjust_lr_fn`` besides ``None`` (``torch.optim.Muon``'s)."""
 _WIRE_DTYPE = torch.bfloat16
 """dtype of the pieces on the wire: torch's Newton–Schulz casts its input to it first and returns it."""
 _STATE_KEYS_SHAPED_LIKE_PARAM = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -332,7 +335,7 @@ class Muon(Optimizer):
             raise ValueError(f"momentum should be >= 0 but is: {momentum}")
         if not weight_decay >= 0.0:
             raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
-        if adjust_lr_fn is not None and adjust_lr_fn not in ("original", "match_rms_adamw"):
+        if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
         defaults = {
             "lr": lr,
@@ -366,8 +369,8 @@ class Muon(Optimizer):
         group = self.param_groups[-1]
         if not self._is_muon_group(group):
             return
-        if group["mode"] not in _MODES:
-            raise ValueError(f"Muon mode must be one of {_MODES}, got {group['mode']!r}")
+        if group["mode"] not in MODES:
+            raise ValueError(f"Muon mode must be one of {MODES}, got {group['mode']!r}")
         for p, name in zip(group["params"], self._names(group)):
             if is_ragged(p) and p.layout_info.order is not None:
                 raise ValueError(

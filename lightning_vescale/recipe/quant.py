@@ -20,7 +20,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from lightning_vescale.quant import BlockFormat, quantize_all_gather, quantize_frozen_weights
-from lightning_vescale.quant.lora import LoRAConfig, apply_lora
+from lightning_vescale.quant.lora import apply_lora
 from lightning_vescale.recipe.schema import QuantConfig
 
 __all__ = ["ADAPTER_DIR", "AdapterExport", "apply_quantization", "block_format", "quantized_weights_mode"]
@@ -31,15 +31,15 @@ ADAPTER_DIR = "adapter"
 
 
 def block_format(quant: QuantConfig) -> BlockFormat:
-    return BlockFormat(quant.format, quant.block_size)
+    """The run's block format (:meth:`QuantConfig.block_format`)."""
+    return quant.block_format()
 
 
 def apply_quantization(model: nn.Module, quant: QuantConfig) -> None:
     """Adapters and quantization declarations on a freshly built (meta or real) model, before sharding."""
     fmt = block_format(quant)
     if quant.mode == "qlora":
-        wrapped = apply_lora(model, LoRAConfig(rank=quant.lora_rank, alpha=quant.lora_alpha,
-                                               targets=tuple(quant.lora_targets)))
+        wrapped = apply_lora(model, quant.lora_config())
         names = quantize_frozen_weights(model, fmt, targets=tuple(quant.targets), exclude=tuple(quant.exclude))
         logger.info("quant: LoRA (rank %d, alpha %g) on %d Linear layers; %d frozen weights stored as %s",
                     quant.lora_rank, quant.lora_alpha, len(wrapped), len(names), fmt.name)

@@ -21,16 +21,22 @@ field, what it got and what is allowed. The YAML files only pick and override.
 
 Components that carry ``_target_`` are built with ``hydra.utils.instantiate``, so a new optimizer or
 strategy plugs in with a new YAML file (and, for validation of its keys, a schema dataclass here).
+
+A schema holds its component's arguments in types Hydra reads; the defaults, allowed values and checks are the
+component's own wherever it exposes them (``MemoryPolicy``, ``AdamW8bit``, ``build_optimizer``, ``BlockFormat``,
+``LoRAConfig``, the plan's granularities), and ``tests/unit/test_recipe_schema_drift.py`` checks the names,
+defaults and accepted values of every schema against its component, so the two cannot drift apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -41,6 +47,13 @@ from lightning_vescale.models.families import FAMILIES, family_of
 from lightning_vescale.models.llama import LlamaConfig
 from lightning_vescale.models.moe import MoEConfig
 from lightning_vescale.models.qwen3_moe import Qwen3MoEConfig
+from lightning_vescale.optim import build_optimizer
+from lightning_vescale.optim.adamw8bit import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_8BIT_SIZE, check_block_args
+from lightning_vescale.optim.muon import ADJUST_LR_FNS, MODES
+from lightning_vescale.plan._spec import GRANULARITY_WORDS
+from lightning_vescale.quant import BlockFormat, quantize_all_gather
+from lightning_vescale.quant.formats import FORMATS
+from lightning_vescale.quant.lora import LoRAConfig
 from lightning_vescale.recipe.mpmd import MPMDConfig
 from lightning_vescale.recipe.targets import check_config_targets
 
@@ -364,23 +377,34 @@ class AdamW8bitConfig(AdamWConfig):
 
     _target_: str = "lightning_vescale.optim.AdamW8bit"
     """Import path of the optimizer class."""
-    block_size: int = 256
+    block_size: int = DEFAULT_BLOCK_SIZE
     """Elements per fp32 scale (blocks of the flattened tensor, counted from its first element)."""
-    min_8bit_size: int = 1024
+    min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE
     """Tensors with fewer elements (norms, biases) keep fp32 states."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(isinstance(self.block_size, int) and self.block_size >= 1,
-               f"optimizer.block_size must be a positive int, got {self.block_size!r}")
-        _check(isinstance(self.min_8bit_size, int) and self.min_8bit_size >= 0,
-               f"optimizer.min_8bit_size must be an int >= 0, got {self.min_8bit_size!r}")
+        check_block_args(self.block_size, self.min_8bit_size, "optimizer.")  # AdamW8bit's own check
+
+
+def _or(values: Sequence[str]) -> str:
+    """``a, b or c``."""
+    return f"{', '.join(values[:-1])} or {values[-1]}" if len(values) > 1 else "".join(values)
+
+
+def _build_optimizer_default(name: str) -> Any:
+    """``lightning_vescale.optim.build_optimizer``'s default for ``name``: the factory owns it."""
+    return inspect.signature(build_optimizer).parameters[name].default
 
 
 @dataclass
 class MuonConfig(OptimizerConfig):
     """Muon for the hidden matrices and expert stacks, AdamW for embeddings, output head, norms and biases:
-    one optimizer from ``lightning_vescale.optim.build_optimizer`` (keyword names as it takes them)."""
+    one optimizer from ``lightning_vescale.optim.build_optimizer`` (keyword names as it takes them).
+
+    The fields are the factory's keyword arguments that a YAML file can hold (not ``cost_model``, the patterns or
+    the Newton-Schulz coefficients), with its defaults except the recipe's own ``lr``, ``muon_lr`` and
+    ``weight_decay``; ``tests/unit/test_recipe_schema_drift.py`` keeps them so."""
 
     _target_: str = "lightning_vescale.optim.build_optimizer"
     """Import path of the factory; called with the model."""
@@ -390,19 +414,19 @@ class MuonConfig(OptimizerConfig):
     """Peak learning rate of the Muon part (before Muon's shape adjustment ``adjust_lr_fn``)."""
     weight_decay: float = 0.0
     """Decoupled weight decay of the Muon part (and of AdamW unless ``adamw_weight_decay`` is set)."""
-    adamw_weight_decay: Optional[float] = None
+    adamw_weight_decay: Optional[float] = _build_optimizer_default("adamw_weight_decay")
     """Weight decay of the AdamW part; ``None``: ``weight_decay``."""
-    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_betas: tuple[float, float] = _build_optimizer_default("adamw_betas")
     """AdamW's moment decay rates."""
-    momentum: float = 0.95
+    momentum: float = _build_optimizer_default("momentum")
     """Muon's momentum."""
-    nesterov: bool = True
+    nesterov: bool = _build_optimizer_default("nesterov")
     """Nesterov momentum in Muon."""
-    ns_steps: int = 5
+    ns_steps: int = _build_optimizer_default("ns_steps")
     """Newton-Schulz iterations."""
-    adjust_lr_fn: Optional[str] = None
+    adjust_lr_fn: Optional[str] = _build_optimizer_default("adjust_lr_fn")
     """Muon's learning-rate scaling by shape: ``None``/``"original"`` or ``"match_rms_adamw"``."""
-    mode: str = "auto"
+    mode: str = _build_optimizer_default("mode")
     """Where whole matrices are orthogonalized when sharded: ``"auto"``, ``"local"`` or ``"gather"``."""
 
     def __post_init__(self) -> None:
@@ -416,13 +440,12 @@ class MuonConfig(OptimizerConfig):
             f"optimizer.adamw_betas must be two numbers in [0, 1), got {list(self.adamw_betas)}",
         )
         _check(self.ns_steps >= 1, f"optimizer.ns_steps must be >= 1, got {self.ns_steps}")
+        # The values Muon takes are Muon's (ADJUST_LR_FNS, MODES); the messages speak the config's words (null).
         _check(
-            self.adjust_lr_fn in (None, "original", "match_rms_adamw"),
-            f"optimizer.adjust_lr_fn must be null, 'original' or 'match_rms_adamw', got {self.adjust_lr_fn!r}",
+            self.adjust_lr_fn is None or self.adjust_lr_fn in ADJUST_LR_FNS,
+            f"optimizer.adjust_lr_fn must be {_or(['null', *map(repr, ADJUST_LR_FNS)])}, got {self.adjust_lr_fn!r}",
         )
-        _check(
-            self.mode in ("auto", "local", "gather"), f"optimizer.mode must be auto, local or gather, got {self.mode!r}"
-        )
+        _check(self.mode in MODES, f"optimizer.mode must be {_or(MODES)}, got {self.mode!r}")
 
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -470,6 +493,12 @@ class StrategyConfig:
 @dataclass
 class VeScaleStrategyConfig(StrategyConfig):
     """``lightning_vescale.lightning.VeScaleStrategy``: ZeRO-3 on RaggedShard placements (same argument names)."""
+
+    # A mirror of the strategy's keyword arguments, kept on purpose: Hydra needs the values a YAML file can hold
+    # (no plan objects, mp_policy or accelerator), and the checks below name the config's keys in its words
+    # (null, not None) before any process starts. tests/unit/test_recipe_schema_drift.py keeps the names and
+    # defaults equal to VeScaleStrategy's (restore_rng_states excepted, see there) and the checks accepting what
+    # the strategy accepts.
 
     _target_: str = "lightning_vescale.lightning.VeScaleStrategy"
     """Import path of the strategy class."""
@@ -523,9 +552,9 @@ class VeScaleStrategyConfig(StrategyConfig):
         )
         g = self.granularity
         _check(
-            g is None or g in ("element", "row", "matrix", "tensor", "muon") or (isinstance(g, int) and g >= 1)
+            g is None or g in GRANULARITY_WORDS or (isinstance(g, int) and not isinstance(g, bool) and g >= 1)
             or isinstance(g, dict) or _is_element_blocks(g),
-            f"strategy.granularity must be null, 'element', 'row', 'matrix', 'tensor', 'muon', 'elements:<n>', a positive "
+            f"strategy.granularity must be null, {', '.join(map(repr, GRANULARITY_WORDS))}, 'elements:<n>', a positive "
             f"number of rows or a mapping of name globs to those, got {g!r}",
         )
 
@@ -623,6 +652,10 @@ class MemoryConfig:
 @dataclass
 class DataConfig:
     """The corpus, tokenizer and windows (:class:`lightning_vescale.data.TextDataModule`)."""
+
+    # The data module's arguments, repeated on purpose: it imports Lightning, which checking a config does not pay
+    # for (tests/unit/test_recipe_schema_drift.py keeps names and defaults equal). The range checks below are the
+    # recipe's, before any process starts; the data module checks the corpus when it reads it.
 
     path: Optional[str] = MISSING
     """A UTF-8 text file; ``None``: the corpus embedded in the package. Required (``???``) so that
@@ -744,33 +777,43 @@ class TrainerConfig:
 QUANT_MODES = ("qlora", "gather")
 
 
+def _quant_default(name: str) -> Any:
+    """``quantize_all_gather``'s default for ``name`` (``quantize_frozen_weights`` has the same ones)."""
+    return inspect.signature(quantize_all_gather).parameters[name].default
+
+
 @dataclass
 class QuantConfig:
-    """Block-quantized weights (group ``quant``; see :mod:`lightning_vescale.quant`). Needs ``strategy=vescale``."""
+    """Block-quantized weights (group ``quant``; see :mod:`lightning_vescale.quant`). Needs ``strategy=vescale``.
+
+    ``format`` and ``block_size`` are a :class:`~lightning_vescale.quant.BlockFormat`, ``lora_*`` a
+    :class:`~lightning_vescale.quant.lora.LoRAConfig`: their defaults, and their checks (after the ones below, which
+    name the config's keys), are those classes' own; :meth:`block_format` and :meth:`lora_config` build them."""
 
     mode: str = MISSING
     """``qlora`` (``recipes/finetune.py``): the base model is frozen and stored sharded as codes + scales, LoRA
     adapters train. ``gather``: every weight trains as usual, but the AllGather moves codes + scales."""
-    format: str = "fp8_e4m3"
+    format: str = BlockFormat.kind
     """``fp8_e4m3`` (scale = amax / 448, as DeepSeek-V3) or ``int8`` (symmetric absmax)."""
-    block_size: int = 128
+    block_size: int = BlockFormat.block_size
     """One fp32 scale per ``block_size x block_size`` tile (e.g. 64 or 128)."""
-    targets: list[str] = field(default_factory=lambda: ["*"])
+    targets: list[str] = field(default_factory=lambda: list(_quant_default("targets")))
     """Globs over parameter names: the 2-D / 3-D weights to quantize (1-D tensors never are)."""
     exclude: list[str] = field(default_factory=lambda: ["tok_embeddings.*", "output.*", "*.router.*"])
     """Globs over parameter names left unquantized (embeddings, the head and MoE routers by default, as
     DeepSeek-V3's FP8 checkpoints keep them)."""
-    lora_rank: int = 8
+    lora_rank: int = LoRAConfig.rank
     """``qlora``: rank of each adapter."""
-    lora_alpha: float = 16.0
+    lora_alpha: float = LoRAConfig.alpha
     """``qlora``: adapter outputs are scaled by ``lora_alpha / lora_rank``."""
-    lora_targets: list[str] = field(default_factory=lambda: ["*attention.w*", "*feed_forward.w*"])
+    lora_targets: list[str] = field(default_factory=lambda: list(LoRAConfig.targets))
     """``qlora``: globs over module names of the ``nn.Linear`` layers that get adapters (each must match one)."""
 
     def __post_init__(self) -> None:
         _check(self.mode in QUANT_MODES, f"quant.mode must be one of {', '.join(QUANT_MODES)}, got {self.mode!r} "
                                          f"(pick it with quant=fp8_block, int8_block, fp8_gather or int8_gather)")
-        _check(self.format in ("fp8_e4m3", "int8"), f"quant.format must be fp8_e4m3 or int8, got {self.format!r}")
+        # The recipe takes the formats' canonical names only (BlockFormat also reads aliases like fp8_block).
+        _check(self.format in FORMATS, f"quant.format must be {_or(FORMATS)}, got {self.format!r}")
         _check(isinstance(self.block_size, int) and self.block_size > 0,
                f"quant.block_size must be a positive int (e.g. 128), got {self.block_size!r}")
         _check(self.lora_rank > 0, f"quant.lora_rank must be > 0, got {self.lora_rank}")
@@ -778,6 +821,18 @@ class QuantConfig:
         _check(bool(self.targets), "quant.targets is empty: give parameter-name globs, e.g. ['*']")
         if self.mode == "qlora":
             _check(bool(self.lora_targets), "quant.lora_targets is empty: give module-name globs, e.g. ['*attention.w*']")
+        # Whatever else the components refuse, they refuse here too, before the run starts.
+        self.block_format()
+        if self.mode == "qlora":
+            self.lora_config()
+
+    def block_format(self) -> BlockFormat:
+        """The format of the quantized weights."""
+        return BlockFormat(self.format, self.block_size)
+
+    def lora_config(self) -> LoRAConfig:
+        """The adapters of a ``qlora`` run."""
+        return LoRAConfig(rank=self.lora_rank, alpha=self.lora_alpha, targets=tuple(self.lora_targets))
 
 
 # ----------------------------------------------------------------------------------------------------
