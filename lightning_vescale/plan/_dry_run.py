@@ -31,8 +31,9 @@ their AllGathers are counted under ``all_gather_quant_codes`` and ``all_gather_q
 counts them; FSDP2, which has no block-quantized gather or storage, is sized without the quantization.
 
 [Note: one training step, as the engine runs it]
-Forward visits the groups in module order. A group is gathered at its pre-forward (unless prefetched) and
-issues the AllGathers of the next ``prefetch`` groups (a plain buffer's unsharded parameters exist from the issue;
+The order and the decisions are the engine's own schedule (``engine.schedule.StepSchedule``, built from the plan's
+groups), whose events :func:`_simulate` walks, counting the bytes. Forward visits the groups in module order. A
+group is gathered at its pre-forward (unless prefetched) and issues the AllGathers of the next ``prefetch`` groups (a plain buffer's unsharded parameters exist from the issue;
 a block-quantized one holds the gathered codes and scales until it is waited for, and only then its unsharded
 parameters, dequantized into); it is freed after its forward if it reshards after
 forward and is not a root (a group containing others stays gathered while they run). Activations accumulate.
