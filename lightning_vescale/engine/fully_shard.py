@@ -22,6 +22,10 @@ submodule) one :class:`ParamGroup`. Hooks drive it through a training step:
 * ``set_reshard_after_backward(False)`` (with ``set_reshard_after_forward(False)``) keeps a group gathered
   through backward and its end, so the micro-batches of a pipeline step gather once (MPMD's ``gather_once``).
 
+What to prefetch, free and keep is the root's :class:`~lightning_vescale.engine.schedule.StepSchedule` (built
+from the groups' settings and the order recorded in the first step, again at each step), which the dry run walks
+too (see [Note: one schedule]); the hooks carry it out.
+
 The first group whose forward runs is the root. Its lazy initialization checks that every rank
 computed the same plans (invariant 4) before any training happens. Before each forward, and again when
 backward starts, the root frees the sharded gradient storage of buffers whose gradients the user set to
@@ -51,6 +55,7 @@ from lightning_vescale.engine import (
 from lightning_vescale.engine.param_group import SHARDED_ORIGINALS, ParamGroup, TrainingState
 from lightning_vescale.engine.planner import Granularity
 from lightning_vescale.engine.policies import MixedPrecisionPolicy
+from lightning_vescale.engine.schedule import GroupSettings, StepSchedule, default_backward_prefetch, root_done_early
 from lightning_vescale.engine.tensor import is_ragged
 
 logger = logging.getLogger(__name__)
@@ -264,14 +269,6 @@ def _check_patterns_matched(states: list[_VeScaleState]) -> None:
 # State
 
 
-def default_backward_prefetch(device: torch.device) -> bool:
-    """True on an accelerator (the next group's AllGather runs beside this group's backward); False on CPU, where
-    gloo's AllGather is a thread on the cores that compute and holds a staging copy of its output while it runs:
-    prefetching saved no step time and put the next group twice into the backward peak (MoE, 2 ranks: 0.89x
-    FSDP2's peak without it, 0.99x with it; benchmarks/results/train_gradalloc.md)."""
-    return torch.device(device).type != "cpu"
-
-
 class _VeScaleState:
     """Per-module state: its group, its hooks, and for the root the whole model's bookkeeping."""
 
@@ -305,6 +302,12 @@ class _VeScaleState:
         self.order_recorded = False
         self.reduce_queue: list[ParamGroup] = []  # ReduceScatters in flight, oldest first
         self.callback_queued = False
+        # The step's schedule (what the hooks prefetch and free), built from the settings and the recorded order;
+        # dropped at each step and when a setting changes, so that it is built again from them.
+        self._schedule: Optional[StepSchedule] = None
+        self._names: dict[_VeScaleState, str] = {}  # each state's name in the schedule: its path under the root
+        self._by_name: dict[str, _VeScaleState] = {}
+        self._done_early = False  # the root's parameters all run after every other group's (see root_done_early)
 
     # -- lazy init ----------------------------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -312,10 +315,11 @@ class _VeScaleState:
             return
         self.is_root = True
         self.root = self
-        for module in self.module.modules():
+        for path, module in self.module.named_modules():
             state = get_state(module)
             if state is None:
                 continue
+            self._name_of(state, path)
             if state is not self:
                 if state.is_root:
                     raise RuntimeError(
@@ -327,10 +331,67 @@ class _VeScaleState:
             if state.group is not None:
                 state.group.reduce_queue = self.reduce_queue
             self.states.append(state)
+        if self.group is not None:
+            self._done_early = root_done_early(
+                [n for n, _ in self.module.named_modules(remove_duplicate=False)],
+                [self._names[s] for s in self.states if s is not self and s.group is not None],
+                [mp.fqn.rpartition(".")[0] for mp in self.group.managed])
         _check_patterns_matched(self.states)
         _verify_plans_agree(self.states, self.mesh)
         _warn_unapplied_tiers(self.states)
         logger.debug("lightning_vescale: root %s with %d groups", type(self.module).__name__, len(self.states))
+
+    # -- the schedule (root only) ---------------------------------------------------------------------------
+    def _name_of(self, state: _VeScaleState, path: Optional[str] = None) -> str:
+        """``state``'s name in this root's schedule: its module's path (a module outside this root, listed by a
+        ``set_modules_to_*_prefetch`` call, gets a name of its own)."""
+        name = self._names.get(state)
+        if name is None:
+            name = path if path is not None else f"<outside {type(state.module).__name__} {len(self._names)}>"
+            self._names[state] = name
+            self._by_name[name] = state
+        return name
+
+    def _settings(self, root: _VeScaleState) -> GroupSettings:
+        """This group's part in ``root``'s schedule, from its current settings."""
+        group = self.group
+        listed = (self.forward_prefetch_states, self.backward_prefetch_states)
+        forward, backward = (None if states is None else tuple(root._name_of(s) for s in states) for states in listed)
+        return GroupSettings(
+            root._name_of(self), is_root=self is root,
+            reshard_after_forward=group is None or group.reshard_after_forward,
+            root_keeps=self.auto_reshard_after_forward, prefetch=self.prefetch, forward_prefetch=forward,
+            backward_prefetch=self.backward_prefetch, backward_prefetch_targets=backward,
+            backward_reads_params=group is None or group.backward_reads_params,
+            reduces_in_flight=group.reduces_in_flight if group is not None else 0,
+            reduces=group is not None and group.requires_grad_sync and any(b.requires_grad for b in group.buffers.values()),
+            done_early=self is root and self._done_early,
+        )
+
+    @property
+    def schedule(self) -> StepSchedule:
+        """The root's schedule of the step (see [Note: one schedule]); built from the current settings when
+        needed. Before the order is recorded (the first forward) only explicit prefetch lists apply."""
+        assert self.root is self, "the schedule is the root's"
+        if self._schedule is None:
+            states = list(dict.fromkeys([*self.states, *self.forward_order, *self.post_forward_order]))
+            for state in list(states):
+                states += [s for s in (*(state.forward_prefetch_states or ()), *(state.backward_prefetch_states or ()))
+                           if s not in states]
+            settings = [state._settings(self) for state in states]
+            recorded = self.order_recorded
+            self._schedule = StepSchedule(
+                settings, forward_order=[self._names[s] for s in self.forward_order] if recorded else [],
+                backward_order=[self._names[s] for s in reversed(self.post_forward_order)] if recorded else [])
+        return self._schedule
+
+    def _states_named(self, names: list[str]) -> list[_VeScaleState]:
+        return [self._by_name[n] for n in names]
+
+    def _settings_changed(self) -> None:
+        """Build the root's schedule again before it is next asked."""
+        if self.root is not None:
+            self.root._schedule = None
 
     # -- forward --------------------------------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -354,11 +415,9 @@ class _VeScaleState:
             self.group.wait_for_unshard()
         if not root.order_recorded:
             root.forward_order.append(self)
-        if self.forward_prefetch_states is not None or root.order_recorded:
-            targets = self.forward_prefetch_states
-            for nxt in root._next_in(root.forward_order, self, self.prefetch) if targets is None else targets:
-                if nxt.group is not None:
-                    nxt.group.unshard(async_op=True)  # prefetch, overlapped with this group's compute
+        for nxt in root._states_named(root.schedule.forward_prefetch(root._name_of(self))):
+            if nxt.group is not None:
+                nxt.group.unshard(async_op=True)  # prefetch, overlapped with this group's compute
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
@@ -370,8 +429,9 @@ class _VeScaleState:
         assert root is not None
         if not root.order_recorded:
             root.post_forward_order.append(self)
-        if self.is_root:
+        if self.is_root and not root.order_recorded:
             root.order_recorded = True
+            root._schedule = None  # from now on in the recorded order
         tensors = []
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -383,8 +443,7 @@ class _VeScaleState:
             self.group.training_state = TrainingState.IDLE
             # No output needs a gradient (evaluation, or a frozen module): no backward will come to free the
             # parameters, so free them now; the root otherwise keeps them for backward.
-            root_keeps = self.is_root and self.auto_reshard_after_forward
-            if not tensors or (self.group.reshard_after_forward and not root_keeps):
+            if not tensors or root.schedule.frees_after_forward(root._name_of(self)):
                 self.group.reshard(keep_for_backward=bool(tensors) and self.group.backward_reads_params)
         if self.is_root and self.mp_policy.output_dtype is not None:
             # Only the model's outputs: inner groups feed each other in param_dtype.
@@ -395,6 +454,7 @@ class _VeScaleState:
         # A forward without a backward since the last one (e.g. evaluation) leaves no work behind.
         self._finish_backward()
         self._release_unused_grads()
+        self._schedule = None  # this step's: from the settings as they are now
 
     def _release_unused_grads(self) -> None:
         """Free the sharded gradient storage the user released with ``zero_grad(set_to_none=True)``: checked
@@ -402,14 +462,6 @@ class _VeScaleState:
         for state in self.states:
             if state.group is not None:
                 state.group.release_unused_grads()
-
-    @staticmethod
-    def _next_in(order: list, state: _VeScaleState, count: int) -> list[_VeScaleState]:
-        try:
-            i = order.index(state)
-        except ValueError:
-            return []
-        return order[i + 1 : i + 1 + count]
 
     # -- backward -------------------------------------------------------------------------------------------
     def _pre_backward_hook(self, *unused: Any) -> None:
@@ -419,20 +471,16 @@ class _VeScaleState:
             root.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
             root._release_unused_grads()
+            root._schedule = None  # settings changed since forward apply to this backward
         if self.group is None:
             return
         self.group.pre_backward()
-        # Not from the root's: when backward reaches the head, every activation and the loss's gradient over the
-        # vocabulary are alive (the step's peak); the next group gathers at its own pre-backward, once the head's
-        # backward has freed them.
-        targets = self.backward_prefetch_states
-        if targets is None and root.order_recorded and self.backward_prefetch and not self.is_root:
-            targets = root._next_in(root.post_forward_order[::-1], self, self.prefetch)
-        if targets:
-            for nxt in targets:
-                group = nxt.group
-                if group is not None and group.training_state is TrainingState.IDLE and group.backward_reads_params:
-                    group.unshard(async_op=True)
+        # Not from the root's (the schedule's rule): when backward reaches the head, every activation and the loss's
+        # gradient over the vocabulary are alive (the step's peak); the next group gathers at its own pre-backward.
+        for nxt in root._states_named(root.schedule.backward_prefetch(root._name_of(self))):
+            group = nxt.group
+            if group is not None and group.training_state is TrainingState.IDLE:
+                group.unshard(async_op=True)
 
     def _finish_backward(self) -> None:
         """End of backward: complete every group, wait for all ReduceScatters, reshard everything."""
@@ -552,6 +600,7 @@ class VeScaleModule(_MixinBase):
         for state in self._vescale_states(recurse):
             if state.group is not None:
                 state.group.requires_grad_sync = requires_gradient_sync
+            state._settings_changed()
 
     def set_backward_prefetch(self, enabled: bool, *, recurse: bool = True) -> None:
         """Whether a group's backward starts the AllGather of the next group in backward order (default True on an
@@ -560,18 +609,23 @@ class VeScaleModule(_MixinBase):
         peak, at the cost of the overlap; the bytes sent are the same."""
         for state in self._vescale_states(recurse):
             state.backward_prefetch = enabled
+            state._settings_changed()
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather exactly ``modules`` (each sharded with ``fully_shard``) when this module's forward starts, as
         FSDP2's method of the same name: an explicit prefetch plan instead of the next ``prefetch`` groups in
         forward order. ``[]`` prefetches nothing from here."""
-        self._own_vescale_state().forward_prefetch_states = _states_of(modules, "set_modules_to_forward_prefetch")
+        state = self._own_vescale_state()
+        state.forward_prefetch_states = _states_of(modules, "set_modules_to_forward_prefetch")
+        state._settings_changed()
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather exactly ``modules`` (each sharded with ``fully_shard``) when this module's backward starts, as
         FSDP2's method of the same name (on CPU too, where the default backward prefetch is off). ``[]``
         prefetches nothing from here."""
-        self._own_vescale_state().backward_prefetch_states = _states_of(modules, "set_modules_to_backward_prefetch")
+        state = self._own_vescale_state()
+        state.backward_prefetch_states = _states_of(modules, "set_modules_to_backward_prefetch")
+        state._settings_changed()
 
     def set_reduces_in_flight(self, count: int, *, recurse: bool = True) -> None:
         """How many groups' ReduceScatters may run while backward goes on (default 1 on an accelerator, 0 on CPU):
@@ -583,6 +637,7 @@ class VeScaleModule(_MixinBase):
         for state in self._vescale_states(recurse):
             if state.group is not None:
                 state.group.reduces_in_flight = count
+            state._settings_changed()
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Whether the groups free their gathered parameters after forward and gather them again for backward. As
@@ -593,6 +648,7 @@ class VeScaleModule(_MixinBase):
             state.auto_reshard_after_forward = False
             if state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
+            state._settings_changed()
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """With False, the gathered parameters stay unsharded after backward (as FSDP2's method of the same name):

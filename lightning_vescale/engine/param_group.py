@@ -30,6 +30,7 @@ from lightning_vescale.engine.dbuffer import BufferState, DBuffer
 from lightning_vescale.engine.group_plan import BufferKind, ParamEntry, buffer_kind_of, plan_group_buffers
 from lightning_vescale.engine.planner import BufferPlan, Granularity
 from lightning_vescale.engine.policies import MixedPrecisionPolicy
+from lightning_vescale.engine.schedule import REDUCES_IN_FLIGHT, default_reduces_in_flight  # noqa: F401 - their old home
 from lightning_vescale.engine.tensor import OuterShard, RaggedLayout, RaggedTensor, _contiguous_strides, piece_of
 
 logger = logging.getLogger(__name__)
@@ -82,19 +83,6 @@ def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
 
 
 GranularityFn = Callable[[str, nn.Parameter], Granularity]
-
-REDUCES_IN_FLIGHT = 1
-"""ReduceScatters left in flight when a group issues its own, on an accelerator: the previous group's had this
-group's backward to complete, and waiting for it before the next one frees its unsharded gradient buffer while
-at most one group's reduction overlaps compute, as FSDP2 keeps one ReduceScatter input."""
-
-
-def default_reduces_in_flight(device: torch.device) -> int:
-    """1 on an accelerator (the ReduceScatter runs beside compute); 0 on CPU, where gloo's ReduceScatter is a
-    thread on the cores that compute and keeps staging copies of its input: overlapping it saved no step time
-    and held the previous group's gradients in the backward peak (benchmarks/results/train.md)."""
-    return 0 if torch.device(device).type == "cpu" else REDUCES_IN_FLIGHT
-
 
 def backward_reads_params(modules: list[nn.Module]) -> bool:
     """Whether backward through ``modules`` reads the values of their parameters. False only when every one runs

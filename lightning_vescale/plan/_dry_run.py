@@ -31,8 +31,9 @@ their AllGathers are counted under ``all_gather_quant_codes`` and ``all_gather_q
 counts them; FSDP2, which has no block-quantized gather or storage, is sized without the quantization.
 
 [Note: one training step, as the engine runs it]
-Forward visits the groups in module order. A group is gathered at its pre-forward (unless prefetched) and
-issues the AllGathers of the next ``prefetch`` groups (a plain buffer's unsharded parameters exist from the issue;
+The order and the decisions are the engine's own schedule (``engine.schedule.StepSchedule``, built from the plan's
+groups), whose events :func:`_simulate` walks, counting the bytes. Forward visits the groups in module order. A
+group is gathered at its pre-forward (unless prefetched) and issues the AllGathers of the next ``prefetch`` groups (a plain buffer's unsharded parameters exist from the issue;
 a block-quantized one holds the gathered codes and scales until it is waited for, and only then its unsharded
 parameters, dequantized into); it is freed after its forward if it reshards after
 forward and is not a root (a group containing others stays gathered while they run). Activations accumulate.
@@ -58,6 +59,13 @@ import torch
 import torch.nn as nn
 
 from lightning_vescale.engine.param_group import backward_reads_params
+from lightning_vescale.engine.schedule import (
+    GroupSettings,
+    StepSchedule,
+    default_backward_prefetch,
+    default_reduces_in_flight,
+    root_done_early,
+)
 from lightning_vescale.plan._activations import activation_profile
 from lightning_vescale.plan._hardware import HardwareProfile
 from lightning_vescale.plan._layout import BufferLayout, block_padding_warnings, group_layouts
@@ -310,10 +318,9 @@ def muon_bucket_bytes(matrices: list[_MuonMatrix], world_size: int, *, tensor_pa
 
 @dataclass
 class _Group:
-    name: str
-    is_root: bool
-    reshard: bool
-    prefetch: int
+    """A group's bytes in one step; its part in the step's schedule is ``settings``."""
+
+    settings: GroupSettings
     gathered: float  # unsharded parameter bytes
     grad: float  # unsharded gradient bytes
     reduce_extra: float  # a copy of the gradient in the reduce dtype, alive until the ReduceScatter completes
@@ -325,12 +332,13 @@ class _Group:
     # reorders a tile-major quantized weight's gradient into tile order (the largest such weight of the group)
     grad_piece: float = 0.0  # this rank's sharded gradient bytes: allocated at the group's ReduceScatter (both
     # engines free them at zero_grad(set_to_none=True), so none exist when forward starts)
-    done_early: bool = False  # a root whose modules run after every other group's (norm, head): its backward
-    # is over as soon as backward starts
     gathered_late: float = 0.0  # block-quantized buffers: unsharded bytes (part of ``gathered``) allocated only when
     # the gather is waited for (dequantized into), not when it is issued
     in_flight: float = 0.0  # block-quantized buffers: codes and scales alive from the gather's issue to its wait
-    backward_reads: bool = True  # False: embeddings only, not gathered for backward (ParamGroup.backward_reads_params)
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
 
 
 def _backward_transient(g: _Group) -> float:
@@ -340,37 +348,35 @@ def _backward_transient(g: _Group) -> float:
     return g.activations + g.recompute + g.largest_param
 
 
-def _simulate(order: list[_Group], persistent: float, logits_grad: float,
-              reduces_in_flight: int = 1, root_prefetches: bool = True,
-              backward_prefetch: bool = True) -> tuple[float, float]:
-    """(peak bytes, peak gathered bytes) of one step, walking [Note: one training step, as the engine runs it].
+def _step_schedule(order: list[_Group], *, fsdp2: bool) -> StepSchedule:
+    """The engine's schedule of one step over ``order`` (the groups in forward order). Its backward is walked in
+    reverse forward order, each group's as one piece: a group nested in another finishes (reduces) first."""
+    return StepSchedule([g.settings for g in order], backward_order=[g.name for g in reversed(order)],
+                        roots_prefetch_backward=fsdp2)
 
-    ``order``: the groups in forward order; ``persistent``: bytes alive throughout (parameter pieces, states);
-    ``logits_grad``: bytes of the loss's gradient over the vocabulary (fp32, every token);
-    ``reduces_in_flight``: ReduceScatters left running while backward goes on (the engine's default for the device);
-    ``root_prefetches``: whether the roots' pre-backward gathers the next groups (FSDP2) or each group gathers
-    at its own (lightning-vescale: not while the head's backward holds the step's peak);
-    ``backward_prefetch``: whether a group's backward gathers the next groups (lightning-vescale: not on a CPU,
-    see ``default_backward_prefetch``).
+
+def _simulate(schedule: StepSchedule, groups: dict[str, _Group], persistent: float,
+              logits_grad: float) -> tuple[float, float]:
+    """(peak bytes, peak gathered bytes) of one step, walking the schedule's events ([Note: one training step, as
+    the engine runs it]; the decisions are the engine's own, see [Note: one schedule] in
+    :mod:`lightning_vescale.engine.schedule`).
+
+    ``groups``: each group's bytes by name; ``persistent``: bytes alive throughout (parameter pieces, states);
+    ``logits_grad``: bytes of the loss's gradient over the vocabulary (fp32, every token).
     """
     gathered: dict[str, float] = {}
     activations = 0.0
     peak = peak_gathered = 0.0
-    parents: list[_Group] = []  # groups whose forward is still running
+    grad_buffers: dict[str, float] = {}
+    pieces = 0.0  # sharded gradients of the groups reduced so far
+    pending: dict[str, float] = {}  # gathers issued (prefetched) and not yet waited for: their codes and scales
 
     def note(extra: float = 0.0) -> None:
         nonlocal peak, peak_gathered
         g = sum(gathered.values())
         peak_gathered = max(peak_gathered, g)
-        peak = max(peak, persistent + g + grads_alive() + pieces + activations + sum(pending.values()) + extra)
-
-    in_flight: list[_Group] = []
-    grad_buffers: dict[str, float] = {}
-    pieces = 0.0  # sharded gradients of the groups reduced so far
-    pending: dict[str, float] = {}  # gathers issued (prefetched) and not yet waited for: their codes and scales
-
-    def grads_alive() -> float:
-        return sum(grad_buffers.values())
+        peak = max(peak, persistent + g + sum(grad_buffers.values()) + pieces + activations + sum(pending.values())
+                   + extra)
 
     def issue(g: _Group) -> None:
         """A prefetch: plain buffers' unsharded storage now, quantized ones' codes and scales until waited for."""
@@ -386,75 +392,50 @@ def _simulate(order: list[_Group], persistent: float, logits_grad: float,
             gathered[g.name] = g.gathered
             note(pending.pop(g.name))
 
-    def is_ancestor(a: _Group, b: _Group) -> bool:
-        return a.name == "" or b.name.startswith(a.name + ".")
-
-    for i, g in enumerate(order):
-        while parents and not is_ancestor(parents[-1], g):
-            done = parents.pop()
-            if done.reshard and not done.is_root:
-                gathered.pop(done.name, None)
-        gather(g)
-        for nxt in order[i + 1 : i + 1 + g.prefetch]:
-            issue(nxt)
-        activations += g.activations
-        note()
-        parents.append(g)
-    for done in parents:
-        if done.reshard and not done.is_root:
-            gathered.pop(done.name, None)
-    # Backward starts at the loss: the gradients of the log-probabilities and of the logits, and one more
-    # vocabulary-sized tensor the system holds there (measured, not identified: benchmarks/plan_check.py puts the
-    # step's peak at this point since the head's gradient buffer comes with its gradient, 1 logits' size above two,
-    # at batch 2 and 4), then the output head's weight gradient while the logits' is still alive (the roots have
-    # prefetched the last groups again).
-    note(3 * logits_grad)
-    reverse = order[::-1]
-    roots = [g for g in order if g.is_root]
-    for root in roots:
-        gather(root)
-        for nxt in [g for g in reverse if not g.is_root][: root.prefetch if root_prefetches else 0]:
-            issue(nxt)
-    # The head's weight gradient is made while the logits' is alive; the roots' gradient buffers come with it
-    # (lightning-vescale allocates a group's at its first gradient; FSDP2 has none before), the logits' gone.
-    largest = max((r.largest_param for r in roots), default=0.0)
-    note(logits_grad + largest)
-    for root in roots:
-        grad_buffers[root.name] = root.grad
-    note(largest)
-
-    def reduce(g: _Group) -> None:
-        nonlocal pieces
-        pieces += g.grad_piece
-        if g.grad:
-            grad_buffers[g.name] = g.grad + g.reduce_extra
-            note(g.reduce_transient)
-            in_flight.append(g)
-            while len(in_flight) > reduces_in_flight:
-                grad_buffers.pop(in_flight.pop(0).name, None)
-
-    for root in [r for r in roots if r.done_early]:
-        activations -= root.activations
-        gathered.pop(root.name, None)
-        reduce(root)
-    for i, g in enumerate(reverse):
-        if g.is_root:
+    for event in schedule.events():
+        kind = event.kind
+        if kind == "loss_backward":
+            # Backward starts at the loss: the gradients of the log-probabilities and of the logits, and one more
+            # vocabulary-sized tensor the system holds there (measured, not identified: benchmarks/plan_check.py
+            # puts the step's peak at this point since the head's gradient buffer comes with its gradient, 1
+            # logits' size above two, at batch 2 and 4).
+            note(3 * logits_grad)
             continue
-        if g.backward_reads:
+        if kind == "root_grad_buffers":
+            # The head's weight gradient is made while the logits' is alive; the roots' gradient buffers come with
+            # it (lightning-vescale allocates a group's at its first gradient; FSDP2 has none before), the logits'
+            # gone.
+            roots = [groups[n] for n in event.groups]
+            largest = max((r.largest_param for r in roots), default=0.0)
+            note(logits_grad + largest)
+            for root in roots:
+                grad_buffers[root.name] = root.grad
+            note(largest)
+            continue
+        g = groups[event.groups[0]]
+        if kind == "gather":
             gather(g)
-        grad_buffers[g.name] = g.grad
-        for nxt in reverse[i + 1 : i + 1 + (g.prefetch if backward_prefetch else 0)]:
-            if not nxt.is_root and nxt.backward_reads:
-                issue(nxt)
-        note(_backward_transient(g))
-        activations -= g.activations
-        gathered.pop(g.name, None)
-        reduce(g)
-    for root in [r for r in roots if not r.done_early]:
-        note(_backward_transient(root))
-        gathered.pop(root.name, None)
-        activations -= root.activations
-        reduce(root)
+        elif kind == "prefetch":
+            issue(g)
+        elif kind == "forward":
+            activations += g.activations
+            note()
+        elif kind == "free":
+            gathered.pop(g.name, None)
+        elif kind == "grad_buffer":
+            grad_buffers[g.name] = g.grad
+        elif kind == "backward":
+            note(_backward_transient(g))
+        elif kind == "backward_done":
+            activations -= g.activations
+            gathered.pop(g.name, None)
+        elif kind == "reduce":
+            pieces += g.grad_piece
+            if g.grad:
+                grad_buffers[g.name] = g.grad + g.reduce_extra
+                note(g.reduce_transient)
+        elif kind == "reduce_done":
+            grad_buffers.pop(g.name, None)
     return peak, peak_gathered
 
 
@@ -477,17 +458,11 @@ def _forward_order(model: nn.Module, resolved: ResolvedPlan) -> list[GroupPolicy
 
 def _roots_done_early(model: nn.Module, groups: list[GroupPolicy]) -> set[str]:
     """Roots whose parameters all sit in modules after every other group's (a final norm and head): their
-    gradients are complete as soon as backward has passed the head."""
-    position = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    gradients are complete as soon as backward has passed the head (:func:`root_done_early`, as the engine)."""
+    modules = [name for name, _ in model.named_modules(remove_duplicate=False)]
     inner = [g.name for g in groups if not g.is_root]
-    last_inner = max((i for name, i in position.items()
-                      if any(name == n or name.startswith(n + ".") for n in inner)), default=-1)
-    early = set()
-    for g in groups:
-        owners = [position.get(p.rpartition(".")[0], -1) for p in g.params]
-        if g.is_root and owners and min(owners) > last_inner:
-            early.add(g.name)
-    return early
+    return {g.name for g in groups
+            if g.is_root and root_done_early(modules, inner, [p.rpartition(".")[0] for p in g.params])}
 
 
 def _matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -620,6 +595,8 @@ def dry_run(
     quantized: dict[str, int] = {}
     group_buffers: list[tuple[str, list[BufferLayout]]] = []
     early = _roots_done_early(model, groups)
+    # The engine's defaults on the profile's device: CPU's where the ranks share the cores that compute.
+    engine_device = torch.device("cpu") if hardware.shared_compute else torch.device("cuda")
     modules = dict(model.named_modules(remove_duplicate=False))
     for g in groups:
         inside_split = any(g.name == t or g.name.startswith(t + ".") for t in token_split)
@@ -705,9 +682,12 @@ def dry_run(
         if workload.checkpointing and not g.is_root and act:
             act, recompute = hidden * tokens, act  # only the group's input is kept
         largest_bytes = largest * (layouts[0].param_dtype.itemsize if layouts else 4)
-        ve_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward, g.prefetch, gathered, grad, extra, act,
-                                largest_bytes, recompute, gathered_late=late, in_flight=transient, grad_piece=grad_piece,
-                                done_early=g.name in early, backward_reads=reads, reduce_transient=reorder))
+        ve_settings = GroupSettings(g.name, is_root=g.is_root, reshard_after_forward=g.reshard_after_forward,
+                                    prefetch=g.prefetch, backward_prefetch=default_backward_prefetch(engine_device),
+                                    backward_reads_params=reads, done_early=g.name in early, reduces=bool(grad),
+                                    reduces_in_flight=default_reduces_in_flight(engine_device))
+        ve_groups.append(_Group(ve_settings, gathered, grad, extra, act, largest_bytes, recompute, gathered_late=late,
+                                in_flight=transient, grad_piece=grad_piece, reduce_transient=reorder))
         t_ag = hardware.collective_seconds(ag / max(gathers, 1), Ng)
         t_rs = hardware.collective_seconds(rs, Ng)
         t_ar = t_replicate(ar) if ar else 0.0
@@ -749,9 +729,12 @@ def dry_run(
             fs.collectives["all_reduce_replicate"] = fs.collectives.get("all_reduce_replicate", 0) + f_ar
         # FSDP2 copies the gradients into a ReduceScatter input (in the reduce dtype) and frees them: the input
         # replaces them until the ReduceScatter completes, and both live during the copy.
-        fs_groups.append(_Group(g.name, g.is_root, g.reshard_after_forward and reads, g.prefetch, f_gathered, f_grad,
-                                f_rs_input - f_grad, act, largest_bytes, recompute, gather_transient=f_gathered,
-                                reduce_transient=f_grad, grad_piece=f_piece, done_early=g.name in early))
+        # FSDP2's schedule: every group prefetches in backward (its root too), reduces as ours do.
+        fs_settings = GroupSettings(g.name, is_root=g.is_root, reshard_after_forward=g.reshard_after_forward and reads,
+                                    prefetch=g.prefetch, done_early=g.name in early, reduces=bool(f_grad),
+                                    reduces_in_flight=default_reduces_in_flight(engine_device))
+        fs_groups.append(_Group(fs_settings, f_gathered, f_grad, f_rs_input - f_grad, act, largest_bytes, recompute,
+                                gather_transient=f_gathered, reduce_transient=f_grad, grad_piece=f_piece))
         ft_ag = hardware.collective_seconds(f_ag / max(gathers, 1), Ng)
         ft_rs = hardware.collective_seconds(f_rs, Ng)
         ft_ar = t_replicate(f_ar) if f_ar else 0.0
@@ -852,12 +835,11 @@ def dry_run(
     ve.padding = total_padding / max(total_real, 1)
     fs.padding = fs_padding / max(total_real, 1)
     logits_grad = tokens * _vocab(model) * 4
-    in_flight = 0 if hardware.shared_compute else 1  # the engines' default: see default_reduces_in_flight
     for est, order in ((ve, ve_groups), (fs, fs_groups)):
         est.activations = sum(g.activations for g in order)
         persistent = est.params + est.optimizer  # gradient pieces: allocated group by group in backward
-        est.peak, est.gathered_peak = _simulate(order, persistent, logits_grad, in_flight, root_prefetches=est is fs,
-                                                backward_prefetch=est is fs or not hardware.shared_compute)
+        est.peak, est.gathered_peak = _simulate(_step_schedule(order, fsdp2=est is fs), {g.name: g for g in order},
+                                                persistent, logits_grad)
     # Time: compute at the profile's rate; communication overlapped with it (prefetch) except the first gather
     # and the last reduce; the optimizer reads and writes its states once (memory bound).
     flops = _flops_per_token(model, workload.seq_len) * tokens
