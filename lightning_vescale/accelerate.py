@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol, Union, cast
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Literal, Optional, Protocol, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -32,29 +32,12 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from lightning_vescale.engine.clip_grad import clip_grad_norm_
 from lightning_vescale.engine.fully_shard import GranularityArg
 from lightning_vescale.engine.policies import MixedPrecisionPolicy
 from lightning_vescale.engine.tensor import is_sharded_param
-from lightning_vescale.memory import (
-    MemoryHandles,
-    MemoryPolicy,
-    apply_memory_policy,
-    check_explicit_policy,
-    check_plan_tiers,
-)
-from lightning_vescale.parallel.parallelize import (
-    AutoWrapPolicy,
-    PlanLike,
-    build_mesh,
-    is_sharded,
-    materialize,
-    mp_policy_for_precision,
-    parallelize,
-    param_mapping,
-    remap_optimizer,
-)
-from lightning_vescale.plan import ResolvedPlan, load_plan
+from lightning_vescale.memory import MemoryPolicy
+from lightning_vescale.parallel.parallelize import AutoWrapPolicy, PlanLike, is_sharded, mp_policy_for_precision
+from lightning_vescale.parallel.session import ShardingConfig, ShardingSession
 
 __all__ = ["VeScaleAccelerator", "VeScaleConfig", "prepare_vescale"]
 
@@ -79,8 +62,9 @@ class VeScaleConfig:
     auto_wrap_policy: AutoWrapPolicy = None
     """Which submodules become groups: None (each element of an ``nn.ModuleList`` of identical blocks), a set
     of module classes (or import paths), or a callable ``module -> bool``."""
-    replicate_size: Optional[int] = None
-    """None: shard over every rank. An int R: HSDP on a (R, world_size // R) (replicate, shard) mesh."""
+    replicate_size: Union[None, int, Literal["auto"]] = None
+    """None: shard over every rank. An int R: HSDP on a (R, world_size // R) (replicate, shard) mesh; ``"auto"``: one
+    replica per node (``WORLD_SIZE // LOCAL_WORLD_SIZE``, as ``accelerate launch`` and ``torchrun`` set them)."""
     sync_module_states: bool = True
     """Broadcast the main process's weights before sharding, so every rank cuts the same model."""
     memory: Optional[MemoryPolicy] = None
@@ -88,17 +72,24 @@ class VeScaleConfig:
     ``VeScaleStrategy(memory=...)``): applied when the model is sharded and to each optimizer prepared with or
     after it. None: everything on the device."""
 
+    sharding: ShardingConfig = field(init=False, repr=False, compare=False)
+    """The fields above as the sharding engine's config, checked as the Lightning strategies check theirs."""
+
     def __post_init__(self) -> None:
-        check_explicit_policy(self.memory, "VeScaleConfig.memory")
-        if self.plan is not None and self.auto_wrap_policy is not None:
-            raise ValueError("VeScaleConfig got both plan and auto_wrap_policy: the plan's group rules decide the groups")
-        if self.plan is not None and not isinstance(self.plan, ResolvedPlan):
-            object.__setattr__(self, "plan", load_plan(self.plan))  # unknown keys and values fail here
-        check_plan_tiers(self.plan, self.memory, "VeScaleConfig")  # a plan's disk tier needs memory.disk_dir
-        if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
-            raise TypeError(f"VeScaleConfig.mp_policy must be a MixedPrecisionPolicy, got {type(self.mp_policy).__name__}")
-        if self.replicate_size is not None and (not isinstance(self.replicate_size, int) or self.replicate_size < 1):
-            raise ValueError(f"VeScaleConfig.replicate_size must be None or a positive int, got {self.replicate_size!r}")
+        sharding = ShardingConfig(
+            who="VeScaleConfig", plan=self.plan, auto_wrap_policy=self.auto_wrap_policy,
+            reshard_after_forward=self.reshard_after_forward, mp_policy=self.mp_policy, granularity=self.granularity,
+            replicate_size=self.replicate_size, sync_module_states=self.sync_module_states, memory=self.memory,
+            restore_rng_states=True,  # the sharded checkpoint's RNG states; Accelerate then restores its own
+        )
+        sharding.check_plan_tiers()  # a plan's disk tier needs memory.disk_dir
+        object.__setattr__(self, "plan", sharding.plan)  # read and checked (unknown keys and values fail above)
+        object.__setattr__(self, "sharding", sharding)
+
+
+def _num_nodes(num_processes: int) -> int:
+    """The number of nodes of this launch (``WORLD_SIZE // LOCAL_WORLD_SIZE``; one node if unset)."""
+    return max(1, num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", num_processes)))
 
 
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -134,7 +125,7 @@ class VeScaleAccelerator(Accelerator):
             kwargs["cpu"] = True
         super().__init__(*args, **kwargs)
         self.vescale_config = vescale or VeScaleConfig()
-        self._vescale_memory: list[tuple[nn.Module, MemoryHandles]] = []
+        self._session = ShardingSession(self.vescale_config.sharding)
         if not self._vescale_active:
             if dist.is_initialized() and dist.get_world_size() > 1:
                 raise RuntimeError(
@@ -160,6 +151,12 @@ class VeScaleAccelerator(Accelerator):
             )
 
     @property
+    def sharding_session(self) -> ShardingSession:
+        """The engine object this adapter delegates to (plan, mesh, sharding, memory, checkpoints), as the Lightning
+        strategies do."""
+        return self._session
+
+    @property
     def _vescale_active(self) -> bool:
         return self.distributed_type != DistributedType.NO
 
@@ -169,24 +166,18 @@ class VeScaleAccelerator(Accelerator):
         prepared. ``prepare`` calls this; call it yourself to build the optimizer after sharding."""
         if not self._vescale_active or getattr(model, "_is_accelerate_prepared", False):
             return model
-        if all(is_sharded_param(p) for p in model.parameters()):
-            materialize(model)
-        else:
-            cfg = self.vescale_config
-            mp_policy = cfg.mp_policy or mp_policy_for_precision("bf16-mixed" if self.mixed_precision == "bf16" else "32-true")
-            parallelize(
-                model, cfg.plan, build_mesh(self.device, self.num_processes, cfg.replicate_size), mp_policy=mp_policy,
-                defaults={"reshard_after_forward": cfg.reshard_after_forward}, granularity=cfg.granularity,
-                auto_wrap_policy=cfg.auto_wrap_policy, sync_module_states=cfg.sync_module_states,
-            )
+        session = self._session
+        if session.needs_sharding(model):
+            # No timeout, as before: the groups the mesh creates keep torch's default.
+            session.build_mesh(self.device, self.num_processes, num_nodes=_num_nodes(self.num_processes))
+        session.shard(model, mp_policy=mp_policy_for_precision("bf16-mixed" if self.mixed_precision == "bf16" else "32-true"))
         # Accelerate's prepare() now leaves the model alone (no DDP wrapper, no autocast) and still
         # registers it, so accumulate() finds its no_sync().
         model._is_accelerate_prepared = True  # type: ignore[assignment]  # nn.Module's stub takes tensors and modules only
         if model not in self._models:
             self._models.append(model)
         # The policy's placement and the plan's tiers (with neither, nothing moves).
-        handles = apply_memory_policy(model, [], self.vescale_config.memory, rank=self.process_index)
-        self._vescale_memory.append((model, handles))
+        session.place_memory(model, rank=self.process_index)
         return model
 
     def prepare(self, *args: Any, device_placement: Optional[list] = None) -> Any:
@@ -202,16 +193,10 @@ class VeScaleAccelerator(Accelerator):
             model = models[0]
             before = dict(model.named_parameters())
             self.shard_model(model)
-            mapping = param_mapping(model, before)
-            for obj in args:
-                if isinstance(obj, torch.optim.Optimizer):
-                    remap_optimizer(obj, mapping)
+            self._session.remap_optimizers(model, before, [o for o in args if isinstance(o, torch.optim.Optimizer)])
         for obj in args:  # optimizers of offloaded models step bucket by bucket with their states and pieces
             if isinstance(obj, torch.optim.Optimizer):
-                params = {id(p) for g in obj.param_groups for p in g["params"]}
-                for model, handles in self._vescale_memory:
-                    if any(id(p) in params for p in model.parameters()):
-                        handles.add_optimizer(obj)
+                self._session.add_optimizer(obj)
         return super().prepare(*args, device_placement=device_placement)
 
     # -- training-step helpers ----------------------------------------------------------------------------
@@ -221,15 +206,13 @@ class VeScaleAccelerator(Accelerator):
         if not any(is_sharded_param(p) for p in parameters):
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         self.unscale_gradients()
-        return clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return self._session.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """The full (unsharded) state dict on the main process, ``{}`` elsewhere (collective)."""
         if not is_sharded(model):
             return super().get_state_dict(model, unwrap=unwrap)
-        from lightning_vescale.checkpoint import export_full_state_dict
-
-        return export_full_state_dict(model, rank0_only=True)
+        return self._session.full_state_dict(model, rank0_only=True)
 
     def save_pretrained(self, model: nn.Module, save_directory: str, **kwargs: Any) -> None:
         """Write a Hugging Face directory of a prepared ``transformers`` model (collective): the gathered state
@@ -241,9 +224,7 @@ class VeScaleAccelerator(Accelerator):
                 cast(_SavesPretrained, model).save_pretrained(save_directory, **kwargs)
             self.wait_for_everyone()
             return
-        from lightning_vescale import checkpoint
-
-        checkpoint.save_pretrained(model, save_directory, **kwargs)
+        self._session.save_pretrained(model, save_directory, **kwargs)
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def _sharded_pairs(self) -> list[tuple[nn.Module, list[AcceleratedOptimizer]]]:
@@ -278,12 +259,11 @@ class VeScaleAccelerator(Accelerator):
         pairs = self._sharded_pairs()
         if not pairs:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-        from lightning_vescale import checkpoint
 
         def save_sharded(models: list, weights: list, out_dir: str) -> None:
             for i, (model, opts) in enumerate(pairs):
                 path = os.path.join(out_dir, _CHECKPOINT_DIR.format(i))
-                checkpoint.save(path, model, [_unwrap_optimizer(o) for o in opts])
+                self._session.save(path, model, [_unwrap_optimizer(o) for o in opts])
 
         handle = self.register_save_state_pre_hook(save_sharded)
         try:
@@ -298,12 +278,11 @@ class VeScaleAccelerator(Accelerator):
         pairs = self._sharded_pairs()
         if not pairs:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
-        from lightning_vescale import checkpoint
 
         def load_sharded(models: list, in_dir: str) -> None:
             for i, (model, opts) in enumerate(pairs):
                 path = os.path.join(in_dir, _CHECKPOINT_DIR.format(i))
-                checkpoint.load(path, model, [_unwrap_optimizer(o) for o in opts])
+                self._session.load(path, model, [_unwrap_optimizer(o) for o in opts])
 
         handle = self.register_load_state_pre_hook(load_sharded)
         try:

@@ -4,9 +4,10 @@
 * the accelerator check and the registry names;
 * a cluster environment for an already-initialized process group.
 
-The framework-free parts (the applier, meshes, precision strings, optimizer remapping, gradient-sync control)
-live in :mod:`lightning_vescale.parallelize`, re-exported here under their former names; the core engine never
-imports this package.
+The framework-free parts live in :mod:`lightning_vescale.parallel`: the strategies' engine object
+(:class:`~lightning_vescale.parallel.session.ShardingSession`: plan, mesh, sharding, optimizers, memory, checkpoints)
+and the applier's helpers (precision strings, materialization, gradient-sync control), re-exported here under their
+former names; the core engine never imports this package.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ from lightning_vescale.parallel.parallelize import (  # noqa: F401 - the strateg
     set_gradient_sync,
     top_level_roots,
     validate_precision,
+)
+from lightning_vescale.parallel.session import (  # noqa: F401 - the strategies' names for them
+    ShardingConfig,
+    ShardingSession,
+    check_tensor_parallel_applied,
+    check_tensor_parallel_plan,
+    tensor_parallel_sampler_kwargs,
 )
 
 logger = logging.getLogger(__name__)
@@ -202,55 +210,9 @@ def warn_if_policy_ignored(module: nn.Module, precision: str) -> None:
         )
 
 
-# --------------------------------------------------------------------------------------------------------
-# Tensor parallelism (both strategies)
-
-
-def check_tensor_parallel_args(tensor_parallel_size: Any, replicate_size: Any, expert_parallel_size: int,
-                               who: str) -> int:
-    """``tensor_parallel_size`` as an int >= 1, or a ValueError naming the combination that is not supported."""
-    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-        raise ValueError(f"{who}: tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
-    return tensor_parallel_size
-
-
-def tensor_parallel_sampler_kwargs(world_size: int, global_rank: int, tensor_parallel_size: int) -> dict[str, int]:
-    """The data-parallel replicas and this rank's index among them: the ranks of one tensor-parallel group
-    (consecutive ranks of the ``("data_parallel", "tensor_parallel")`` mesh) read the same batch; with
-    ``tensor_parallel_size=1`` every rank is a replica."""
-    return {"num_replicas": world_size // tensor_parallel_size, "rank": global_rank // tensor_parallel_size}
-
-
-def check_tensor_parallel_plan(module: nn.Module, resolved: Any, tensor_parallel_size: int, who: str) -> None:
-    """Before any process group: the plan must split something over tp, and tp must divide what it splits."""
-    from lightning_vescale.parallel.tensor_parallel import check_tensor_parallel
-
-    if tensor_parallel_size <= 1:
-        return
-    styles = dict(resolved.tensor_parallel)
-    if not any((s if isinstance(s, str) else s["style"]) != "replicate" for s in styles.values()):
-        raise ValueError(
-            f"{who}: tensor_parallel_size={tensor_parallel_size}, but the plan {resolved.plan.name or ''!r} splits no "
-            f"module over tp: give a plan with tp rules (e.g. plan='llama', or rules like {{match: '**.wq', tp: "
-            f"colwise}}), or split the model yourself in configure_model() with parallelize_module(..., "
-            f"self.device_mesh['tensor_parallel'], ...)"
-        )
-    check_tensor_parallel(module, styles, tensor_parallel_size)
-
-
-def check_tensor_parallel_applied(module: nn.Module, tensor_parallel_size: int, who: str) -> None:
-    """After sharding: with tp > 1 some parameter must be split over tp (otherwise every tp rank computes the same
-    thing: correct, and tp times the work)."""
-    if tensor_parallel_size <= 1:
-        return
-    if any(getattr(m, "_vescale_split_tokens", False) for m in module.modules()):
-        return  # a module runs on 1/tp of the tokens (tp: split_tokens), its parameters whole
-    if not any((mesh := getattr(p, "device_mesh", None)) is not None and mesh.ndim == 2 for p in module.parameters()):
-        raise ValueError(
-            f"{who}: tensor_parallel_size={tensor_parallel_size}, but no parameter of {type(module).__name__} is split "
-            f"over the 'tensor_parallel' mesh dimension: give a plan with tp rules (e.g. plan='llama'), or call "
-            f"parallelize_module(..., self.device_mesh['tensor_parallel'], ...) in configure_model()"
-        )
+def config_field(name: str) -> property:
+    """A strategy's read-only attribute holding its sharding session's config field ``name``."""
+    return property(lambda self: getattr(self._session.config, name), doc=f"The sharding config's ``{name}``.")
 
 
 def register_vescale_names(cls: type, strategy_registry: Any) -> None:
@@ -274,11 +236,14 @@ def shard_module(
     mp_policy: Optional[MixedPrecisionPolicy] = None,
     granularity: GranularityArg = None,
 ) -> None:
-    """:func:`lightning_vescale.parallelize` with the strategies' former arguments (no weight initialization)."""
-    parallelize(
-        module, None, mesh, roots=roots, auto_wrap_policy=auto_wrap_policy, mp_policy=mp_policy,
-        defaults={"reshard_after_forward": reshard_after_forward}, granularity=granularity, init_weights=False,
-    )
+    """Shard ``module`` over ``mesh`` with the strategies' former arguments (no weight initialization), through
+    the strategies' engine object (:class:`~lightning_vescale.parallel.session.ShardingSession`)."""
+    session = ShardingSession(ShardingConfig(
+        who="shard_module", auto_wrap_policy=auto_wrap_policy, reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy, granularity=granularity, sync_module_states=False,
+    ))
+    session.mesh = mesh
+    session.shard(module, roots=roots, init_weights=False)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -38,56 +38,32 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_vescale.engine.clip_grad import clip_grad_norm_
 from lightning_vescale.engine.collectives import named_collective
 from lightning_vescale.engine.fully_shard import GranularityArg
 from lightning_vescale.engine.policies import MixedPrecisionPolicy
-from lightning_vescale.engine.tensor import is_sharded_param
 from lightning_vescale.lightning._checkpoints import load_file_into, save_as_file
 from lightning_vescale.lightning._common import (
     ProcessGroupEnvironment,
     _VeScalePrecisionMixin,
     check_accelerator,
-    check_tensor_parallel_applied,
-    check_tensor_parallel_args,
-    check_tensor_parallel_plan,
+    config_field,
     precision_with_mp_policy,
     register_vescale_names,
-    tensor_parallel_sampler_kwargs,
 )
-from lightning_vescale.memory import (
-    MemoryHandles,
-    MemoryPolicy,
-    apply_memory_policy,
-    check_explicit_policy,
-    check_plan_tiers,
-)
-from lightning_vescale.parallel.parallelize import (
-    AutoWrapPolicy,
-    PlanLike,
-    build_mesh,
-    build_tensor_parallel_mesh,
-    check_tensor_parallel_size,
-    is_sharded,
-    materialize,
-    no_gradient_sync,
-    parallelize,
-    param_mapping,
-    process_group_timeout,
-    remap_optimizer,
-    resolve_for,
-)
-from lightning_vescale.plan import ResolvedPlan, load_plan
+from lightning_vescale.memory import MemoryPolicy
+from lightning_vescale.parallel.parallelize import AutoWrapPolicy, PlanLike, is_sharded, no_gradient_sync
+from lightning_vescale.parallel.session import ShardingConfig, ShardingSession, tensor_parallel_sampler_kwargs
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["VeScaleFabricPrecision", "VeScaleFabricStrategy"]
+
+_NO_MESH = "the device mesh exists once the processes are set up (fabric.launch())"
 
 
 class VeScaleFabricPrecision(_VeScalePrecisionMixin, Precision):
@@ -151,33 +127,17 @@ class VeScaleFabricStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[Precision] = None,
     ) -> None:
-        if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-            raise TypeError(f"mp_policy must be a lightning_vescale.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-        if not (replicate_size is None or replicate_size == "auto" or (isinstance(replicate_size, int) and replicate_size >= 1)):
-            raise ValueError(f"replicate_size must be None, 'auto' or a positive int, got {replicate_size!r}")
-        self._tensor_parallel_size = check_tensor_parallel_args(tensor_parallel_size, replicate_size, 1,
-                                                                "VeScaleFabricStrategy")
-        if plan is not None and auto_wrap_policy is not None:
-            raise ValueError("VeScaleFabricStrategy got both plan= and auto_wrap_policy=: the plan's group rules "
-                             "decide the groups; drop one of them")
-        self._plan = load_plan(plan) if plan is not None and not isinstance(plan, ResolvedPlan) else plan
-        self._mp_policy = mp_policy
-        self._auto_wrap_policy = auto_wrap_policy
-        self._reshard_after_forward = reshard_after_forward
-        self._granularity = granularity
-        self._replicate_size = replicate_size
-        self._sync_module_states = sync_module_states
+        # Every sharding argument is checked now, before any process starts (a plan file: its keys and values).
+        self._session = ShardingSession(ShardingConfig(
+            who="VeScaleFabricStrategy", plan=plan, auto_wrap_policy=auto_wrap_policy,
+            reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, granularity=granularity,
+            replicate_size=replicate_size, tensor_parallel_size=tensor_parallel_size,
+            sync_module_states=sync_module_states, memory=memory, timeout=timeout,
+            restore_rng_states=restore_rng_states,
+        ))
+        self._session.config.check_plan_tiers()  # a plan's disk tier needs memory.disk_dir
         self._process_group_backend = process_group_backend
-        process_group_timeout(timeout, torch.device("cpu"))  # a bad value fails here, not after launching
-        self._timeout = timeout
-        self._restore_rng_states = restore_rng_states
         self._num_nodes = 1
-        self._device_mesh: Optional[DeviceMesh] = None
-        self._sharded_modules: list[Module] = []
-        check_explicit_policy(memory, "VeScaleFabricStrategy(memory=...)")
-        check_plan_tiers(self._plan, memory, "VeScaleFabricStrategy")  # a plan's disk tier needs memory.disk_dir
-        self._memory_policy = memory
-        self._memory: dict[int, tuple[Module, MemoryHandles]] = {}  # per set-up module
         check_accelerator(accelerator)
         if cluster_environment is None and ProcessGroupEnvironment.detect():
             cluster_environment = ProcessGroupEnvironment()
@@ -207,7 +167,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         if precision is None:
             self._precision = None
             return
-        name = precision_with_mp_policy(precision, self._mp_policy, "VeScaleFabricStrategy")
+        name = precision_with_mp_policy(precision, self._session.config.mp_policy, "VeScaleFabricStrategy")
         self._precision = precision if isinstance(precision, VeScaleFabricPrecision) else VeScaleFabricPrecision(name)
 
     @property
@@ -232,12 +192,26 @@ class VeScaleFabricStrategy(ParallelStrategy):
         if io is not None:
             raise NotImplementedError(f"{type(self).__name__} does not take a CheckpointIO plugin")
 
+    @property
+    def sharding_session(self) -> ShardingSession:
+        """The engine object this strategy delegates to (plan, mesh, sharding, memory, checkpoints), as the
+        Trainer's strategy and the Accelerate adapter do."""
+        return self._session
+
+    # The sharding arguments, read from the session's config.
+    _reshard_after_forward = config_field("reshard_after_forward")
+    _granularity = config_field("granularity")
+    _replicate_size = config_field("replicate_size")
+    _timeout = config_field("timeout")
+    _restore_rng_states = config_field("restore_rng_states")
+    _tensor_parallel_size = config_field("tensor_parallel_size")
+
     # -- topology -----------------------------------------------------------------------------------------
     @property
     def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
-            raise RuntimeError("the device mesh exists once the processes are set up (fabric.launch())")
-        return self._device_mesh
+        if self._session.mesh is None:
+            raise RuntimeError(_NO_MESH)
+        return self._session.mesh
 
     @property
     @override
@@ -270,8 +244,8 @@ class VeScaleFabricStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._tensor_parallel_size > 1 and self.num_processes > 0:
-            check_tensor_parallel_size(self._tensor_parallel_size, self.num_nodes * self.num_processes)
+        if self.num_processes > 0:
+            self._session.config.check_world_size(self.num_nodes * self.num_processes)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -291,52 +265,31 @@ class VeScaleFabricStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
-        timeout = process_group_timeout(self._timeout, self.root_device)
+        timeout = self._session.process_group_timeout(self.root_device)
         kwargs: dict[str, Any] = {"timeout": timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        if self._tensor_parallel_size > 1:
-            check_tensor_parallel_size(self._tensor_parallel_size, self.world_size)
+        self._session.config.check_world_size(self.world_size)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
-        if self._tensor_parallel_size > 1:
-            self._device_mesh = build_tensor_parallel_mesh(self.root_device, self.world_size,
-                                                           self._tensor_parallel_size, replicate, timeout=timeout)
-            return
-        self._device_mesh = build_mesh(self.root_device, self.world_size, replicate, timeout=timeout)
+        self._session.build_mesh(self.root_device, self.world_size, num_nodes=self.num_nodes, timeout=timeout)
 
     # -- model and optimizers -----------------------------------------------------------------------------
     @override
     def setup_module(self, module: Module) -> Module:
-        if not all(is_sharded_param(p) for p in module.parameters()):
-            precision = self.precision
-            assert isinstance(precision, VeScaleFabricPrecision)
-            if self._tensor_parallel_size > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
-                resolved = resolve_for(module, self._plan, roots=[module], granularity=self._granularity,
-                                       auto_wrap_policy=self._auto_wrap_policy)
-                check_tensor_parallel_plan(module, resolved, self._tensor_parallel_size, type(self).__name__)
-            parallelize(
-                module, self._plan, self.device_mesh, roots=[module], mp_policy=self._mp_policy or precision.mp_policy,
-                defaults={"reshard_after_forward": self._reshard_after_forward}, granularity=self._granularity,
-                auto_wrap_policy=self._auto_wrap_policy, sync_module_states=self._sync_module_states,
-            )
-        else:
-            materialize(module)  # sharded on the meta device by the user
-        check_tensor_parallel_applied(module, self._tensor_parallel_size, type(self).__name__)
-        if module not in self._sharded_modules:
-            self._sharded_modules.append(module)
-        if id(module) not in self._memory:  # the policy's placement, and the plan's tiers (none: nothing moves)
-            handles = apply_memory_policy(module, [], self._memory_policy, rank=self.global_rank)
-            self._memory[id(module)] = (module, handles)
+        session = self._session
+        precision = self.precision
+        assert isinstance(precision, VeScaleFabricPrecision)
+        if session.needs_sharding(module) and session.mesh is None:
+            raise RuntimeError(_NO_MESH)
+        session.shard(module, roots=[module], mp_policy=precision.mp_policy)
+        if not session.places_memory_of(module):  # the policy's placement, and the plan's tiers (none: nothing moves)
+            session.place_memory(module, rank=self.global_rank)
         return module
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """An optimizer built on a set-up model's parameters steps as the memory policy says."""
-        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for module, handles in self._memory.values():
-            if any(id(p) in params for p in module.parameters()):
-                handles.add_optimizer(optimizer)
+        self._session.add_optimizer(optimizer)
         return optimizer
 
     @override
@@ -347,9 +300,8 @@ class VeScaleFabricStrategy(ParallelStrategy):
         the local pieces."""
         before = dict(module.named_parameters())
         module = self.setup_module(module)
-        mapping = param_mapping(module, before)
+        self._session.remap_optimizers(module, before, optimizers)
         for optimizer in optimizers:
-            remap_optimizer(optimizer, mapping)
             self.setup_optimizer(optimizer)
         return module, optimizers, scheduler
 
@@ -375,10 +327,8 @@ class VeScaleFabricStrategy(ParallelStrategy):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Clip by the global norm of the sharded gradients (all-reduced over each shard group)."""
-        return clip_grad_norm_(
-            list(self.precision.main_params(optimizer)), max_norm, norm_type=norm_type,
-            error_if_nonfinite=error_if_nonfinite,
-        )
+        return self._session.clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type=norm_type,
+                                             error_if_nonfinite=error_if_nonfinite)
 
     # -- collectives --------------------------------------------------------------------------------------
     @override
@@ -435,8 +385,6 @@ class VeScaleFabricStrategy(ParallelStrategy):
         """Write a sharded checkpoint directory: the model and its optimizers as DCP shards, every other entry of
         ``state`` (``state_dict()`` of stateful objects) as metadata. A state without a set-up model (state dicts,
         as saved under DDP) is written as one full file instead, as DDP writes it."""
-        from lightning_vescale import checkpoint as vckpt
-
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
         if filter is not None:
@@ -447,7 +395,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
             return
         (_, module), optimizers, rest = self._split_state(state)
         extra = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in rest.items()}
-        vckpt.save(path, module, [o for _, o in optimizers], extra=extra)
+        self._session.save(path, module, [o for _, o in optimizers], extra=extra)
 
     @override
     def load_checkpoint(
@@ -460,8 +408,6 @@ class VeScaleFabricStrategy(ParallelStrategy):
         """Restore the model, its optimizers and entries of ``state`` in place; return what ``state`` didn't ask
         for. ``path`` is a sharded checkpoint directory, or one file (``torch.save`` of state dicts, a
         ``.safetensors`` file: LitGPT's ``lit_model.pth``), read without unpickling code."""
-        from lightning_vescale import checkpoint as vckpt
-
         path = Path(self.broadcast(path))
         if path.is_file():
             if weights_only is False:
@@ -474,14 +420,13 @@ class VeScaleFabricStrategy(ParallelStrategy):
                 f"the sharded checkpoint {str(path)!r} into"
             )
         safe = weights_only is not False  # nothing is unpickled unless the caller trusts the checkpoint
-        rng = self._restore_rng_states
         if isinstance(state, Module):
-            vckpt.load(path, state, weights_only=safe, restore_rng=rng)
+            self._session.load(path, state, weights_only=safe)
             return {}
         if isinstance(state, Optimizer):
             raise NotImplementedError(f"{type(self).__name__} loads an optimizer together with its model")
         (_, module), optimizers, rest = self._split_state(state)
-        extra = dict(vckpt.load(path, module, [o for _, o in optimizers], weights_only=safe, restore_rng=rng) or {})
+        extra = dict(self._session.load(path, module, [o for _, o in optimizers], weights_only=safe) or {})
         missing = [k for k in rest if k not in extra]
         if strict and missing:
             raise KeyError(f"the checkpoint at {str(path)!r} has no entries {missing}")
@@ -497,45 +442,36 @@ class VeScaleFabricStrategy(ParallelStrategy):
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
-        from lightning_vescale import checkpoint as vckpt
-
-        return vckpt.get_model_state_dict(module)
+        return self._session.model_state_dict(module)
 
     @override
     def load_module_state_dict(
         self, module: Module, state_dict: dict[str, Union[Any, Tensor]], strict: bool = True
     ) -> None:
         """Load a full (unsharded) state dict into a sharded module: each rank keeps its pieces."""
-        from lightning_vescale import checkpoint as vckpt
-
-        vckpt.load_full_state_dict(module, state_dict, strict=strict)
+        self._session.load_full_state_dict(module, state_dict, strict=strict)
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        from lightning_vescale import checkpoint as vckpt
-
-        if len(self._sharded_modules) != 1:
+        modules = self._session.modules
+        if len(modules) != 1:
             raise RuntimeError(
                 f"{type(self).__name__}.get_optimizer_state needs exactly one model set up by the strategy, found "
-                f"{len(self._sharded_modules)}"
+                f"{len(modules)}"
             )
-        return vckpt.get_optimizer_state_dict(self._sharded_modules[0], optimizer)
+        return self._session.optimizer_state_dict(modules[0], optimizer)
 
     def save_pretrained(self, module: Module, save_directory: _PATH, **kwargs: Any) -> None:
         """Write a Hugging Face directory of the set-up ``module`` (a sharded ``transformers`` model); every rank
         calls it (``fabric.strategy.save_pretrained(model, "hf/")``). See
         :func:`lightning_vescale.checkpoint.save_pretrained`."""
-        from lightning_vescale import checkpoint as vckpt
-
-        vckpt.save_pretrained(getattr(module, "module", module), save_directory, **kwargs)  # unwraps _FabricModule
+        self._session.save_pretrained(getattr(module, "module", module), save_directory, **kwargs)  # unwraps _FabricModule
 
     @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None
         assert self.accelerator is not None
-        for _, handles in self._memory.values():
-            handles.close()
-        self._memory.clear()
+        self._session.close()
         self.cluster_environment.teardown()
         self.precision.teardown()
         self.accelerator.teardown()

@@ -7,6 +7,7 @@ optimizers on the local pieces, and routes clipping, accumulation and checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -44,50 +45,31 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_vescale.engine.clip_grad import clip_grad_norm_
 from lightning_vescale.engine.collectives import named_collective
 from lightning_vescale.engine.fully_shard import GranularityArg, get_state, sharded_groups
 from lightning_vescale.engine.policies import MixedPrecisionPolicy
-from lightning_vescale.engine.tensor import is_sharded_param
 from lightning_vescale.lightning._common import (
     ProcessGroupEnvironment,
     _VeScalePrecisionMixin,
     check_accelerator,
-    check_tensor_parallel_applied,
-    check_tensor_parallel_args,
-    check_tensor_parallel_plan,
+    config_field,
     precision_with_mp_policy,
     register_vescale_names,
-    tensor_parallel_sampler_kwargs,
     warn_if_policy_ignored,
 )
 from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
-from lightning_vescale.memory import (
-    MemoryHandles,
-    MemoryPolicy,
-    apply_memory_policy,
-    check_explicit_policy,
-    check_plan_tiers,
-)
+from lightning_vescale.memory import MemoryPolicy
 from lightning_vescale.parallel.parallelize import (
     AutoWrapPolicy,
     PlanLike,
-    build_expert_parallel_mesh,
-    build_mesh,
-    build_tensor_parallel_mesh,
-    check_expert_parallel_size,
-    check_tensor_parallel_size,
     describe_precision,
     is_sharded,
-    materialize,
     no_gradient_sync,
-    parallelize,
-    process_group_timeout,
-    resolve_for,
     resolved_plan_of,
     top_level_roots,
 )
-from lightning_vescale.plan import ResolvedPlan, load_plan
+from lightning_vescale.parallel.session import ShardingConfig, ShardingSession, tensor_parallel_sampler_kwargs
+from lightning_vescale.plan import ResolvedPlan
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -110,7 +92,7 @@ class VeScalePrecision(_VeScalePrecisionMixin, Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(list(self.main_params(optimizer)), clip_val)
+        ShardingSession.clip_grad_norm_(self.main_params(optimizer), clip_val)
 
 
 class VeScaleStrategy(ParallelStrategy):
@@ -217,41 +199,17 @@ class VeScaleStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-            raise TypeError(f"mp_policy must be a lightning_vescale.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-        if not (replicate_size is None or replicate_size == "auto" or (isinstance(replicate_size, int) and replicate_size >= 1)):
-            raise ValueError(f"replicate_size must be None, 'auto' or a positive int, got {replicate_size!r}")
-        if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
-            raise ValueError(f"expert_parallel_size must be a positive int, got {expert_parallel_size!r}")
-        if expert_parallel_size > 1 and replicate_size is not None:
-            raise ValueError(
-                f"expert_parallel_size={expert_parallel_size} with replicate_size={replicate_size!r} (HSDP) is not "
-                f"supported yet: use one of them"
-            )
-        self._tensor_parallel_size = check_tensor_parallel_args(
-            tensor_parallel_size, replicate_size, expert_parallel_size, "VeScaleStrategy")
-        if plan is not None and auto_wrap_policy is not None:
-            raise ValueError("VeScaleStrategy got both plan= and auto_wrap_policy=: the plan's group rules decide the "
-                             "groups; drop one of them")
-        # A plan file or dict is read and checked now (unknown keys and values), before any process starts.
-        self._plan = load_plan(plan) if plan is not None and not isinstance(plan, ResolvedPlan) else plan
+        # Every sharding argument is checked now, before any process starts (a plan file: its keys and values).
+        self._session = ShardingSession(ShardingConfig(
+            who="VeScaleStrategy", plan=plan, auto_wrap_policy=auto_wrap_policy,
+            reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, granularity=granularity,
+            replicate_size=replicate_size, expert_parallel_size=expert_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, sync_module_states=sync_module_states, memory=memory,
+            timeout=timeout, restore_rng_states=restore_rng_states,
+        ))
         self._plan_checked = False
-        self._expert_parallel_size = expert_parallel_size
-        self._mp_policy = mp_policy
-        self._auto_wrap_policy = auto_wrap_policy
-        self._reshard_after_forward = reshard_after_forward
-        self._granularity = granularity
-        self._replicate_size = replicate_size
-        self._sync_module_states = sync_module_states
         self._meta_init = meta_init
         self._process_group_backend = process_group_backend
-        process_group_timeout(timeout, torch.device("cpu"))  # a bad value fails here, not after launching
-        self._timeout = timeout
-        self._restore_rng_states = restore_rng_states
-        self._memory_policy: Optional[MemoryPolicy] = None
-        self.memory_policy = memory
-        self._memory = MemoryHandles()
-        self._device_mesh: Optional[DeviceMesh] = None
         self.num_nodes = 1
         check_accelerator(accelerator)
         if cluster_environment is None and ProcessGroupEnvironment.detect():
@@ -266,16 +224,29 @@ class VeScaleStrategy(ParallelStrategy):
         )
 
     @property
+    def sharding_session(self) -> ShardingSession:
+        """The engine object this strategy delegates to (plan, mesh, sharding, memory, checkpoints), as Fabric's
+        strategy and the Accelerate adapter do."""
+        return self._session
+
+    @property
     def memory_policy(self) -> Optional[MemoryPolicy]:
         """Where optimizer states and activations live; set it before ``Trainer.fit``."""
-        return self._memory_policy
+        return self._session.config.memory
 
     @memory_policy.setter
     def memory_policy(self, memory: Optional[MemoryPolicy]) -> None:
-        check_explicit_policy(memory, "VeScaleStrategy(memory=...)")
-        if memory is not None:  # (without one, check_plan says so before the run starts: it may be set later)
-            check_plan_tiers(getattr(self, "_plan", None), memory, "VeScaleStrategy")
-        self._memory_policy = memory
+        # Checked as at construction (without a policy, check_plan says so before the run starts: it may be set later).
+        self._session.config = dataclasses.replace(self._session.config, memory=memory)
+
+    # The sharding arguments, read from the session's config (the recipes and tests read them).
+    _reshard_after_forward = config_field("reshard_after_forward")
+    _granularity = config_field("granularity")
+    _replicate_size = config_field("replicate_size")
+    _timeout = config_field("timeout")
+    _restore_rng_states = config_field("restore_rng_states")
+    _expert_parallel_size = config_field("expert_parallel_size")
+    _tensor_parallel_size = config_field("tensor_parallel_size")
 
     # -- registry -----------------------------------------------------------------------------------------
     @classmethod
@@ -295,7 +266,7 @@ class VeScaleStrategy(ParallelStrategy):
         if precision_plugin is None:
             self._precision_plugin = None
             return
-        precision = precision_with_mp_policy(precision_plugin, self._mp_policy, "VeScaleStrategy")
+        precision = precision_with_mp_policy(precision_plugin, self._session.config.mp_policy, "VeScaleStrategy")
         if not isinstance(precision_plugin, VeScalePrecision):
             precision_plugin = VeScalePrecision(precision)
         self._precision_plugin = precision_plugin
@@ -314,9 +285,9 @@ class VeScaleStrategy(ParallelStrategy):
     # -- topology -----------------------------------------------------------------------------------------
     @property
     def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
+        if self._session.mesh is None:
             raise RuntimeError("the device mesh exists once the processes are set up (setup_environment)")
-        return self._device_mesh
+        return self._session.mesh
 
     @property
     @override
@@ -370,12 +341,8 @@ class VeScaleStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._expert_parallel_size > 1 and self.num_processes > 0:
-            # Before any process is launched: the Trainer's constructor stops with the message.
-            check_expert_parallel_size(self._expert_parallel_size, self.num_nodes * self.num_processes,
-                                       self._tensor_parallel_size)
-        if self._tensor_parallel_size > 1 and self.num_processes > 0:
-            check_tensor_parallel_size(self._tensor_parallel_size, self.num_nodes * self.num_processes)
+        if self.num_processes > 0:  # before any process is launched: the Trainer's constructor stops with the message
+            self._session.config.check_world_size(self.num_nodes * self.num_processes)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _PlanCheckingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -384,19 +351,21 @@ class VeScaleStrategy(ParallelStrategy):
         a plan written for another model stops the run before any process is launched or any process group is
         created (``Trainer.fit`` calls it first). Skipped where the modules are built later, in
         ``configure_model``, or were sharded by hand: ``setup`` resolves the plan then."""
-        check_plan_tiers(self._plan, self._memory_policy, "VeScaleStrategy")  # a disk tier needs memory.disk_dir
+        config = self._session.config
+        config.check_plan_tiers()  # a disk tier needs memory.disk_dir
         module = self.lightning_module
-        tp = self._tensor_parallel_size
-        if self._plan_checked or (self._plan is None and tp == 1) or module is None:
+        if self._plan_checked or (config.plan is None and config.tensor_parallel_size == 1) or module is None:
             return
         from lightning.pytorch import LightningModule
 
         if is_overridden("configure_model", module, parent=LightningModule) or is_sharded(module):
             return
-        resolved = resolve_for(module, self._plan, roots=top_level_roots(module), granularity=self._granularity,
-                               expert_parallel=self._expert_parallel_size > 1, tensor_parallel=tp > 1)
-        check_tensor_parallel_plan(module, resolved, tp, "VeScaleStrategy")
+        self._session.check_plan(module, roots=top_level_roots(module), mp_policy=self._precision_mp_policy())
         self._plan_checked = True
+
+    def _precision_mp_policy(self) -> Optional[MixedPrecisionPolicy]:
+        precision = self.precision_plugin
+        return precision.mp_policy if isinstance(precision, VeScalePrecision) else None
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -414,32 +383,17 @@ class VeScaleStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
-        timeout = process_group_timeout(self._timeout, self.root_device)
+        timeout = self._session.process_group_timeout(self.root_device)
         kwargs: dict[str, Any] = {"timeout": timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        if self._expert_parallel_size > 1:
-            check_expert_parallel_size(self._expert_parallel_size, self.world_size, self._tensor_parallel_size)
-        if self._tensor_parallel_size > 1:
-            check_tensor_parallel_size(self._tensor_parallel_size, self.world_size)
+        self._session.config.check_world_size(self.world_size)
         self.check_plan()  # launched externally (torchrun, SLURM): still before the process group
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        if self._expert_parallel_size > 1:
-            self._device_mesh = build_expert_parallel_mesh(
-                self.root_device, self.world_size, self._expert_parallel_size, self._tensor_parallel_size,
-                timeout=timeout,
-            )
-        elif self._tensor_parallel_size > 1:
-            replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
-            self._device_mesh = build_tensor_parallel_mesh(
-                self.root_device, self.world_size, self._tensor_parallel_size, replicate, timeout=timeout
-            )
-        else:
-            replicate = self.num_nodes if self._replicate_size == "auto" else self._replicate_size
-            self._device_mesh = build_mesh(self.root_device, self.world_size, replicate, timeout=timeout)
+        self._session.build_mesh(self.root_device, self.world_size, num_nodes=self.num_nodes, timeout=timeout)
         assert self.lightning_module is not None
         # configure_model() can shard by hand with self.device_mesh.
-        self.lightning_module._device_mesh = self._device_mesh
+        self.lightning_module._device_mesh = self.device_mesh
 
     # -- model --------------------------------------------------------------------------------------------
     @contextmanager
@@ -467,24 +421,17 @@ class VeScaleStrategy(ParallelStrategy):
         precision = self.precision_plugin
         assert isinstance(precision, VeScalePrecision)
         user_sharded = is_sharded(module)
-        expert_parallel = self._expert_parallel_size > 1
-        if expert_parallel or not all(is_sharded_param(p) for p in module.parameters()):
+        session = self._session
+        shards = session.needs_sharding(module)
+        if shards:
             module = precision.convert_module(module)
-            parallelize(
-                module, self._plan, self.device_mesh, roots=top_level_roots(module),
-                mp_policy=self._mp_policy or precision.mp_policy,
-                defaults={"reshard_after_forward": self._reshard_after_forward}, granularity=self._granularity,
-                auto_wrap_policy=self._auto_wrap_policy, sync_module_states=self._sync_module_states,
+        session.shard(module, roots=top_level_roots(module), mp_policy=precision.mp_policy)
+        if shards and self._expert_parallel_size > 1:
+            mesh = self.device_mesh
+            rank_zero_info(
+                f"{type(self).__name__}: expert parallel over {mesh.mesh_dim_names} = {tuple(mesh.shape)}: experts "
+                f"split over ep={self._expert_parallel_size} ranks"
             )
-            if expert_parallel:
-                mesh = self.device_mesh
-                rank_zero_info(
-                    f"{type(self).__name__}: expert parallel over {mesh.mesh_dim_names} = {tuple(mesh.shape)}: experts "
-                    f"split over ep={self._expert_parallel_size} ranks"
-                )
-        else:
-            materialize(module)  # sharded on the meta device by the user
-        check_tensor_parallel_applied(module, self._tensor_parallel_size, type(self).__name__)
         if self._tensor_parallel_size > 1:
             mesh = self.device_mesh
             shape = ", ".join(f"{n}={mesh[n].size()}" for n in mesh.mesh_dim_names or ())
@@ -492,7 +439,7 @@ class VeScaleStrategy(ParallelStrategy):
         if user_sharded:
             warn_if_policy_ignored(module, precision.precision)
         log.debug("%s: %d sharded groups, precision %s", type(self).__name__, len(sharded_groups(module)), precision.precision)
-        if precision.precision != "32-true" and self._mp_policy is None:
+        if precision.precision != "32-true" and session.config.mp_policy is None:
             what = describe_precision(precision.precision)
             rank_zero_info(f"{type(self).__name__}: precision={precision.precision!r} runs as {what}")
         self.model = module
@@ -500,8 +447,8 @@ class VeScaleStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._memory.close()
-            self._memory = apply_memory_policy(module, self.optimizers, self._memory_policy, rank=self.global_rank)
+            session.close()  # an earlier stage's handles
+            session.place_memory(module, self.optimizers, rank=self.global_rank)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -600,10 +547,8 @@ class VeScaleStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The sharded model state dict (each rank's pieces); ``save_checkpoint`` writes it as DCP shards."""
-        from lightning_vescale import checkpoint
-
         assert self.model is not None
-        return checkpoint.get_model_state_dict(self.model)
+        return self._session.model_state_dict(self.model)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -611,12 +556,10 @@ class VeScaleStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        from lightning_vescale import checkpoint
-
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
-        return checkpoint.get_optimizer_state_dict(self.model, optimizer)
+        return self._session.optimizer_state_dict(self.model, optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -629,8 +572,6 @@ class VeScaleStrategy(ParallelStrategy):
         """Write a directory of shards (``lightning_vescale.checkpoint.save``): model and optimizer as DCP
         shards, the rest of Lightning's checkpoint (loops, callbacks, LR schedulers, hyperparameters) as
         ``extra``, and every rank's RNG states."""
-        from lightning_vescale import checkpoint as vckpt
-
         if storage_options is not None:
             raise TypeError(
                 f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: the strategy "
@@ -644,21 +585,19 @@ class VeScaleStrategy(ParallelStrategy):
         extra.pop("state_dict", None)
         with_optimizer = extra.pop("optimizer_states", None) is not None
         assert self.model is not None
-        vckpt.save(path, self.model, self._optimizers_for_checkpoint() if with_optimizer else None, extra=extra)
+        self._session.save(path, self.model, self._optimizers_for_checkpoint() if with_optimizer else None, extra=extra)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        from lightning_vescale import checkpoint as vckpt
-
         path = Path(self.broadcast(checkpoint_path))
         assert self.model is not None
         if path.is_file():  # a missing directory goes to vckpt.load, which also resolves the ".old" fallback
             return self._load_full_checkpoint_file(path)
         # Nothing is unpickled unless the caller passed weights_only=False (only format-1 checkpoints need it).
-        extra = dict(vckpt.load(path, self.model, self._optimizers_for_checkpoint(),
-                                weights_only=weights_only is not False, restore_rng=self._restore_rng_states))
+        extra = dict(self._session.load(path, self.model, self._optimizers_for_checkpoint(),
+                                        weights_only=weights_only is not False))
         # Hooks such as on_load_checkpoint expect the key; the weights are already in the model.
-        extra.setdefault("state_dict", vckpt.get_model_state_dict(self.model))
+        extra.setdefault("state_dict", self._session.model_state_dict(self.model))
         return extra
 
     def _load_full_checkpoint_file(self, path: Path) -> dict[str, Any]:
@@ -671,23 +610,21 @@ class VeScaleStrategy(ParallelStrategy):
             raise ValueError(f"{str(path)!r} is not a Lightning checkpoint (it has no 'state_dict'); load a bare state "
                              f"dict with lightning_vescale.checkpoint.load_full_state_dict in on_fit_start")
         assert self.model is not None
-        vckpt.load_full_state_dict(self.model, checkpoint["state_dict"])
+        self._session.load_full_state_dict(self.model, checkpoint["state_dict"])
         optimizers = self._optimizers_for_checkpoint()
         saved = checkpoint.get("optimizer_states", [])
         if optimizers and len(saved) != len(optimizers):
             raise ValueError(f"{str(path)!r} holds {len(saved)} optimizer state(s), the LightningModule configures "
                              f"{len(optimizers)}")
         for optimizer, state in zip(optimizers, saved):
-            vckpt.load_full_optimizer_state_dict(optimizer, state)
+            self._session.load_full_optimizer_state_dict(optimizer, state)
         return checkpoint
 
     def save_pretrained(self, module: Module, save_directory: _PATH, **kwargs: Any) -> None:
         """Write a Hugging Face directory of ``module`` (a sharded ``transformers`` model inside the
         LightningModule); every rank calls it (``trainer.strategy.save_pretrained(self.model, "hf/")``). See
         :func:`lightning_vescale.checkpoint.save_pretrained`."""
-        from lightning_vescale import checkpoint as vckpt
-
-        vckpt.save_pretrained(module, save_directory, **kwargs)
+        self._session.save_pretrained(module, save_directory, **kwargs)
 
     # -- teardown -----------------------------------------------------------------------------------------
     @override
@@ -696,7 +633,7 @@ class VeScaleStrategy(ParallelStrategy):
         # the DBuffers on CUDA.
         assert self.cluster_environment is not None
         assert self.accelerator is not None
-        self._memory.close()
+        self._session.close()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
