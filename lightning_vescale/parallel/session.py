@@ -4,7 +4,7 @@ adapter each hold a :class:`ShardingSession` and delegate to it.
 * :class:`ShardingConfig`: the sharding keyword arguments the integrations take (plan, groups, granularity,
   precision policy, mesh sizes, memory policy, ...), checked once, with one message per mistake;
 * :meth:`ShardingSession.resolve`: those arguments -> a resolved plan, through the one function that decides it
-  (:func:`lightning_vescale.plan._compile.resolve_for`); :meth:`~ShardingSession.shard` applies exactly that plan;
+  (:func:`lightning_vescale.plan.resolve_for`); :meth:`~ShardingSession.shard` applies exactly that plan;
 * the mesh the sizes ask for, optimizer remapping, the memory policy's handles, sharded checkpoints (model,
   optimizers, extra state), full state dicts, ``save_pretrained`` and clipping.
 
@@ -36,7 +36,7 @@ from lightning_vescale.memory import (
     check_explicit_policy,
     check_plan_tiers,
 )
-from lightning_vescale.parallel.parallelize import parallelize
+from lightning_vescale.parallel.parallelize import AutoWrapPolicy, PlanLike, parallelize
 from lightning_vescale.parallel.spmd import (
     build_expert_parallel_mesh,
     build_mesh,
@@ -48,8 +48,7 @@ from lightning_vescale.parallel.spmd import (
     process_group_timeout,
     remap_optimizer,
 )
-from lightning_vescale.plan import ResolvedPlan, load_plan
-from lightning_vescale.plan._compile import AutoWrapPolicy, PlanLike, resolve_for
+from lightning_vescale.plan import ResolvedPlan, load_plan, resolve_for
 
 __all__ = [
     "ShardingConfig",
@@ -158,7 +157,7 @@ class ShardingSession:
         mp_policy: Optional[MixedPrecisionPolicy] = None,
     ) -> ResolvedPlan:
         """The plan the config gives ``module`` (pure: no process group): the one place an integration's keyword
-        arguments become a resolved plan, through :func:`~lightning_vescale.plan._compile.resolve_for`.
+        arguments become a resolved plan, through :func:`~lightning_vescale.plan.resolve_for`.
         ``mp_policy``: the integration's precision, used where the config has no explicit one."""
         cfg = self.config
         return resolve_for(
