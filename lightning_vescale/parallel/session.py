@@ -53,12 +53,35 @@ from lightning_vescale.plan import ResolvedPlan, load_plan, resolve_for
 __all__ = [
     "ShardingConfig",
     "ShardingSession",
+    "mesh_size_problem",
     "check_tensor_parallel_applied",
     "check_tensor_parallel_plan",
     "tensor_parallel_sampler_kwargs",
 ]
 
 ReplicateSize = Union[None, int, Literal["auto"]]
+
+
+def mesh_size_problem(replicate_size: Any, expert_parallel_size: Any, tensor_parallel_size: Any, *,
+                      prefix: str = "", null: str = "None") -> Optional[str]:
+    """What is wrong with the mesh sizes every integration and the recipes take, or None: ``replicate_size`` None,
+    ``"auto"`` or a positive int; the expert- and tensor-parallel sizes positive ints; no expert parallelism with
+    HSDP. ``prefix`` names the keys as the caller's users write them (``"strategy."`` in a recipe), ``null`` None."""
+    r, ep, tp = replicate_size, expert_parallel_size, tensor_parallel_size
+
+    def positive_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    if not (r is None or r == "auto" or positive_int(r)):
+        return f"{prefix}replicate_size must be {null}, 'auto' or a positive int, got {r!r}"
+    if not positive_int(ep):
+        return f"{prefix}expert_parallel_size must be a positive int, got {ep!r}"
+    if ep > 1 and r is not None:
+        return (f"{prefix}expert_parallel_size={ep} with {prefix}replicate_size={r!r} (HSDP) is not supported yet: use "
+                f"one of them")
+    if not positive_int(tp):
+        return f"{prefix}tensor_parallel_size must be a positive int, got {tp!r}"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,18 +113,9 @@ class ShardingConfig:
         if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
             raise TypeError(f"{who}: mp_policy must be a lightning_vescale.MixedPrecisionPolicy, got "
                             f"{type(self.mp_policy).__name__}")
-        r = self.replicate_size
-        if not (r is None or r == "auto" or (isinstance(r, int) and not isinstance(r, bool) and r >= 1)):
-            raise ValueError(f"{who}: replicate_size must be None, 'auto' or a positive int, got {r!r}")
-        ep = self.expert_parallel_size
-        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-            raise ValueError(f"{who}: expert_parallel_size must be a positive int, got {ep!r}")
-        if ep > 1 and r is not None:
-            raise ValueError(f"{who}: expert_parallel_size={ep} with replicate_size={r!r} (HSDP) is not supported "
-                             f"yet: use one of them")
-        tp = self.tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"{who}: tensor_parallel_size must be a positive int, got {tp!r}")
+        problem = mesh_size_problem(self.replicate_size, self.expert_parallel_size, self.tensor_parallel_size)
+        if problem is not None:
+            raise ValueError(f"{who}: {problem}")
         if self.plan is not None and self.auto_wrap_policy is not None:
             raise ValueError(f"{who} got both plan= and auto_wrap_policy=: the plan's group rules decide the groups; "
                              f"drop one of them")

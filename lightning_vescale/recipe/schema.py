@@ -50,6 +50,7 @@ from lightning_vescale.models.qwen3_moe import Qwen3MoEConfig
 from lightning_vescale.optim import build_optimizer
 from lightning_vescale.optim.adamw8bit import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_8BIT_SIZE, check_block_args
 from lightning_vescale.optim.muon import ADJUST_LR_FNS, MODES
+from lightning_vescale.parallel.session import mesh_size_problem
 from lightning_vescale.plan._spec import GRANULARITY_WORDS
 from lightning_vescale.quant import BlockFormat, quantize_all_gather
 from lightning_vescale.quant.formats import FORMATS
@@ -530,26 +531,10 @@ class VeScaleStrategyConfig(StrategyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        r = self.replicate_size
-        _check(
-            r is None or r == "auto" or (isinstance(r, int) and not isinstance(r, bool) and r >= 1),
-            f"strategy.replicate_size must be null, 'auto' or a positive int, got {r!r}",
-        )
-        ep = self.expert_parallel_size
-        _check(
-            isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1,
-            f"strategy.expert_parallel_size must be a positive int, got {ep!r}",
-        )
-        _check(
-            ep == 1 or r is None,
-            f"strategy.expert_parallel_size={ep} with strategy.replicate_size={r!r} (HSDP) is not supported yet: "
-            f"set one of them",
-        )
-        tp = self.tensor_parallel_size
-        _check(
-            isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
-            f"strategy.tensor_parallel_size must be a positive int, got {tp!r}",
-        )
+        # The integrations' own check (lightning_vescale.parallel.session), in the recipe's key names.
+        problem = mesh_size_problem(self.replicate_size, self.expert_parallel_size, self.tensor_parallel_size,
+                                    prefix="strategy.", null="null")
+        _check(problem is None, problem or "")
         g = self.granularity
         _check(
             g is None or g in GRANULARITY_WORDS or (isinstance(g, int) and not isinstance(g, bool) and g >= 1)
