@@ -12,6 +12,7 @@ from lightning_vescale.data.corpus import (
     generate_corpus,
     load_text,
 )
+from lightning_vescale.data.options import TEXT_DATA_DEFAULTS, TextDataOptions, text_data_problem
 from lightning_vescale.data.tokenizer import (
     TOKENIZERS,
     BPETokenizer,
@@ -25,8 +26,10 @@ __all__ = [
     "BPETokenizer",
     "ByteTokenizer",
     "EMBEDDED_CORPUS_PATH",
+    "TEXT_DATA_DEFAULTS",
     "TOKENIZERS",
     "TextDataModule",
+    "TextDataOptions",
     "Tokenizer",
     "TokenWindows",
     "build_tokenizer",
@@ -34,6 +37,7 @@ __all__ = [
     "generate_corpus",
     "load_text",
     "split_tokens",
+    "text_data_problem",
     "train_bpe",
 ]
 

@@ -33,7 +33,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from lightning_vescale.data.corpus import check_windows_fit, load_text
-from lightning_vescale.data.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer
+from lightning_vescale.data.options import TEXT_DATA_DEFAULTS, TextDataOptions
+from lightning_vescale.data.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = ["TextDataModule", "TokenWindows", "split_tokens"]
 
@@ -130,8 +131,8 @@ class TextDataModule(LightningDataModule):
         seed: seed of the training order (each epoch's permutation is seeded with ``seed + epoch``).
 
     .. note::
-        A missing ``path`` raises ``FileNotFoundError`` here, at construction, so a run stops before any
-        process group or model is created. A corpus whose validation tail is shorter than one window
+        A missing ``path`` raises ``FileNotFoundError`` and an argument out of range ``ValueError`` here, at
+        construction, so a run stops before any process group or model is created. A corpus whose validation tail is shorter than one window
         raises ``ValueError`` in :meth:`setup`, naming the sizes.
     """
 
@@ -139,18 +140,21 @@ class TextDataModule(LightningDataModule):
         self,
         path: Optional[Union[str, Path]] = None,
         *,
-        tokenizer: str = "byte",
-        bpe_vocab_size: int = 512,
-        seq_len: int = 128,
-        batch_size: int = 16,
-        val_fraction: float = 0.05,
-        stride: Optional[int] = None,
-        num_workers: int = 0,
-        seed: int = 0,
+        tokenizer: str = TEXT_DATA_DEFAULTS.tokenizer,
+        bpe_vocab_size: int = TEXT_DATA_DEFAULTS.bpe_vocab_size,
+        seq_len: int = TEXT_DATA_DEFAULTS.seq_len,
+        batch_size: int = TEXT_DATA_DEFAULTS.batch_size,
+        val_fraction: float = TEXT_DATA_DEFAULTS.val_fraction,
+        stride: Optional[int] = TEXT_DATA_DEFAULTS.stride,
+        num_workers: int = TEXT_DATA_DEFAULTS.num_workers,
+        seed: int = TEXT_DATA_DEFAULTS.seed,
     ) -> None:
         super().__init__()
-        if tokenizer not in TOKENIZERS:
-            raise ValueError(f"unknown tokenizer {tokenizer!r}; valid tokenizers are: {', '.join(TOKENIZERS)}")
+        problem = TextDataOptions(tokenizer=tokenizer, bpe_vocab_size=bpe_vocab_size, seq_len=seq_len,
+                                  batch_size=batch_size, val_fraction=val_fraction, stride=stride,
+                                  num_workers=num_workers, seed=seed).problem()
+        if problem is not None:
+            raise ValueError(f"TextDataModule: {problem}")
         if path is not None and not Path(path).is_file():
             load_text(path)  # raises FileNotFoundError naming the path
         self.path = None if path is None else Path(path)

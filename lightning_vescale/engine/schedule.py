@@ -16,7 +16,8 @@ prediction follows the engine. The rules:
   a group's pre-backward gathers it again if its backward reads its parameters (not a group of embeddings) and
   prefetches the next ``prefetch`` groups in backward order (or the ``set_modules_to_backward_prefetch`` list); not
   the root's (the loss's backward holds the step's peak there), nor on CPU (:func:`default_backward_prefetch`);
-* a group's ReduceScatter is issued when its backward is done; then the oldest beyond its ``reduces_in_flight``
+* a group's backward ends when the next group's to start is not nested in it (a block's experts start after the
+  block's backward has and end before it), and its ReduceScatter is issued then; then the oldest beyond its ``reduces_in_flight``
   complete (:func:`default_reduces_in_flight`).
 
 Groups are named by their module's path under the root (``""``: the root); only torch is needed, no process group.
@@ -227,7 +228,7 @@ class StepSchedule:
                 add("prefetch", nxt)
             add("forward", name)
             parents.append(name)
-        for done in parents:
+        for done in reversed(parents):  # the innermost forward ends first
             if self.frees_after_forward(done):
                 add("free", done)
         add("loss_backward")
@@ -251,17 +252,25 @@ class StepSchedule:
             if self.groups[root].done_early:
                 add("backward_done", root)
                 reduce(root)
+        def finish(name: str) -> None:
+            add("backward_done", name)
+            reduce(name)
+
+        running: list[str] = []  # groups whose backward has started and not ended (a nested one ends first)
         for name in dict.fromkeys(self.backward_order):
             if self.groups[name].is_root or name not in ran:
                 continue
+            while running and not _is_ancestor(running[-1], name):
+                finish(running.pop())
             if self.groups[name].backward_reads_params:
                 add("gather", name)
             add("grad_buffer", name)
             for nxt in self.backward_prefetch(name):
                 add("prefetch", nxt)
             add("backward", name)
-            add("backward_done", name)
-            reduce(name)
+            running.append(name)
+        while running:
+            finish(running.pop())
         for root in roots:
             if not self.groups[root].done_early:
                 add("backward", root)

@@ -349,10 +349,9 @@ def _backward_transient(g: _Group) -> float:
 
 
 def _step_schedule(order: list[_Group], *, fsdp2: bool) -> StepSchedule:
-    """The engine's schedule of one step over ``order`` (the groups in forward order). Its backward is walked in
-    reverse forward order, each group's as one piece: a group nested in another finishes (reduces) first."""
-    return StepSchedule([g.settings for g in order], backward_order=[g.name for g in reversed(order)],
-                        roots_prefetch_backward=fsdp2)
+    """The engine's schedule of one step over ``order`` (the groups in forward order); its backward order is the
+    engine's (reverse post-forward order: a nested group's backward starts after its parent's and ends first)."""
+    return StepSchedule([g.settings for g in order], roots_prefetch_backward=fsdp2)
 
 
 def _simulate(schedule: StepSchedule, groups: dict[str, _Group], persistent: float,

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from lightning_vescale.data import TOKENIZERS, load_text
+from lightning_vescale.data import TEXT_DATA_DEFAULTS, TextDataOptions, load_text
 from lightning_vescale.models.deepseek_v3 import DeepSeekV3Config
 from lightning_vescale.models.families import FAMILIES, family_of
 from lightning_vescale.models.llama import LlamaConfig
@@ -638,41 +638,35 @@ class MemoryConfig:
 class DataConfig:
     """The corpus, tokenizer and windows (:class:`lightning_vescale.data.TextDataModule`)."""
 
-    # The data module's arguments, repeated on purpose: it imports Lightning, which checking a config does not pay
-    # for (tests/unit/test_recipe_schema_drift.py keeps names and defaults equal). The range checks below are the
-    # recipe's, before any process starts; the data module checks the corpus when it reads it.
+    # The data module's arguments (Hydra needs them as fields); their defaults and checks are the data module's
+    # own (lightning_vescale.data.options, which does not import Lightning); tests/unit/test_recipe_schema_drift.py
+    # keeps the names equal.
 
     path: Optional[str] = MISSING
     """A UTF-8 text file; ``None``: the corpus embedded in the package. Required (``???``) so that
     ``data=text_file`` without ``data.path`` stops with a message naming ``data.path``."""
-    tokenizer: str = "byte"
+    tokenizer: str = TEXT_DATA_DEFAULTS.tokenizer
     """``"byte"`` (vocab 256) or ``"bpe"`` (trained on the corpus at start-up)."""
-    bpe_vocab_size: int = 512
+    bpe_vocab_size: int = TEXT_DATA_DEFAULTS.bpe_vocab_size
     """Upper bound of the BPE vocabulary (must fit the model's ``vocab_size``)."""
-    seq_len: int = 128
+    seq_len: int = TEXT_DATA_DEFAULTS.seq_len
     """Tokens per window (must fit the model's ``max_seq_len``)."""
-    batch_size: int = 16
+    batch_size: int = TEXT_DATA_DEFAULTS.batch_size
     """Windows per micro-batch per process."""
-    val_fraction: float = 0.05
+    val_fraction: float = TEXT_DATA_DEFAULTS.val_fraction
     """Tail of the corpus held out for validation."""
-    stride: Optional[int] = None
+    stride: Optional[int] = TEXT_DATA_DEFAULTS.stride
     """Distance between training windows; ``None``: ``seq_len`` (no overlap)."""
-    num_workers: int = 0
+    num_workers: int = TEXT_DATA_DEFAULTS.num_workers
     """DataLoader worker processes."""
 
     def __post_init__(self) -> None:
         if self.path is not None and not Path(self.path).is_file():
             load_text(self.path)  # raises FileNotFoundError naming the path
-        _check(
-            self.tokenizer in TOKENIZERS,
-            f"data.tokenizer must be one of {', '.join(TOKENIZERS)}, got {self.tokenizer!r}",
-        )
-        _check(self.bpe_vocab_size >= 256, f"data.bpe_vocab_size must be >= 256, got {self.bpe_vocab_size}")
-        _check(self.seq_len >= 1, f"data.seq_len must be >= 1, got {self.seq_len}")
-        _check(self.batch_size >= 1, f"data.batch_size must be >= 1, got {self.batch_size}")
-        _check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
-        _check(self.stride is None or self.stride >= 1, f"data.stride must be >= 1 or null, got {self.stride}")
-        _check(self.num_workers >= 0, f"data.num_workers must be >= 0, got {self.num_workers}")
+        problem = TextDataOptions(tokenizer=self.tokenizer, bpe_vocab_size=self.bpe_vocab_size, seq_len=self.seq_len,
+                                  batch_size=self.batch_size, val_fraction=self.val_fraction, stride=self.stride,
+                                  num_workers=self.num_workers).problem(prefix="data.", null="null")
+        _check(problem is None, problem or "")
 
     @property
     def vocab_size(self) -> int:

@@ -213,3 +213,12 @@ def test_data_config_holds_the_datamodules_arguments_and_defaults():
 
     # path is required (???) so data=text_file without data.path names it; seed is the run's top-level seed.
     _check_mirror(DataConfig, TextDataModule, own_defaults={"path"}, not_exposed={"seed"})
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"tokenizer": "wordpiece"}, {"bpe_vocab_size": 255}, {"seq_len": 0},
+                                    {"batch_size": 0}, {"val_fraction": 0.0}, {"val_fraction": 1.0},
+                                    {"stride": 0}, {"num_workers": -1}])
+def test_data_config_refuses_what_the_datamodule_refuses(kwargs):
+    from lightning_vescale.data.datamodule import TextDataModule
+
+    assert _refuses(lambda: DataConfig(path=None, **kwargs)) == _refuses(lambda: TextDataModule(None, **kwargs))

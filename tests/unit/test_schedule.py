@@ -119,37 +119,59 @@ def test_the_events_of_one_step() -> None:
     ]
 
 
+def test_a_nested_group_ends_its_backward_before_its_parent() -> None:
+    """A block's experts (a group inside the block's): the block's backward starts first (it gathers and allocates
+    its gradients), the experts' runs inside it and reduces first, and the block's ends only then."""
+    groups = [GroupSettings("", is_root=True), GroupSettings("blocks.0"), GroupSettings("blocks.0.experts"),
+              GroupSettings("blocks.1"), GroupSettings("blocks.1.experts")]
+    got = [(e.kind, *e.groups) for e in StepSchedule(groups, roots_prefetch_backward=False).events()
+           if e.kind in ("gather", "backward", "backward_done", "reduce") and e.groups != ("",)]
+    backward = got[[k for k, *_ in got].index("backward") - 1:]
+    assert backward == [
+        ("gather", "blocks.1"), ("backward", "blocks.1"),
+        ("gather", "blocks.1.experts"), ("backward", "blocks.1.experts"),
+        ("backward_done", "blocks.1.experts"), ("reduce", "blocks.1.experts"),
+        ("backward_done", "blocks.1"), ("reduce", "blocks.1"),
+        ("gather", "blocks.0"), ("backward", "blocks.0"),
+        ("gather", "blocks.0.experts"), ("backward", "blocks.0.experts"),
+        ("backward_done", "blocks.0.experts"), ("reduce", "blocks.0.experts"),
+        ("backward_done", "blocks.0"), ("reduce", "blocks.0"),
+    ]
+
+
 # --------------------------------------------------------------------------------------------------------
 # The engine's hooks and the dry run: one schedule
 
 
-def _llama(device: str) -> torch.nn.Module:
+def _tiny(family: str, device: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    spec = FAMILIES["llama"]
+    spec = FAMILIES[family]
     with torch.device(device):
         return spec.model_cls(dataclasses.replace(spec.preset("tiny"), n_layers=3))
 
 
-def _dry_run_schedule(monkeypatch: pytest.MonkeyPatch) -> StepSchedule:
-    """The schedule the dry run of the llama plan walks for lightning-vescale on one CPU rank."""
-    model = _llama("meta")
+def _dry_run_schedule(monkeypatch: pytest.MonkeyPatch, family: str) -> StepSchedule:
+    """The schedule the dry run of the family's plan walks for lightning-vescale on one CPU rank."""
+    model = _tiny(family, "meta")
     seen: list[StepSchedule] = []
     simulate = _dry_run._simulate
     monkeypatch.setattr(_dry_run, "_simulate", lambda schedule, *a: seen.append(schedule) or simulate(schedule, *a))
-    _dry_run.dry_run(model, resolve_plan(model, load_plan("llama")), 1, hardware=load_profile("cpu"), activations={},
+    _dry_run.dry_run(model, resolve_plan(model, load_plan(family)), 1, hardware=load_profile("cpu"), activations={},
                      workload=_dry_run.Workload(batch_size=1, seq_len=8))
     return seen[0]  # lightning-vescale's, then FSDP2's
 
 
-def test_the_engine_runs_the_schedule_the_dry_run_walks(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One step of the llama plan on one gloo rank: the root's schedule (built by the hooks from the recorded order
+@pytest.mark.parametrize("family", ["llama", "moe"])  # moe: each block's experts a group nested in the block's
+def test_the_engine_runs_the_schedule_the_dry_run_walks(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                        family: str) -> None:
+    """One step of the family's plan on one gloo rank: the root's schedule (built by the hooks from the recorded order
     and the groups' settings) has the events the dry run walks, and the hooks did what it says: the prefetches
     and the frees after forward, in its order (with backward prefetch on too, off on CPU by default)."""
-    expected = _dry_run_schedule(monkeypatch)
+    expected = _dry_run_schedule(monkeypatch, family)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        model = _llama("cpu")
-        lv.parallelize(model, "llama", init_weights=False)
+        model = _tiny(family, "cpu")
+        lv.parallelize(model, family, init_weights=False)
         names = {get_state(m).group: n for n, m in model.named_modules() if get_state(m) is not None}
         tokens = torch.randint(0, model.tok_embeddings.num_embeddings, (1, 9))
 
