@@ -33,11 +33,12 @@ from lightning_vescale.checkpoint._state import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from lightning_vescale.checkpoint._storage import CheckpointError
+from lightning_vescale.checkpoint._storage import CheckpointError, add_checksums
 
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
+    "add_checksums",
     "export_full_optimizer_state_dict",
     "export_full_state_dict",
     "get_model_state_dict",

@@ -269,6 +269,12 @@ def all_items_crc(directory: str, metadata: Metadata) -> dict[str, int]:
     return _crc_of_items(directory, metadata.storage_data.items())
 
 
+def add_checksums(directory: str) -> None:
+    """Write ``checksums.json`` for a DCP directory another library wrote without one (see [Note: checksums]), so
+    that loading it verifies every item as it does the package's own checkpoints."""
+    write_checksums(directory, all_items_crc(directory, read_metadata(directory)))
+
+
 def write_checksums(directory: str, checksums: dict[str, int]) -> None:
     with open(os.path.join(directory, CHECKSUM_FILE), "w") as f:
         json.dump({"algorithm": "crc32", "items": checksums}, f, sort_keys=True)

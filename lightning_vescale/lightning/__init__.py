@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry as _TRAINER_REGISTRY
 
 from lightning_vescale.lightning._checkpoints import install_load_from_checkpoint
 from lightning_vescale.lightning._common import ProcessGroupEnvironment
+from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
 from lightning_vescale.lightning.fabric import (
     VeScaleFabricPrecision,
     VeScaleFabricStrategy,
@@ -26,4 +27,6 @@ __all__ = [
     "VeScaleFabricStrategy",
     "VeScalePrecision",
     "VeScaleStrategy",
+    "agree_on_sigterm",
+    "install_deferred_sigterm",
 ]

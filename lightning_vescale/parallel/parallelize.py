@@ -36,17 +36,17 @@ from lightning_vescale.parallel.spmd import (  # noqa: F401 - the integrations' 
     set_gradient_sync,
     validate_precision,
 )
-from lightning_vescale.plan._compile import (  # noqa: F401 - the integrations' names for them
+from lightning_vescale.plan import (  # noqa: F401 - the integrations' names for them
     AutoWrapPolicy,
     PlanLike,
     check_expert_parallel_ready,
     has_experts,
+    is_mpmd_plan,
     is_sharded,
     resolve_for,
     select_blocks,
     top_level_roots,
 )
-from lightning_vescale.plan._spec import is_mpmd_plan
 
 __all__ = ["parallelize"]
 

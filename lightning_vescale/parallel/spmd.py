@@ -36,23 +36,22 @@ from lightning_vescale.parallel.tensor_parallel import (
     split_tensor_parallel_mesh,
     token_split_modules,
 )
-from lightning_vescale.plan import (
-    PlanError,
-    ResolvedPlan,
-)
-from lightning_vescale.plan._compile import (  # noqa: F401 - the integrations' names for them
+from lightning_vescale.plan import (  # noqa: F401 - the integrations' names for them
     AutoWrapPolicy,
+    PlanError,
     PlanLike,
+    ResolvedPlan,
     check_expert_parallel_ready,
     expert_modules,
     has_experts,
+    is_mpmd_plan,
     is_sharded,
+    parse_dtype,
+    register_policy,
     resolve_for,
     select_blocks,
     top_level_roots,
 )
-from lightning_vescale.plan._registry import register_policy
-from lightning_vescale.plan._spec import is_mpmd_plan, parse_dtype
 
 logger = logging.getLogger(__name__)
 

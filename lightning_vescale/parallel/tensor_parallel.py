@@ -26,8 +26,7 @@ from typing import Any, Optional, Union
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_vescale.plan._spec import tp_style_name
-from lightning_vescale.plan._tp_rules import check_tensor_parallel, token_split_modules
+from lightning_vescale.plan import check_tensor_parallel, token_split_modules, tp_style_name
 
 __all__ = [
     "TENSOR_PARALLEL_DIM_NAMES",

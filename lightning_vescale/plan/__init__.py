@@ -18,11 +18,21 @@ conflicting rules and uncovered parameters are :class:`PlanError` s naming the r
 meta device (bytes per rank, collectives, padding, predicted step time) without any device.
 """
 
-from lightning_vescale.plan._compile import resolve_for
+from lightning_vescale.plan._compile import (
+    AutoWrapPolicy,
+    PlanLike,
+    check_expert_parallel_ready,
+    expert_modules,
+    has_experts,
+    is_sharded,
+    resolve_for,
+    select_blocks,
+    top_level_roots,
+)
 from lightning_vescale.plan._dry_run import Workload, dry_run
 from lightning_vescale.plan._files import load_plan, plan_names
-from lightning_vescale.plan._hardware import HardwareProfile, OpCounter
-from lightning_vescale.plan._registry import mark_tiers_applied, policy_of
+from lightning_vescale.plan._hardware import HardwareProfile, OpCounter, load_profile
+from lightning_vescale.plan._registry import mark_tiers_applied, policy_of, register_policy
 from lightning_vescale.plan._resolve import (
     GroupPolicy,
     ParamPolicy,
@@ -32,27 +42,51 @@ from lightning_vescale.plan._resolve import (
     plan_from_modules,
     resolve_plan,
 )
-from lightning_vescale.plan._spec import Plan, PlanError, Rule, is_mpmd_plan
+from lightning_vescale.plan._spec import (
+    GRANULARITY_WORDS,
+    Plan,
+    PlanError,
+    Rule,
+    is_mpmd_plan,
+    parse_dtype,
+    tp_style_name,
+)
+from lightning_vescale.plan._tp_rules import check_tensor_parallel, token_split_modules
 
 __all__ = [
+    "AutoWrapPolicy",
+    "GRANULARITY_WORDS",
     "GroupPolicy",
     "HardwareProfile",
     "OpCounter",
     "ParamPolicy",
     "Plan",
     "PlanError",
+    "PlanLike",
     "ResolvedPlan",
     "Rule",
     "Workload",
+    "check_expert_parallel_ready",
+    "check_tensor_parallel",
     "default_plan",
     "dry_run",
     "embedding_groups",
+    "expert_modules",
+    "has_experts",
     "is_mpmd_plan",
+    "is_sharded",
     "load_plan",
+    "load_profile",
     "mark_tiers_applied",
+    "parse_dtype",
     "plan_from_modules",
     "plan_names",
     "policy_of",
+    "register_policy",
     "resolve_for",
     "resolve_plan",
+    "select_blocks",
+    "token_split_modules",
+    "top_level_roots",
+    "tp_style_name",
 ]

@@ -357,7 +357,7 @@ def trainer_precision(strategy: Strategy, precision: str) -> dict[str, Any]:
 def precision_line(strategy: Strategy, precision: str) -> str:
     """What ``precision`` runs as under ``strategy``, for the start-up log."""
     from lightning_vescale.lightning import VeScaleStrategy
-    from lightning_vescale.lightning._common import describe_precision
+    from lightning_vescale.parallel.spmd import describe_precision
 
     if isinstance(strategy, VeScaleStrategy):
         return f"{precision} ({describe_precision(precision)})"

@@ -42,8 +42,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgre
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.utilities import rank_zero_only
 
+from lightning_vescale.checkpoint import add_checksums
 from lightning_vescale.engine.collectives import comm_stats
-from lightning_vescale.lightning._signals import agree_on_sigterm, install_deferred_sigterm
+from lightning_vescale.lightning import agree_on_sigterm, install_deferred_sigterm
 from lightning_vescale.memory.ledger import memory_stats
 from lightning_vescale.recipe.numbers import format_bytes, format_loss
 
@@ -320,7 +321,7 @@ class StepCheckpoint(ModelCheckpoint):
         if os.path.isdir(filepath) and not os.path.isfile(os.path.join(filepath, "checksums.json")):
             trainer.strategy.barrier()  # every rank's files are written
             if trainer.is_global_zero:
-                _write_foreign_checksums(filepath)
+                add_checksums(filepath)
             trainer.strategy.barrier()
 
     def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
@@ -436,15 +437,6 @@ class NonFiniteGuard(Callback):
         if trainer.is_global_zero:
             logger.warning("step %d: %s; skipped its optimizer step (%d skipped so far)", step, found, len(self.skipped))
         pl_module.log("skipped_steps", float(len(self.skipped)), rank_zero_only=True)
-
-
-def _write_foreign_checksums(directory: str) -> None:
-    """``checksums.json`` for a DCP directory written without one (see [Note: checksums] in the checkpoint's
-    ``_storage``)."""
-    from lightning_vescale.checkpoint import _storage
-
-    metadata = _storage.read_metadata(directory)
-    _storage.write_checksums(directory, _storage.all_items_crc(directory, metadata))
 
 
 class StopOnSignal(Callback):

@@ -45,9 +45,7 @@ def replicate_of(config, world_size: int) -> int:
 
 def estimate_for(config, world_size: int) -> MemoryEstimate:
     """Per-rank bytes of the recipe's run from the dry-run planner (the model on the meta device)."""
-    from lightning_vescale.plan._compile import resolve_for
-    from lightning_vescale.plan._dry_run import Workload, dry_run
-    from lightning_vescale.plan._hardware import load_profile
+    from lightning_vescale.plan import Workload, dry_run, load_profile, resolve_for
 
     with torch.device("meta"):
         model = config.model.build_model()

@@ -88,7 +88,7 @@ class MPMDConfig:
 
         from lightning_vescale.models.vlm import VLM, synthetic_vlm_batch, vlm_config
         from lightning_vescale.pipeline import candidate_plans, choose_layout
-        from lightning_vescale.plan._hardware import load_profile
+        from lightning_vescale.plan import load_profile
 
         if self.layout == "plan":
             return self.mpmd_plan(), []

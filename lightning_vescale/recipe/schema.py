@@ -51,7 +51,7 @@ from lightning_vescale.optim import build_optimizer
 from lightning_vescale.optim.adamw8bit import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_8BIT_SIZE, check_block_args
 from lightning_vescale.optim.muon import ADJUST_LR_FNS, MODES
 from lightning_vescale.parallel.session import mesh_size_problem
-from lightning_vescale.plan._spec import GRANULARITY_WORDS
+from lightning_vescale.plan import GRANULARITY_WORDS
 from lightning_vescale.quant import BlockFormat, quantize_all_gather
 from lightning_vescale.quant.formats import FORMATS
 from lightning_vescale.quant.lora import LoRAConfig

@@ -129,6 +129,24 @@ def test_the_top_level_holds_packages_and_entry_modules_only() -> None:
     assert loose == TOP_LEVEL_MODULES, f"move {sorted(loose - TOP_LEVEL_MODULES)} into a package"
 
 
+def _private_reach_ins(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of another package's private module (``lightning_vescale.plan._compile`` from ``parallel``)."""
+    def package(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if package(d) != package(m) and any(part.startswith("_") and part != "__init__"
+                                                      for part in d.split(".")[2:]))
+
+
+def test_packages_import_each_other_through_their_public_modules() -> None:
+    # A package's private modules (``_name``) are its own: the others use what its __init__ (or a public
+    # module) exports, so a package can reorganize its insides without breaking its neighbours.
+    reach_ins = _private_reach_ins(_graph())
+    assert not reach_ins, reach_ins
+    assert _private_reach_ins({"lightning_vescale.parallel.spmd": {"lightning_vescale.plan._compile"}})  # control
+
+
 def test_the_cycle_search_finds_a_cycle() -> None:  # the control: a check that cannot fail proves nothing
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) == []

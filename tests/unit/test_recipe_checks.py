@@ -220,9 +220,9 @@ def _sharded_checkpoint(path: Path, model: torch.nn.Module) -> None:
         warnings.simplefilter("ignore")
         dcp.save({f"model.model.{k}": v for k, v in model.state_dict().items()},
                  storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
-    from lightning_vescale.recipe.callbacks import _write_foreign_checksums
+    from lightning_vescale.checkpoint import add_checksums
 
-    _write_foreign_checksums(str(path))  # as the recipes' StepCheckpoint does for any sharded directory
+    add_checksums(str(path))  # as the recipes' StepCheckpoint does for any sharded directory
 
 
 def _exported_run(tmp_path: Path, model: torch.nn.Module, arch, hf_model_type, *, with_model_json=True) -> Path:
