@@ -43,6 +43,7 @@ from lightning_vescale.export import (
     tokenizer_source_of,
 )
 from lightning_vescale.models.hf import read_pretrained_config
+from lightning_vescale.recipe.paths import absolute
 from lightning_vescale.recipe.schema import CheckpointModelConfig, FinetuneConfig, ModelConfig, TrainConfig, validate
 
 __all__ = [
@@ -105,21 +106,6 @@ class Preflight:
     config: TrainConfig
     resume: Optional[Resume]
 
-
-# ----------------------------------------------------------------------------------------------------
-# Paths
-# ----------------------------------------------------------------------------------------------------
-
-
-def _absolute(path: Union[str, Path]) -> Path:
-    """A path given on the command line, relative to the launch directory (the recipes never chdir)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        import hydra.utils
-
-        return Path(hydra.utils.to_absolute_path(str(path)))
-    return Path(path).absolute()
 
 
 def _run_time(checkpoints: Path) -> float:
@@ -305,9 +291,9 @@ def resolve_resume(config: TrainConfig, run_dir: Optional[Path] = None) -> Optio
             keys, with the overrides that match them and other runs of this name that match); or it already
             reached ``trainer.max_steps`` (says how to extend it).
     """
-    root = _absolute(config.output_root)
+    root = absolute(config.output_root)
     if config.ckpt_path:
-        path = _absolute(config.ckpt_path)
+        path = absolute(config.ckpt_path)
         if not path.exists():
             raise ConfigError(f"ckpt_path={config.ckpt_path!r} does not exist (resolved to {str(path)!r})")
         checkpoint, ckpt_run = path, (path.parent.parent if path.parent.name == "checkpoints" else None)
@@ -323,7 +309,7 @@ def resolve_resume(config: TrainConfig, run_dir: Optional[Path] = None) -> Optio
         what = "resume=true"
     elif isinstance(config.resume, str):
         try:
-            checkpoint, ckpt_run = locate_checkpoint(_absolute(config.resume))
+            checkpoint, ckpt_run = locate_checkpoint(absolute(config.resume))
         except FileNotFoundError as err:
             raise ConfigError(f"resume={config.resume}: {err}") from None
         what = f"resume={config.resume}"
@@ -398,7 +384,7 @@ def _check_initial_weights_config(config: FinetuneConfig) -> None:
     if isinstance(config.model, CheckpointModelConfig):
         _check_overrides_keep_the_shapes(config)  # the model config is the checkpoint's, plus the user's overrides
         return
-    path = _absolute(config.init_from)
+    path = absolute(config.init_from)
     if path.is_file() and path.suffix == ".safetensors":
         _check_safetensors_shapes(path, config)
         return
@@ -422,7 +408,7 @@ def _check_initial_weights_config(config: FinetuneConfig) -> None:
 def _check_tokenizer_links(config: TrainConfig, resume: Optional[Resume]) -> None:
     """The tokenizer files a run will copy (from ``init_from`` or the resumed run) hold no link out of their folder."""
     if isinstance(config, FinetuneConfig) and resume is None:
-        source, what = tokenizer_source_of(_absolute(config.init_from)), f"init_from={config.init_from}"
+        source, what = tokenizer_source_of(absolute(config.init_from)), f"init_from={config.init_from}"
     elif resume is not None and resume.run_dir is not None:
         source, what = resume.run_dir / "tokenizer", f"the resumed run {resume.run_dir}"
     else:
@@ -439,7 +425,7 @@ def _check_initial_weights_verifiable(config: FinetuneConfig) -> None:
     if config.allow_unverified:
         return
     try:
-        checkpoint, _ = locate_checkpoint(_absolute(config.init_from))
+        checkpoint, _ = locate_checkpoint(absolute(config.init_from))
     except FileNotFoundError:
         return
     if checkpoint.is_dir() and (checkpoint / ".metadata").is_file() and not (checkpoint / "checksums.json").is_file():
@@ -571,7 +557,7 @@ def check_data(config: TrainConfig) -> None:
     from lightning_vescale.data import check_windows_fit, load_text
 
     data = config.data
-    path = None if data.path is None else _absolute(data.path)
+    path = None if data.path is None else absolute(data.path)
     num_bytes = len(load_text(path).encode("utf-8"))
     source = "the embedded corpus" if path is None else repr(data.path)
     if data.tokenizer == "byte" or num_bytes < 2 * (data.seq_len + 1):

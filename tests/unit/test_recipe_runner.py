@@ -136,7 +136,7 @@ def test_lightnings_cloud_logger_tip_and_pytree_deprecation_are_not_printed():
 
     from lightning.pytorch.utilities._pytree import _tree_flatten
 
-    from lightning_vescale.recipe import _tidy_lightning_output
+    from lightning_vescale.recipe.logs import tidy_lightning_output as _tidy_lightning_output
 
     tip = logging.LogRecord("lightning.pytorch.utilities.rank_zero", logging.INFO, __file__, 1,
                             "💡 Tip: For seamless cloud logging, try installing [litlogger](...)", None, None)
