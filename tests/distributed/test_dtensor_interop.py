@@ -1,9 +1,9 @@
 """DTensor-aware code runs unchanged on sharded parameters, with the values torch's FSDP2 gives.
 
-One 2-rank run (a process group costs seconds) does every idiom twice on the same model, seed and data: once
-with ``torch.distributed.fsdp.fully_shard`` (the reference) and once with ``lightning_vescale.fully_shard``, each
-idiom on a fresh copy. It records what each idiom returned (or its error); each test below compares one idiom.
-Values are fp32 and compared to 1e-6 relative to their largest magnitude (at least 1): the two engines reduce
+One class of tests on 2 ranks (:class:`tests.dist_pool.DistributedTest`), one test per idiom: each does the idiom
+twice on the same model, seed and data, once with ``torch.distributed.fsdp.fully_shard`` (the reference) and once
+with ``lightning_vescale.fully_shard``, each on a fresh copy, and compares what they returned (an error under either
+engine fails the test with its traceback). Values are fp32 and compared to 1e-6 relative to their largest magnitude (at least 1): the two engines reduce
 gradients in different orders.
 
 The idioms are those of the FSDP2 tutorial (pytorch/examples ``distributed/FSDP2``: its ``dcp_api`` and
@@ -16,9 +16,6 @@ helpers full and sharded, ``dcp.save`` / ``dcp.load``, ``isinstance(p, DTensor)`
 from __future__ import annotations
 
 import io
-import json
-import os
-import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -37,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 from tests.toy_models import MLP
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -222,45 +219,28 @@ IDIOMS: dict[str, Callable] = {f.__name__: f for f in (
 )}
 
 
-def _worker(rank: int, world_size: int, out_path: str, ckpt_dir: str) -> None:
-    results: dict[str, dict] = {}
-    for name, idiom in IDIOMS.items():
-        values, errors = {}, {}
-        for engine in ("fsdp2", "vescale"):
-            try:
-                args = (engine, ckpt_dir) if name == "sharded_state_dicts_with_dcp" else (engine,)
-                values[engine] = idiom(*args)
-            except Exception:  # noqa: BLE001 - recorded, and the test of this idiom fails with it
-                errors[engine] = traceback.format_exc(limit=6)
-            dist.barrier()
-        report: dict[str, Any] = {"errors": errors}
-        if not errors:
-            ref, got = values["fsdp2"], values["vescale"]
-            report["keys"] = [sorted(ref), sorted(got)]
-            report["max_diff"] = max((((ref[k].float() - got[k].float()).abs().max() / ref[k].abs().max().clamp_min(1)
-                                       ).item() for k in ref if k in got), default=0.0)
-        gathered: list = [None] * world_size
-        dist.all_gather_object(gathered, report)
-        results[name] = {"ranks": gathered}
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+def _idiom_matches_fsdp2(rank: int, world_size: int, name: str, ckpt_dir: str) -> None:
+    idiom = IDIOMS[name]
+    values, errors = {}, {}
+    for engine in ("fsdp2", "vescale"):
+        try:
+            args = (engine, ckpt_dir) if name == "sharded_state_dicts_with_dcp" else (engine,)
+            values[engine] = idiom(*args)
+        except Exception:  # noqa: BLE001 - recorded: the check below fails with it, naming the engine
+            errors[engine] = traceback.format_exc(limit=6)
+        dist.barrier()
+    assert not errors, f"rank {rank}: {name} failed:\n" + "\n".join(
+        f"[{engine}] {tb}" for engine, tb in errors.items())
+    ref, got = values["fsdp2"], values["vescale"]
+    assert sorted(ref) == sorted(got), f"rank {rank}: {name} returned other entries than under FSDP2"
+    max_diff = max((((ref[k].float() - got[k].float()).abs().max() / ref[k].abs().max().clamp_min(1)).item()
+                    for k in ref if k in got), default=0.0)
+    assert max_diff <= 1e-6, f"rank {rank}: {name} differs from FSDP2 by {max_diff}"
 
 
-@pytest.fixture(scope="module")
-def interop_results() -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.json")
-        run_distributed(_worker, 2, out, tmp, pg_timeout=120)
-        with open(out) as f:
-            return json.load(f)
+class TestDTensorIdiomsOn2Ranks(DistributedTest):
+    world_size = 2
 
-
-@pytest.mark.parametrize("idiom", list(IDIOMS))
-def test_dtensor_idiom_matches_fsdp2(interop_results: dict, idiom: str) -> None:
-    for rank, report in enumerate(interop_results[idiom]["ranks"]):
-        assert not report["errors"], f"rank {rank}: {idiom} failed:\n" + "\n".join(
-            f"[{engine}] {tb}" for engine, tb in report["errors"].items())
-        ref_keys, keys = report["keys"]
-        assert ref_keys == keys, f"rank {rank}: {idiom} returned other entries than under FSDP2"
-        assert report["max_diff"] <= 1e-6, f"rank {rank}: {idiom} differs from FSDP2 by {report['max_diff']}"
+    @pytest.mark.parametrize("idiom", list(IDIOMS))
+    def test_dtensor_idiom_matches_fsdp2(self, idiom: str, tmp_path) -> None:
+        self.run_ranks(_idiom_matches_fsdp2, idiom, str(tmp_path))

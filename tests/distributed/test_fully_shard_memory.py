@@ -1,6 +1,8 @@
 """Buffer lifetimes of fully_shard (DESIGN invariant 5): what is allocated when, on 2 gloo ranks.
 
-Each check names one behaviour; training results are covered by test_fully_shard_training.py.
+One class of tests sharing the 2 ranks (:class:`tests.dist_pool.DistributedTest`), one test per behaviour (each rank
+function's docstring names it); training results are covered by test_fully_shard_training.py. Gradients compared
+with one process to 1e-6 (``allclose``); buffer states, storages and collective counts exactly.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 import lightning_vescale as lv
 from lightning_vescale.engine import collectives
 from lightning_vescale.engine.fully_shard import sharded_groups
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 from tests.toy_models import MLP
 
 
@@ -211,7 +213,7 @@ def _embedding_not_gathered_for_backward(rank: int, world: int) -> None:
     assert torch.allclose(got, ref.embed.weight.grad, atol=1e-6), (got - ref.embed.weight.grad).abs().max()
 
 
-def _embedding_split_from_the_root(rank: int, world: int) -> None:
+def _embedding_split_from_the_root(rank: int, world: int, split: bool) -> None:
     """The FSDP2 idiom (each block, then the model) gives an untied embedding a group of its own, sharded with the
     root's arguments (a granularity mapping matches names relative to the root), so it is not gathered for
     backward; the same gradients as one process. ``split_embeddings=False`` keeps it in the root's group."""
@@ -219,33 +221,32 @@ def _embedding_split_from_the_root(rank: int, world: int) -> None:
     ref = _EmbeddingMLP()
     idx, target = torch.randint(0, 11, (4, 3)), torch.randn(4, 3, 5)
     F.mse_loss(ref(idx), target).backward()
-    for split in (True, False):
-        model = copy.deepcopy(ref)
-        model.zero_grad(set_to_none=True)
-        for block in model.mlp.blocks:
-            lv.fully_shard(block)
-        lv.fully_shard(model, granularity={"embed.weight": "row"}, split_embeddings=split)
-        root = sharded_groups(model)[0]  # modules() order: the root first
-        in_root = [mp.fqn for mp in root.managed]
-        embed = sharded_groups(model.embed)
-        assert ("embed.weight" not in in_root and len(embed) == 1) if split else ("embed.weight" in in_root), in_root
+    model = copy.deepcopy(ref)
+    model.zero_grad(set_to_none=True)
+    for block in model.mlp.blocks:
+        lv.fully_shard(block)
+    lv.fully_shard(model, granularity={"embed.weight": "row"}, split_embeddings=split)
+    root = sharded_groups(model)[0]  # modules() order: the root first
+    in_root = [mp.fqn for mp in root.managed]
+    embed = sharded_groups(model.embed)
+    assert ("embed.weight" not in in_root and len(embed) == 1) if split else ("embed.weight" in in_root), in_root
+    if split:
+        assert embed[0].buffers[(torch.float32, True)].plan.specs[0].granularity == 7  # a row, from the mapping
+    seen: list = []
+
+    def watch_backward(module: nn.Module, args: tuple, out: torch.Tensor, split: bool = split) -> None:
         if split:
-            assert embed[0].buffers[(torch.float32, True)].plan.specs[0].granularity == 7  # a row, from the mapping
-        seen: list = []
+            out.register_hook(lambda grad: seen.append(embed[0].is_unsharded))
 
-        def watch_backward(module: nn.Module, args: tuple, out: torch.Tensor, split: bool = split) -> None:
-            if split:
-                out.register_hook(lambda grad: seen.append(embed[0].is_unsharded))
-
-        model.embed.register_forward_hook(watch_backward)
-        F.mse_loss(model(idx), target).backward()
-        assert seen == ([False] if split else []), seen
-        for name, p in model.named_parameters():
-            ref_grad = ref.get_parameter(name).grad
-            assert torch.allclose(p.grad.full_tensor(), ref_grad, atol=1e-6), name
+    model.embed.register_forward_hook(watch_backward)
+    F.mse_loss(model(idx), target).backward()
+    assert seen == ([False] if split else []), seen
+    for name, p in model.named_parameters():
+        ref_grad = ref.get_parameter(name).grad
+        assert torch.allclose(p.grad.full_tensor(), ref_grad, atol=1e-6), name
 
 
-def _root_resharded_after_forward_when_asked(rank: int, world: int) -> None:
+def _root_resharded_after_forward_when_asked(rank: int, world: int, asked: bool) -> None:
     """The root keeps its parameters from forward to backward by default, whatever fully_shard was given; after
     set_reshard_after_forward(True) on it (FSDP2's method) it frees them after forward and gathers them again when
     backward reaches its outputs: one more AllGather, the same gradients."""
@@ -253,28 +254,27 @@ def _root_resharded_after_forward_when_asked(rank: int, world: int) -> None:
     ref = MLP(num_blocks=2)
     x, target = torch.randn(4, 7), torch.randn(4, 5)
     F.mse_loss(ref(x), target).backward()
-    for asked in (False, True):
-        model = copy.deepcopy(ref)
-        model.zero_grad(set_to_none=True)
-        for block in model.blocks:
-            lv.fully_shard(block)
-        lv.fully_shard(model)
-        if asked:
-            model.set_reshard_after_forward(True, recurse=False)
-        root = sharded_groups(model)[0]
-        calls = []
-        original = collectives.all_gather_into_tensor
-        collectives.all_gather_into_tensor = lambda *a, **k: calls.append(1) or original(*a, **k)
-        try:
-            out = model(x)
-            assert root.is_unsharded is not asked
-            F.mse_loss(out, target).backward()
-        finally:
-            collectives.all_gather_into_tensor = original
-        # The first forward also checks the plans (one more AllGather); root, blocks twice, and the root again.
-        assert len(calls) == 1 + 1 + 2 * len(model.blocks) + asked, (asked, len(calls))
-        for name, p in model.named_parameters():
-            assert torch.allclose(p.grad.full_tensor(), ref.get_parameter(name).grad, atol=1e-6), name
+    model = copy.deepcopy(ref)
+    model.zero_grad(set_to_none=True)
+    for block in model.blocks:
+        lv.fully_shard(block)
+    lv.fully_shard(model)
+    if asked:
+        model.set_reshard_after_forward(True, recurse=False)
+    root = sharded_groups(model)[0]
+    calls = []
+    original = collectives.all_gather_into_tensor
+    collectives.all_gather_into_tensor = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        out = model(x)
+        assert root.is_unsharded is not asked
+        F.mse_loss(out, target).backward()
+    finally:
+        collectives.all_gather_into_tensor = original
+    # The first forward also checks the plans (one more AllGather); root, blocks twice, and the root again.
+    assert len(calls) == 1 + 1 + 2 * len(model.blocks) + asked, (asked, len(calls))
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad.full_tensor(), ref.get_parameter(name).grad, atol=1e-6), name
 
 
 def _backward_prefetch_follows_post_forward_order(rank: int, world: int) -> None:
@@ -364,22 +364,46 @@ def _explicit_prefetch_plans(rank: int, world: int) -> None:
     assert backward_seen == [True], backward_seen
 
 
-def _run(rank: int, world: int) -> None:
-    _grads_freed_before_forward(rank, world)
-    _grads_freed_when_backward_starts(rank, world)
-    _grads_kept_without_set_to_none(rank, world)
-    _one_reduce_scatter_in_flight(rank, world)
-    _no_reduce_scatter_in_flight_on_cpu(rank, world)
-    _grad_buffer_allocated_at_first_gradient(rank, world)
-    _cast_grad_buffer_freed_at_reduce_scatter(rank, world)
-    _embedding_not_gathered_for_backward(rank, world)
-    _embedding_split_from_the_root(rank, world)
-    _root_resharded_after_forward_when_asked(rank, world)
-    _backward_prefetch_follows_post_forward_order(rank, world)
-    _backward_prefetch_switch(rank, world)
-    _explicit_prefetch_plans(rank, world)
+class TestBufferLifetimesOn2Ranks(DistributedTest):
+    world_size = 2
 
+    def test_sharded_gradients_are_freed_before_the_next_forward(self) -> None:
+        self.run_ranks(_grads_freed_before_forward)
 
-def test_buffer_lifetimes() -> None:
-    run_distributed(_run, 2)
+    def test_sharded_gradients_are_freed_when_backward_starts(self) -> None:
+        self.run_ranks(_grads_freed_when_backward_starts)
 
+    def test_zero_grad_without_set_to_none_keeps_the_storage(self) -> None:
+        self.run_ranks(_grads_kept_without_set_to_none)
+
+    def test_one_reduce_scatter_in_flight_at_most(self) -> None:
+        self.run_ranks(_one_reduce_scatter_in_flight)
+
+    def test_no_reduce_scatter_in_flight_on_cpu(self) -> None:
+        self.run_ranks(_no_reduce_scatter_in_flight_on_cpu)
+
+    def test_gradient_buffer_is_allocated_at_the_first_gradient(self) -> None:
+        self.run_ranks(_grad_buffer_allocated_at_first_gradient)
+
+    def test_cast_gradient_buffer_is_freed_when_the_reduce_scatter_is_issued(self) -> None:
+        self.run_ranks(_cast_grad_buffer_freed_at_reduce_scatter)
+
+    def test_embedding_group_is_not_gathered_for_backward(self) -> None:
+        self.run_ranks(_embedding_not_gathered_for_backward)
+
+    @pytest.mark.parametrize("split", [True, False], ids=["split_embeddings", "embedding_in_root"])
+    def test_embedding_split_from_the_root(self, split: bool) -> None:
+        self.run_ranks(_embedding_split_from_the_root, split)
+
+    @pytest.mark.parametrize("asked", [False, True], ids=["default", "reshard_after_forward"])
+    def test_root_reshards_after_forward_only_when_asked(self, asked: bool) -> None:
+        self.run_ranks(_root_resharded_after_forward_when_asked, asked)
+
+    def test_backward_prefetch_follows_the_post_forward_order(self) -> None:
+        self.run_ranks(_backward_prefetch_follows_post_forward_order)
+
+    def test_backward_prefetch_switch_gathers_early_with_the_same_bytes(self) -> None:
+        self.run_ranks(_backward_prefetch_switch)
+
+    def test_explicit_forward_and_backward_prefetch_plans(self) -> None:
+        self.run_ranks(_explicit_prefetch_plans)

@@ -1,4 +1,5 @@
-"""Granularity on shapes real checkpoints have, on 3 gloo ranks (one process group).
+"""Granularity on shapes real checkpoints have, on 3 gloo ranks shared by one class of tests
+(:class:`tests.dist_pool.DistributedTest`), one test per behaviour; training compared with one process to 1e-5.
 
 * Blocks of 16 rows on matrices whose rows 16 does not divide (a 36-row projection: blocks of 16, 16, 4; a
   4-row router: one block) and on ``(E, rows, cols)`` expert stacks, where the blocks restart at every expert
@@ -6,7 +7,8 @@
   ``p.layout_info.ranges``, is checked against the per-matrix definition, and training equals one process.
 * ``"matrix"``: every expert matrix of a stack whole on one rank.
 * Glob mappings: a glob that matches no parameter is an error naming it (at the first forward for a mapping
-  given to ``fully_shard``, at once for ``granularity_by_pattern``).
+  given to ``fully_shard``, at once for ``granularity_by_pattern``: that check and the names it resolves need no
+  ranks, they run in the test process).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 import lightning_vescale as lv
 from lightning_vescale.engine.fully_shard import granularity_by_pattern
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 
 class ExpertBlock(nn.Module):
@@ -110,17 +112,26 @@ def train_and_compare(model: nn.Module, ref: nn.Module, rank: int, world: int) -
     return worst.item()
 
 
-def _run(rank: int, world: int) -> None:
+def _ref() -> ExpertNet:
     torch.manual_seed(0)
-    ref = ExpertNet()
+    return ExpertNet()
 
-    # Blocks of 16 rows: no shape is refused, every cut is on a block edge of its matrix, training is exact.
-    model = shard(copy.deepcopy(ref), 16)
+
+def _blocks_of_16_cut_on_block_edges(rank: int, world: int) -> None:
+    """Blocks of 16 rows: no shape is refused, every cut is on a block edge of its matrix."""
+    model = shard(_ref(), 16)
     assert check_cuts(model, 16) > 0
+
+
+def _blocks_of_16_train_exactly(rank: int, world: int) -> None:
+    ref = _ref()
+    model = shard(copy.deepcopy(ref), 16)
     assert train_and_compare(model, ref, rank, world) < 1e-5
 
-    # Whole matrices (Muon's unit): every expert of a stack on one rank, the stack cut only between experts.
-    model = shard(copy.deepcopy(ref), "matrix")
+
+def _matrix_keeps_each_expert_whole(rank: int, world: int) -> None:
+    """Whole matrices (Muon's unit): every expert of a stack on one rank, the stack cut only between experts."""
+    model = shard(_ref(), "matrix")
     check_cuts(model, "matrix")
     for p in (model.blocks[0].experts.w1, model.blocks[1].experts.w2):
         size = p.shape[1] * p.shape[2]
@@ -128,27 +139,63 @@ def _run(rank: int, world: int) -> None:
             holders = [q for q, (s, t) in enumerate(p.layout_info.ranges) if s < (e + 1) * size and t > e * size]
             assert len(holders) == 1, (e, p.layout_info.ranges)
 
-    # A glob mapping matches names relative to the module each call shards, and applies where it matches.
-    mapping = {"experts.*": 16, "head.weight": "matrix"}
-    model = shard(copy.deepcopy(ref), mapping)
+
+MAPPING = {"experts.*": 16, "head.weight": "matrix"}
+
+
+def _glob_mapping_applies_where_it_matches(rank: int, world: int) -> None:
+    """A glob mapping matches names relative to the module each call shards, and applies where it matches."""
+    model = shard(_ref(), MAPPING)
     model(torch.randn(2, 8))
     stack = model.blocks[0].experts.w2
     assert all(cut_allowed(tuple(stack.shape), s, 16) for s, t in stack.layout_info.ranges if t > s)
-    # A glob that matches nothing (a typo) is an error naming it, at the first forward: the mapping is shared
-    # by every call, and only all of them together tell whether it matched.
-    model = shard(copy.deepcopy(ref), {**mapping, "blocks.*.kv.weight": "row"})
+
+
+def _unmatched_glob_fails_at_first_forward(rank: int, world: int) -> None:
+    """A glob that matches nothing (a typo) is an error naming it, at the first forward: the mapping is shared
+    by every call, and only all of them together tell whether it matched."""
+    model = shard(_ref(), {**MAPPING, "blocks.*.kv.weight": "row"})
     with pytest.raises(ValueError, match=r"pattern\(s\) \['blocks\.\*\.kv\.weight'\] matched no parameter"):
         model(torch.randn(2, 8))
-    # granularity_by_pattern matches the model's own names and checks them at once.
+
+
+BY_PATTERN = {"blocks.*.experts.*": 16, "blocks.1.kv.weight": "row"}
+
+
+def _by_pattern_trains_like_one_process(rank: int, world: int) -> None:
+    ref = _ref()
     plain = copy.deepcopy(ref)
-    with pytest.raises(ValueError, match=r"pattern\(s\) \['blocks\.\*\.experts\.w3'\] match no parameter"):
-        granularity_by_pattern(plain, {"blocks.*.experts.*": 16, "blocks.*.experts.w3": "row"})
-    by_name = granularity_by_pattern(plain, {"blocks.*.experts.*": 16, "blocks.1.kv.weight": "row"})
-    assert by_name("w2", plain.blocks[1].experts.w2) == 16 and by_name("kv.weight", plain.blocks[1].kv.weight) == "row"
-    assert by_name("kv.weight", plain.blocks[0].kv.weight) == "element"
-    model = shard(plain, by_name)
+    model = shard(plain, granularity_by_pattern(plain, BY_PATTERN))
     assert train_and_compare(model, ref, rank, world) < 1e-5
 
 
-def test_granularity_on_real_shapes() -> None:
-    run_distributed(_run, 3)
+class TestGranularityOn3Ranks(DistributedTest):
+    world_size = 3
+
+    def test_blocks_of_16_rows_cut_on_block_edges_of_each_matrix(self) -> None:
+        self.run_ranks(_blocks_of_16_cut_on_block_edges)
+
+    def test_blocks_of_16_rows_train_like_one_process(self) -> None:
+        self.run_ranks(_blocks_of_16_train_exactly)
+
+    def test_matrix_granularity_keeps_each_expert_whole(self) -> None:
+        self.run_ranks(_matrix_keeps_each_expert_whole)
+
+    def test_glob_mapping_applies_where_it_matches(self) -> None:
+        self.run_ranks(_glob_mapping_applies_where_it_matches)
+
+    def test_unmatched_glob_is_an_error_at_the_first_forward(self) -> None:
+        self.run_ranks(_unmatched_glob_fails_at_first_forward)
+
+    def test_granularity_by_pattern_trains_like_one_process(self) -> None:
+        self.run_ranks(_by_pattern_trains_like_one_process)
+
+
+def test_granularity_by_pattern_checks_the_models_names_at_once() -> None:
+    """granularity_by_pattern matches the model's own names and checks them at once (no ranks needed)."""
+    plain = _ref()
+    with pytest.raises(ValueError, match=r"pattern\(s\) \['blocks\.\*\.experts\.w3'\] match no parameter"):
+        granularity_by_pattern(plain, {"blocks.*.experts.*": 16, "blocks.*.experts.w3": "row"})
+    by_name = granularity_by_pattern(plain, BY_PATTERN)
+    assert by_name("w2", plain.blocks[1].experts.w2) == 16 and by_name("kv.weight", plain.blocks[1].kv.weight) == "row"
+    assert by_name("kv.weight", plain.blocks[0].kv.weight) == "element"

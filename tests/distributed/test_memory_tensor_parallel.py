@@ -2,12 +2,18 @@
 AdamW and with Muon (``build_optimizer``: Muon's tensor-parallel matrices communicate over the whole mesh inside each
 bucket of the offloaded step), trains bitwise like the same run with everything on the device, for optimizer states
 on host and on disk (in several buckets), master weights, gradient pieces and optimizer states on disk, gathered
-parameters on disk and activations on disk; the ledger shows the bytes did move."""
+parameters on disk and activations on disk; the ledger shows the bytes did move.
+
+One class of tests on the 4 ranks (:class:`tests.dist_pool.DistributedTest`), one test per (optimizer, policy). The
+device-only run an optimizer's tests compare with is trained once per rank process and kept (``_device_only``): it
+is deterministic (seeded, the same mesh), so every test compares with the same bits as if it trained it itself.
+"""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -17,7 +23,7 @@ import lightning_vescale as lv
 from lightning_vescale.memory import MemoryPolicy, apply_memory_policy, memory_stats, resident_pieces
 from lightning_vescale.models.llama import Llama, LlamaConfig
 from lightning_vescale.optim import build_optimizer
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16)
 BATCH, STEPS = 4, 3
@@ -61,17 +67,31 @@ def _train(mesh, kind: str, policy: dict | None, tmp: str) -> dict[str, torch.Te
     return out
 
 
-def _run(rank: int, world: int, tmp: str) -> None:
+_DEVICE_ONLY: dict[str, dict[str, torch.Tensor]] = {}  # per rank process: kind -> the device-only run's weights
+
+
+def _device_only(mesh, kind: str, tmp: str) -> dict[str, torch.Tensor]:
+    if kind not in _DEVICE_ONLY:
+        _DEVICE_ONLY[kind] = _train(mesh, kind, None, tmp)
+    return _DEVICE_ONLY[kind]
+
+
+def _tier_trains_like_device_only(rank: int, world: int, tmp: str, kind: str, label: str) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    for kind in ("adamw", "muon"):
-        want = _train(mesh, kind, None, tmp)
-        for label, (policy, moved) in POLICIES.items():
-            got = _train(mesh, kind, policy, tmp)
-            if moved is not None:
-                assert memory_stats.peak[moved] > 0, (kind, label, dict(memory_stats.peak))
-            bad = [n for n in want if not torch.equal(want[n], got[n])]
-            assert not bad, f"{kind}, {label}: differs from the device-only run in {bad}"
+    want = _device_only(mesh, kind, tmp)
+    policy, moved = POLICIES[label]
+    got = _train(mesh, kind, policy, tmp)
+    if moved is not None:
+        assert memory_stats.peak[moved] > 0, (kind, label, dict(memory_stats.peak))
+    bad = [n for n in want if not torch.equal(want[n], got[n])]
+    assert not bad, f"{kind}, {label}: differs from the device-only run in {bad}"
 
 
-def test_memory_tiers_with_tensor_parallel_train_like_device_only(tmp_path) -> None:
-    run_distributed(_run, 4, str(tmp_path), timeout=600, pg_timeout=300)
+class TestMemoryTiersDp2Tp2(DistributedTest):
+    world_size = 4
+    pg_timeout = 300
+
+    @pytest.mark.parametrize("label", list(POLICIES), ids=[k.replace(",", "").replace(" ", "_") for k in POLICIES])
+    @pytest.mark.parametrize("kind", ["adamw", "muon"])
+    def test_memory_tier_trains_bitwise_like_device_only(self, kind: str, label: str, tmp_path) -> None:
+        self.run_ranks(_tier_trains_like_device_only, str(tmp_path), kind, label, timeout=600)

@@ -1,7 +1,7 @@
 """Muon under tensor parallelism: the Llama plan on a ``("dp", "tp")`` mesh of 4 gloo ranks (dp2 x tp2), routed by
 ``build_optimizer`` (Muon for the hidden matrices, AdamW for embedding, head and norms).
 
-One 4-rank process group checks:
+One class of tests on the 4 ranks (:class:`tests.dist_pool.DistributedTest`), one test per behaviour:
 
 * every step, given the same (gathered) gradients, the gathered parameters are **bitwise** those of
   ``torch.optim.Muon`` + ``torch.optim.AdamW`` on the whole matrices in one process, with granularity ``"muon"``
@@ -30,7 +30,7 @@ import lightning_vescale as lv
 import lightning_vescale.optim.muon as muon_module
 from lightning_vescale.models.llama import Llama, LlamaConfig
 from lightning_vescale.optim import Muon, build_optimizer, route_parameters
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 # ffn_hidden 50: the colwise w1/w3 pieces are 25 x 32, the rowwise w2 pieces 32 x 25 (odd: dp cuts them unevenly).
 CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=50, max_seq_len=16)
@@ -175,12 +175,8 @@ def _bitwise_steps(mesh, granularity: str, steps: int = 3) -> None:
     assert _all_sum(local) == sum(p.numel() for p in muon_params)
 
 
-def _negative_control(mesh) -> float:
-    """Muon on each tp-local piece separately must be detectably wrong."""
-    dp = mesh["dp"].get_local_rank()
-    model = _sharded(mesh, "muon")
-    torch.manual_seed(0)
-    ref = Llama(CONFIG)
+def _tp_pieces(model: nn.Module) -> dict[str, tuple[int, list[slice]]]:
+    """The tp-local pieces of every tensor-parallel matrix: (dim, [slice per tp rank])."""
     pieces = {}
     for name, p in model.named_parameters():
         outer = p.layout_info.outer
@@ -189,6 +185,16 @@ def _negative_control(mesh) -> float:
             size = p.shape[dim]
             bounds = [0, (size + 1) // 2, size]  # torch's Shard: the first rank takes the ceil
             pieces[name] = (dim, [slice(bounds[i], bounds[i + 1]) for i in range(2)])
+    return pieces
+
+
+def _negative_control(mesh) -> float:
+    """Muon on each tp-local piece separately must be detectably wrong."""
+    dp = mesh["dp"].get_local_rank()
+    model = _sharded(mesh, "muon")
+    torch.manual_seed(0)
+    ref = Llama(CONFIG)
+    pieces = _tp_pieces(model)
     correct, naive = _Reference(ref), _Reference(Llama(CONFIG), pieces)
     naive.ref.load_state_dict(ref.state_dict())
     opt = build_optimizer(model, **HYPER)
@@ -206,10 +212,15 @@ def _negative_control(mesh) -> float:
     naive_after = {n: p.detach() for n, p in naive.ref.named_parameters()}
     err = _update_error(naive_after, correct.ref, before, set(pieces) & correct.names)
     assert err > 0.1, f"Newton-Schulz on tp-local pieces must be far off, got {err}"
+    return err
+
+
+def _local_mode_refuses_tp_matrices(rank: int, world: int) -> None:
+    model = _sharded(_dp_tp_mesh(), "muon")
+    pieces = _tp_pieces(model)
     with pytest.raises(ValueError, match=r"mode='local' needs every matrix whole on one rank, but tensor parallelism "
                                          r"splits layers\.0\.attention\.wq\.weight"):
         Muon([(n, p) for n, p in model.named_parameters() if n in pieces], mode="local")
-    return err
 
 
 def _end_to_end(mesh, steps: int = 4) -> float:
@@ -232,18 +243,41 @@ def _end_to_end(mesh, steps: int = 4) -> float:
     return _update_error(_gathered(model), ref, start, reference.names)
 
 
-def _run(rank: int, world: int) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    _bitwise_steps(mesh, "muon")
-    _bitwise_steps(mesh, "element")
-    err = _negative_control(mesh)
-    tp_dev = _end_to_end(mesh)
+def _dp_tp_mesh():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def _steps_bitwise(rank: int, world: int, granularity: str) -> None:
+    _bitwise_steps(_dp_tp_mesh(), granularity)
+
+
+def _tp_local_pieces_are_detectably_wrong(rank: int, world: int) -> None:
+    err = _negative_control(_dp_tp_mesh())
+    if rank == 0:
+        print(f"relative update error vs one process: Muon on tp-local pieces {err:.3g}")
+
+
+def _end_to_end_at_the_noise_floor(rank: int, world: int) -> None:
+    tp_dev = _end_to_end(_dp_tp_mesh())
     floor = _end_to_end(init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
     if rank == 0:
-        print(f"relative update error vs one process: Muon on tp-local pieces {err:.3g}; end to end dp2 x tp2 "
-              f"{tp_dev:.3g}, dp4 (no tp) {floor:.3g}")
+        print(f"relative update error vs one process: end to end dp2 x tp2 {tp_dev:.3g}, dp4 (no tp) {floor:.3g}")
     assert tp_dev <= max(3 * floor, 1e-5), f"dp2 x tp2 deviates {tp_dev}, the dp4 sharded Muon (noise floor) {floor}"
 
 
-def test_muon_over_dp_x_tp_equals_torch_muon_on_whole_matrices() -> None:
-    run_distributed(_run, 4, timeout=600, pg_timeout=300)
+class TestMuonDp2Tp2(DistributedTest):
+    world_size = 4
+    pg_timeout = 300
+
+    @pytest.mark.parametrize("granularity", ["muon", "element"])
+    def test_steps_are_bitwise_torch_muon_on_whole_matrices(self, granularity: str) -> None:
+        self.run_ranks(_steps_bitwise, granularity, timeout=600)
+
+    def test_muon_on_tp_local_pieces_is_detectably_wrong(self) -> None:
+        self.run_ranks(_tp_local_pieces_are_detectably_wrong, timeout=600)
+
+    def test_local_mode_refuses_a_tensor_parallel_matrix(self) -> None:
+        self.run_ranks(_local_mode_refuses_tp_matrices, timeout=600)
+
+    def test_end_to_end_at_the_dp4_noise_floor(self) -> None:
+        self.run_ranks(_end_to_end_at_the_noise_floor, timeout=600)

@@ -8,6 +8,9 @@ Rank 1's loss is NaN at step 3 (as a bad batch or an overflow on one rank gives)
   counted, and training goes on to the end with finite weights.
 
 Without the guard the NaN is reduce-scattered into every rank's gradient pieces and every weight turns NaN.
+
+One class of tests on the 2 ranks (:class:`tests.dist_pool.DistributedTest`), one test per action and one for the
+control; weights compared bitwise.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
 from lightning_vescale.recipe.callbacks import NonFiniteError, NonFiniteGuard
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 
 class NaNOnRank1(BoringModel):
@@ -54,7 +57,7 @@ def _train(world: int, action, steps: int = 5):
     return trainer, model, weights, callbacks[-1]
 
 
-def _guard(rank: int, world: int) -> None:
+def _stop_raises_before_the_optimizer_step(rank: int, world: int) -> None:
     trainer, model, weights, _ = _train(world, "stop")
     with pytest.raises(NonFiniteError, match=r"step 3: non-finite loss on rank\(s\) \[1\]; .*Stopped on every rank "
                                              r"before the optimizer step, so the weights \(and any checkpoint\) are "
@@ -63,6 +66,8 @@ def _guard(rank: int, world: int) -> None:
     now = [p.to_local().detach() for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(now, weights.after[2])), "step 3 changed the weights"
 
+
+def _skip_skips_the_step_on_every_rank(rank: int, world: int) -> None:
     trainer, model, weights, guard = _train(world, "skip")
     trainer.fit(model)
     assert guard.skipped == [3] and trainer.global_step == 5
@@ -70,10 +75,21 @@ def _guard(rank: int, world: int) -> None:
     assert all(torch.isfinite(p.to_local()).all() for p in model.parameters())
     assert not all(torch.equal(a, b) for a, b in zip(weights.after[5], weights.after[3])), "training went on"
 
+
+def _without_guard_nan_reaches_every_weight(rank: int, world: int) -> None:
     trainer, model, _, _ = _train(world, None)  # the control: without the guard, NaN reaches every rank's weights
     trainer.fit(model)
     assert all(torch.isnan(p.to_local()).all() for p in model.parameters())
 
 
-def test_a_nan_loss_on_one_rank_stops_or_skips_the_step_on_every_rank() -> None:
-    run_distributed(_guard, 2, timeout=300)
+class TestNonFiniteLossOn2Ranks(DistributedTest):
+    world_size = 2
+
+    def test_stop_raises_on_every_rank_before_the_optimizer_step(self) -> None:
+        self.run_ranks(_stop_raises_before_the_optimizer_step)
+
+    def test_skip_skips_the_step_on_every_rank_and_training_goes_on(self) -> None:
+        self.run_ranks(_skip_skips_the_step_on_every_rank)
+
+    def test_without_the_guard_nan_reaches_every_weight(self) -> None:
+        self.run_ranks(_without_guard_nan_reaches_every_weight)

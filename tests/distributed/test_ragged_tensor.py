@@ -1,6 +1,7 @@
 """Sharded parameters (RaggedTensor) behave like the full parameters wherever user code can see them.
 
-On 3 gloo ranks (the MLP's sizes divide by none of them, so pieces are uneven and some cut rows):
+On 3 gloo ranks shared by one class of tests (:class:`tests.dist_pool.DistributedTest`), one test per behaviour
+(the MLP's sizes divide by none of them, so pieces are uneven and some cut rows):
 
 * every elementwise ``torch.optim`` optimizer, with ``foreach`` off and on and ``fused`` where torch has
   it on the device, steps the sharded parameters exactly like the optimizer on the full tensors given the
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 import lightning_vescale as lv
 from lightning_vescale.engine.tensor import RaggedTensor, UnsupportedRaggedOp, is_ragged
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 from tests.toy_models import MLP
 
 WORLD = 3
@@ -73,36 +74,34 @@ def same(got: torch.Tensor, want: torch.Tensor, variant: str, what: str) -> None
         assert torch.equal(got, want), f"{what} differs by {(got - want).abs().max().item()}"
 
 
-def _optimizers(rank: int, world: int) -> None:
+OPTIMIZER_CASES = [(name, variant) for name, _, _, variants in OPTIMIZERS for variant in variants]
+
+
+def _optimizer_steps_like_full_tensors(rank: int, world: int, name: str, variant: str) -> None:
     torch.manual_seed(0)
     ref0 = MLP()
-    for name, cls, kwargs, variants in OPTIMIZERS:
-        for variant in variants:
-            flag = {"single": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[variant]
-            ref = copy.deepcopy(ref0)
-            model = sharded_copy(ref0)
-            ref_opt, opt = cls(ref.parameters(), **kwargs, **flag), cls(model.parameters(), **kwargs, **flag)
-            for step in range(STEPS):
-                random_grads(ref, seed=10 * step)
-                set_grads(model, ref)
-                ref_opt.step()
-                opt.step()
-            what = f"{name} ({variant})"
-            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-                same(p.full_tensor(), q.detach(), variant, f"{what}: parameter {n}")
-                for key, value in opt.state[p].items():
-                    want = ref_opt.state[q][key]
-                    got = value.full_tensor() if is_ragged(value) else value
-                    same(got, want, variant, f"{what}: state {key!r} of {n}")
-                    if torch.is_tensor(want) and want.dim() > 0:
-                        assert is_ragged(value) and value.layout_info == p.layout_info, (what, n, key)
+    cls, kwargs = next((cls, kwargs) for n, cls, kwargs, _ in OPTIMIZERS if n == name)
+    flag = {"single": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[variant]
+    ref = copy.deepcopy(ref0)
+    model = sharded_copy(ref0)
+    ref_opt, opt = cls(ref.parameters(), **kwargs, **flag), cls(model.parameters(), **kwargs, **flag)
+    for step in range(STEPS):
+        random_grads(ref, seed=10 * step)
+        set_grads(model, ref)
+        ref_opt.step()
+        opt.step()
+    what = f"{name} ({variant})"
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        same(p.full_tensor(), q.detach(), variant, f"{what}: parameter {n}")
+        for key, value in opt.state[p].items():
+            want = ref_opt.state[q][key]
+            got = value.full_tensor() if is_ragged(value) else value
+            same(got, want, variant, f"{what}: state {key!r} of {n}")
+            if torch.is_tensor(want) and want.dim() > 0:
+                assert is_ragged(value) and value.layout_info == p.layout_info, (what, n, key)
 
 
-def test_elementwise_optimizers_match_full_tensors() -> None:
-    run_distributed(_optimizers, WORLD, timeout=300)
-
-
-def _reductions(rank: int, world: int) -> None:
+def _reductions_are_global(rank: int, world: int) -> None:
     torch.manual_seed(0)
     ref = MLP()
     model = sharded_copy(ref)
@@ -127,6 +126,11 @@ def _reductions(rank: int, world: int) -> None:
         assert bool((p > 0).any()) == bool((q > 0).any()) and bool((p > -9).all()) == bool((q > -9).all()), n
     assert lv.comm_stats.step_calls["all_reduce_ragged"] > 0, "a reduction of a piece must communicate"
 
+
+def _foreach_norm_is_one_all_reduce(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = MLP()
+    model = sharded_copy(ref)
     params = list(model.parameters())
     got = torch._foreach_norm(params)
     want = torch._foreach_norm([q.detach() for q in ref.parameters()])
@@ -136,29 +140,40 @@ def _reductions(rank: int, world: int) -> None:
     torch._foreach_norm(params)
     assert lv.comm_stats.step_calls["all_reduce_ragged"] == 1, "one all-reduce for the whole list"
 
-    # Clipping with torch's own functions: same total norm and the same clipped gradients.
-    for foreach in (None, True, False):
-        random_grads(ref, seed=1)
-        set_grads(model, ref)
-        max_norm = 0.3 * torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()]).item()
-        total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=foreach)
-        ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, foreach=foreach)
-        torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=0)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-9)
-        random_grads(ref, seed=2)
-        set_grads(model, ref)
-        torch.nn.utils.clip_grad_value_(model.parameters(), 0.5, foreach=foreach)
-        torch.nn.utils.clip_grad_value_(ref.parameters(), 0.5, foreach=foreach)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            assert torch.equal(p.grad.full_tensor(), q.grad)
+
+FOREACH = {"default": None, "foreach": True, "for_loop": False}
 
 
-def test_reductions_and_clipping_are_global() -> None:
-    run_distributed(_reductions, WORLD, timeout=300)
+def _clip_grad_norm_like_full_model(rank: int, world: int, foreach_case: str) -> None:
+    """Clipping with torch's own functions: same total norm and the same clipped gradients."""
+    torch.manual_seed(0)
+    ref = MLP()
+    model = sharded_copy(ref)
+    foreach = FOREACH[foreach_case]
+    random_grads(ref, seed=1)
+    set_grads(model, ref)
+    max_norm = 0.3 * torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()]).item()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=foreach)
+    ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, foreach=foreach)
+    torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-9)
 
 
-def _shape_rules(rank: int, world: int) -> None:
+def _clip_grad_value_like_full_model(rank: int, world: int, foreach_case: str) -> None:
+    torch.manual_seed(0)
+    ref = MLP()
+    model = sharded_copy(ref)
+    foreach = FOREACH[foreach_case]
+    random_grads(ref, seed=2)
+    set_grads(model, ref)
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.5, foreach=foreach)
+    torch.nn.utils.clip_grad_value_(ref.parameters(), 0.5, foreach=foreach)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad.full_tensor(), q.grad)
+
+
+def _init_by_ndim_gives_full_model_values(rank: int, world: int) -> None:
     torch.manual_seed(0)
     ref = MLP()
     model = sharded_copy(ref)
@@ -172,7 +187,13 @@ def _shape_rules(rank: int, world: int) -> None:
                 nn.init.trunc_normal_(p, std=0.02)
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.full_tensor(), q.detach()), f"init of {n}"
-    # Negative control: drawing each rank's piece by itself (what a local op would do) gives other values.
+
+
+def _local_draw_gives_other_values(rank: int, world: int) -> None:
+    """Negative control: drawing each rank's piece by itself (what a local op would do) gives other values."""
+    torch.manual_seed(0)
+    ref = MLP()
+    model = sharded_copy(ref)
     w = model.inp.weight
     for draw in (w, w.to_local()):
         torch.manual_seed(6)
@@ -182,7 +203,12 @@ def _shape_rules(rank: int, world: int) -> None:
         nn.init.uniform_(ref.inp.weight, -0.5, 0.5)
         assert torch.equal(w.full_tensor(), ref.inp.weight.detach()) == (draw is w)
 
-    # Freezing by shape: the rule selects the same parameters, and they stay unchanged through training.
+
+def _freezing_by_shape(rank: int, world: int) -> None:
+    """Freezing by shape: the rule selects the same parameters, and they stay unchanged through training."""
+    torch.manual_seed(0)
+    ref = MLP()
+    model = sharded_copy(ref)
     frozen = {n for n, p in ref.named_parameters() if p.shape[0] == 13}
     assert frozen == {n for n, p in model.named_parameters() if p.shape[0] == 13} and frozen
     for n, p in model.named_parameters():
@@ -196,36 +222,80 @@ def _shape_rules(rank: int, world: int) -> None:
         moved = not torch.equal(p.full_tensor(), before[n])
         assert moved == (n not in frozen), n
         assert (p.grad is None) == (n in frozen), n
-    # Weight decay by ndim, the nanoGPT idiom: the groups are the full model's on every rank.
+
+
+def _weight_decay_groups_by_ndim(rank: int, world: int) -> None:
+    """Weight decay by ndim, the nanoGPT idiom: the groups are the full model's on every rank."""
+    torch.manual_seed(0)
+    ref = MLP()
+    model = sharded_copy(ref)
     decay = sorted(n for n, p in model.named_parameters() if p.dim() >= 2)
     assert decay == sorted(n for n, p in ref.named_parameters() if p.dim() >= 2)
 
 
-def test_shape_based_rules_behave_like_the_full_model() -> None:
-    run_distributed(_shape_rules, WORLD, timeout=300)
+UNSUPPORTED_OPS = ["aten.mm", "aten.select", "aten.sum.dim_IntList", "aten.t", "aten.cumsum", "aten.randn_like"]
 
 
-def _refusals(rank: int, world: int) -> None:
+def _refusal(rank: int, world: int, case: str) -> None:
     torch.manual_seed(0)
     model = sharded_copy(MLP())
     before = {n: p.full_tensor() for n, p in model.named_parameters()}
     w, b = model.inp.weight, model.blocks[0].up.weight
     x = torch.randn(7, 3)
     with torch.no_grad():
-        for what, op in [("aten.mm", lambda: torch.mm(w, x)), ("aten.select", lambda: w[0]),
-                         ("aten.sum.dim_IntList", lambda: w.sum(dim=0)), ("aten.t", lambda: w.t()),
-                         ("aten.cumsum", lambda: w.cumsum(0)), ("aten.randn_like", lambda: torch.randn_like(w))]:
-            with pytest.raises(UnsupportedRaggedOp, match=rf"{what}.*full_tensor\(\)"):
-                op()
-        with pytest.raises(UnsupportedRaggedOp, match=r"mixes a sharded RaggedTensor with a plain tensor of shape"):
-            w.add_(torch.ones(w.shape))
-        other = lv.fully_shard(nn.Linear(13, 37, bias=False), granularity="tensor").weight  # b's shape, whole on a rank
-        assert other.shape == b.shape and other.layout_info != b.layout_info
-        with pytest.raises(UnsupportedRaggedOp, match="two different layouts"):
-            b.add_(other)
+        ops = {"aten.mm": lambda: torch.mm(w, x), "aten.select": lambda: w[0],
+               "aten.sum.dim_IntList": lambda: w.sum(dim=0), "aten.t": lambda: w.t(),
+               "aten.cumsum": lambda: w.cumsum(0), "aten.randn_like": lambda: torch.randn_like(w)}
+        if case in ops:
+            with pytest.raises(UnsupportedRaggedOp, match=rf"{case}.*full_tensor\(\)"):
+                ops[case]()
+        elif case == "plain_tensor":
+            with pytest.raises(UnsupportedRaggedOp,
+                               match=r"mixes a sharded RaggedTensor with a plain tensor of shape"):
+                w.add_(torch.ones(w.shape))
+        else:
+            # b's shape, whole on a rank
+            other = lv.fully_shard(nn.Linear(13, 37, bias=False), granularity="tensor").weight
+            assert other.shape == b.shape and other.layout_info != b.layout_info
+            with pytest.raises(UnsupportedRaggedOp, match="two different layouts"):
+                b.add_(other)
     for n, p in model.named_parameters():
         assert torch.equal(p.full_tensor(), before[n]), f"{n} changed by a refused op"
 
 
-def test_unsupported_ops_raise_on_every_rank_and_change_nothing() -> None:
-    run_distributed(_refusals, WORLD, timeout=300)
+class TestRaggedTensorOn3Ranks(DistributedTest):
+    world_size = WORLD
+
+    @pytest.mark.parametrize(("name", "variant"), OPTIMIZER_CASES, ids=[f"{n}-{v}" for n, v in OPTIMIZER_CASES])
+    def test_elementwise_optimizer_matches_full_tensors(self, name: str, variant: str) -> None:
+        self.run_ranks(_optimizer_steps_like_full_tensors, name, variant)
+
+    def test_reductions_are_global_values(self) -> None:
+        self.run_ranks(_reductions_are_global)
+
+    def test_foreach_norm_is_one_all_reduce_for_the_list(self) -> None:
+        self.run_ranks(_foreach_norm_is_one_all_reduce)
+
+    @pytest.mark.parametrize("foreach", list(FOREACH))
+    def test_clip_grad_norm_clips_like_the_full_model(self, foreach: str) -> None:
+        self.run_ranks(_clip_grad_norm_like_full_model, foreach)
+
+    @pytest.mark.parametrize("foreach", list(FOREACH))
+    def test_clip_grad_value_clips_like_the_full_model(self, foreach: str) -> None:
+        self.run_ranks(_clip_grad_value_like_full_model, foreach)
+
+    def test_init_by_ndim_gives_the_full_model_values(self) -> None:
+        self.run_ranks(_init_by_ndim_gives_full_model_values)
+
+    def test_a_per_rank_draw_gives_other_values(self) -> None:
+        self.run_ranks(_local_draw_gives_other_values)
+
+    def test_freezing_by_shape_selects_the_same_parameters(self) -> None:
+        self.run_ranks(_freezing_by_shape)
+
+    def test_weight_decay_groups_by_ndim_are_the_full_models(self) -> None:
+        self.run_ranks(_weight_decay_groups_by_ndim)
+
+    @pytest.mark.parametrize("case", [*UNSUPPORTED_OPS, "plain_tensor", "two_layouts"])
+    def test_unsupported_op_raises_on_every_rank_and_changes_nothing(self, case: str) -> None:
+        self.run_ranks(_refusal, case)

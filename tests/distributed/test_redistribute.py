@@ -1,7 +1,16 @@
 """gather_full / redistribute / redistribute_flat on gloo ranks, compared bitwise with shard_tensor.
 
-One ``run_distributed`` call per world size (a process group costs seconds); every rank draws the
-same cases from the same seed, so the collectives line up.
+One class of tests per world size (2, 3, 4), sharing its ranks (:class:`tests.dist_pool.DistributedTest`), one test
+per behaviour; every rank draws the same cases from the same seed, so the collectives line up. Every comparison is
+bitwise (float8 as bytes):
+
+* random ragged placements (float32, bfloat16, int64, float8; empty tensors): gather_full and redistribute, and back;
+* fixed cases: float8 rows -> elements -> rows with empty ranks, Shard(0) to a ragged layout (identical placements
+  copy without traffic), redistribute_flat out of rank order with replication and dropped elements;
+* the argument errors, raised alike on every rank before any collective;
+* N -> M -> N resharding of BufferPlan layouts;
+* negative controls: a cut moved by one element, swapped owners, one flipped float8 byte are all seen;
+* on 3 and 4 ranks, a two-rank subgroup indexes placements by group rank.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import torch.distributed as dist
 
 from lightning_vescale.engine.placement import RaggedShard, gather_full, redistribute, redistribute_flat, shard_tensor
 from lightning_vescale.engine.planner import TensorSpec, granularity_numel, plan_buffer
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float8_e4m3fn]
 NUM_RANDOM_CASES = 40
@@ -66,9 +75,20 @@ def _check_placements(rank: int, world_size: int, rng: random.Random, gen: torch
         assert _same(redistribute(out, shape, dst, src), shard_tensor(full, src, rank)), info
 
 
-def _check_fixed_cases(rank: int, world_size: int, gen: torch.Generator) -> None:
+def _seeded(world_size: int, offset: int = 0) -> tuple[random.Random, torch.Generator]:
+    """The same cases on every rank: a seed per world size."""
+    seed = 1234 + world_size + offset
+    return random.Random(seed), torch.Generator().manual_seed(seed)
+
+
+def _check_placements_round_trip(rank: int, world_size: int) -> None:
+    _check_placements(rank, world_size, *_seeded(world_size))
+
+
+def _check_float8_rows_to_elements_and_back(rank: int, world_size: int) -> None:
+    """float8 round trip: rows -> elements -> rows, ranks with nothing in both."""
+    _, gen = _seeded(world_size)
     n = world_size
-    # float8 round trip: rows -> elements -> rows, ranks with nothing in both
     shape = (2 * n + 3, 5)
     full = (torch.randn(shape, generator=gen) * 100).to(torch.float8_e4m3fn)
     rows = RaggedShard((0,), (0, *[1] * (n - 2), n + 5))
@@ -84,7 +104,11 @@ def _check_fixed_cases(rank: int, world_size: int, gen: torch.Generator) -> None
     assert _same(back, local) and back.shape == (rows.local_units[rank], 5)
     assert torch.equal(gather_full(back, shape, rows).float(), full.float())
 
-    # Shard(0) (torch.chunk split) to a ragged layout and back; identical placements need no traffic
+
+def _check_shard0_to_ragged(rank: int, world_size: int) -> None:
+    """Shard(0) (torch.chunk split) to a ragged layout and back; identical placements need no traffic."""
+    _, gen = _seeded(world_size)
+    n = world_size
     shape = (3 * n + 1, 4, 2)
     full = _full(shape, torch.float32, gen)
     even = RaggedShard.even(shape, n)
@@ -94,11 +118,20 @@ def _check_fixed_cases(rank: int, world_size: int, gen: torch.Generator) -> None
     same = redistribute(local, shape, even, even)
     assert _same(same, local) and same.data_ptr() != local.data_ptr()
 
-    # redistribute_flat: sources and destinations out of rank order, replication, dropped elements
+
+def _flat_pieces(n: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     numel = 37
     flat = torch.arange(numel, dtype=torch.int64)
     cuts = [0, *sorted({(7 * i) % numel for i in range(1, n)}), numel]
     pieces = [(a, b) for a, b in zip(cuts, cuts[1:])] + [(0, 0)] * (n + 1 - len(cuts))
+    return flat, pieces
+
+
+def _check_flat_out_of_order_replicated_dropped(rank: int, world_size: int) -> None:
+    """redistribute_flat: sources and destinations out of rank order, replication, dropped elements."""
+    n = world_size
+    flat, pieces = _flat_pieces(n)
+    numel = flat.numel()
     src = pieces[::-1]
     for dst in (pieces, pieces[1:] + pieces[:1], [(0, numel)] * n, [(3, 11)] * (n - 1) + [(0, 0)]):
         lo, hi = src[rank]
@@ -106,7 +139,11 @@ def _check_fixed_cases(rank: int, world_size: int, gen: torch.Generator) -> None
         lo, hi = dst[rank]
         assert torch.equal(out, flat[lo:hi]), (src, dst)
 
-    # errors are raised alike on every rank, before any collective
+
+def _check_errors(rank: int, world_size: int) -> None:
+    """Errors are raised alike on every rank, before any collective."""
+    n = world_size
+    flat, _ = _flat_pieces(n)
     with pytest.raises(ValueError, match=f"has {n + 1} ranks but the process group has {n}"):
         gather_full(torch.zeros(0), (n + 1,), RaggedShard.even((n + 1,), n + 1))
     with pytest.raises(ValueError, match="src_ranges overlap"):
@@ -117,8 +154,9 @@ def _check_fixed_cases(rank: int, world_size: int, gen: torch.Generator) -> None
         redistribute_flat(flat[:4], [(5 * r, 5 * r + 5) for r in range(n)], [(0, 0)] * n)
 
 
-def _check_buffer_plan_reshard(rank: int, world_size: int, gen: torch.Generator) -> None:
+def _check_buffer_plan_reshard(rank: int, world_size: int) -> None:
     """N -> M -> N resharding of BufferPlan layouts, one redistribute_flat per tensor."""
+    _, gen = _seeded(world_size)
     shapes = [(9, 5), (4, 3, 2), (17,), (6, 6), (3, 7)]
     grans = ["row", "element", "element", 2, "tensor"]
     specs = [TensorSpec(f"t{i}", s, granularity_numel(s, g)) for i, (s, g) in enumerate(zip(shapes, grans))]
@@ -142,8 +180,9 @@ def _check_buffer_plan_reshard(rank: int, world_size: int, gen: torch.Generator)
                                    shard_tensor(fulls[spec.name], placement, rank))
 
 
-def _check_negative_controls(rank: int, world_size: int, gen: torch.Generator) -> None:
+def _check_negative_controls(rank: int, world_size: int) -> None:
     """Deliberately wrong splits must fail the comparison the tests above rely on."""
+    _, gen = _seeded(world_size)
     n = world_size
     shape = (4 * n, 3)
     full = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)  # distinct values
@@ -172,8 +211,9 @@ def _check_negative_controls(rank: int, world_size: int, gen: torch.Generator) -
     assert not _same(gather_full(local8, shape, src), full8)
 
 
-def _check_subgroup(rank: int, world_size: int, gen: torch.Generator) -> None:
+def _check_subgroup(rank: int, world_size: int) -> None:
     """A group of two ranks (the first and the last): placements are indexed by group rank."""
+    _, gen = _seeded(world_size, offset=1)
     members = [0, world_size - 1]
     group = dist.new_group(members)
     if rank not in members:
@@ -188,17 +228,42 @@ def _check_subgroup(rank: int, world_size: int, gen: torch.Generator) -> None:
     assert _same(redistribute(local, shape, src, dst, group=group), shard_tensor(full, dst, grank))
 
 
-def _run_all(rank: int, world_size: int, seed: int) -> None:
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    _check_placements(rank, world_size, rng, gen)
-    _check_fixed_cases(rank, world_size, gen)
-    _check_buffer_plan_reshard(rank, world_size, gen)
-    _check_negative_controls(rank, world_size, gen)
-    if world_size > 2:
-        _check_subgroup(rank, world_size, torch.Generator().manual_seed(seed + 1))
+class _RedistributeTests(DistributedTest):
+    def test_random_placements_gather_and_redistribute_bitwise(self) -> None:
+        self.run_ranks(_check_placements_round_trip)
+
+    def test_float8_rows_to_elements_and_back(self) -> None:
+        self.run_ranks(_check_float8_rows_to_elements_and_back)
+
+    def test_shard0_to_ragged_and_identity_copies(self) -> None:
+        self.run_ranks(_check_shard0_to_ragged)
+
+    def test_flat_out_of_rank_order_replicated_and_dropped(self) -> None:
+        self.run_ranks(_check_flat_out_of_order_replicated_dropped)
+
+    def test_errors_raised_alike_before_any_collective(self) -> None:
+        self.run_ranks(_check_errors)
+
+    def test_buffer_plan_reshards_n_to_m_and_back(self) -> None:
+        self.run_ranks(_check_buffer_plan_reshard)
+
+    def test_wrong_splits_are_detected(self) -> None:
+        self.run_ranks(_check_negative_controls)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_gather_and_redistribute(world_size: int) -> None:
-    run_distributed(_run_all, world_size, 1234 + world_size, timeout=120)
+class TestRedistributeOn2Ranks(_RedistributeTests):
+    world_size = 2
+
+
+class TestRedistributeOn3Ranks(_RedistributeTests):
+    world_size = 3
+
+    def test_subgroup_indexes_placements_by_group_rank(self) -> None:
+        self.run_ranks(_check_subgroup)
+
+
+class TestRedistributeOn4Ranks(_RedistributeTests):
+    world_size = 4
+
+    def test_subgroup_indexes_placements_by_group_rank(self) -> None:
+        self.run_ranks(_check_subgroup)

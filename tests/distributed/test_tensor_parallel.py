@@ -1,7 +1,7 @@
 """Tensor parallelism composed with RaggedShard sharding, the torchtitan way: ``parallelize_module`` over
 ``mesh["tp"]`` per block, then ``lightning_vescale.fully_shard`` over ``mesh["dp"]``, on 4 gloo ranks as dp2 x tp2.
 
-One process group checks: the parameters are DTensors on the (dp, tp) mesh with (RaggedShard, tp placement) and
+One class of tests on the 4 ranks (:class:`tests.dist_pool.DistributedTest`), one test per behaviour: the parameters are DTensors on the (dp, tp) mesh with (RaggedShard, tp placement) and
 the global shapes (and HSDP parameters their (replicate, shard) mesh); training (AdamW, gradient accumulation with no_sync, clipping by the global norm) equals one
 process on the whole batch (fp32, 1e-5: reductions run in other orders); a tensor-parallel-unaware norm (each
 rank's pieces summed over dp only) differs from the true one (the negative control: the test can tell); a sharded
@@ -28,7 +28,7 @@ from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.engine.placement import RaggedShard
 from lightning_vescale.optim import Muon
 from lightning_vescale.quant import BlockFormat, quantize_all_gather
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 GLOBAL_BATCH, ACCUM, CLIP = 8, 2, 0.5
 
@@ -85,20 +85,30 @@ def _tp_unaware_norm(model: nn.Module, dp_group) -> float:
     return total.sqrt().item()
 
 
-def _run(rank: int, world: int, tmp: str) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp = mesh["dp"].get_local_rank()
+def _dp_tp_mesh():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def _sharded_pair(mesh) -> tuple[Net, Net]:
+    """The reference Net and a dp2 x tp2 copy of it."""
     torch.manual_seed(0)
     ref = Net()
-    model = _shard(copy.deepcopy(ref), mesh, tensor_parallel=True)
+    return ref, _shard(copy.deepcopy(ref), mesh, tensor_parallel=True)
 
-    # The parameters: DTensors of the whole tensor on the (dp, tp) mesh.
+
+def _layout_on_the_dp_tp_mesh(rank: int, world: int) -> None:
+    """The parameters: DTensors of the whole tensor on the (dp, tp) mesh."""
+    ref, model = _sharded_pair(_dp_tp_mesh())
     up = model.blocks[0].up.weight
     assert isinstance(up, DTensor) and up.shape == (38, 13) and up.device_mesh.mesh_dim_names == ("dp", "tp")
     assert isinstance(up.placements[0], RaggedShard) and up.placements[1] == Shard(0), up.placements
     assert model.blocks[0].down.bias.placements[1] == Replicate()
     assert all(torch.equal(_full(model)[n], p) for n, p in ref.named_parameters()), "sharding changed the values"
 
+
+def _train_like_one_process(mesh, ref: Net, model: Net) -> torch.optim.Optimizer:
+    """Three AdamW steps with accumulation (no_sync) and clipping, checked against one process at every step."""
+    dp = mesh["dp"].get_local_rank()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     mine = slice(dp * GLOBAL_BATCH // 2, (dp + 1) * GLOBAL_BATCH // 2)
@@ -126,27 +136,50 @@ def _run(rank: int, world: int, tmp: str) -> None:
         for micro, loss in enumerate(losses):
             dist.all_reduce(loss, group=mesh["dp"].get_group())
             assert abs(loss.item() / 2 - ref_losses[micro]) <= 1e-5, (step, micro, loss.item() / 2, ref_losses[micro])
+    return opt
+
+
+def _training_matches_one_process(rank: int, world: int) -> None:
+    mesh = _dp_tp_mesh()
+    ref, model = _sharded_pair(mesh)
+    _train_like_one_process(mesh, ref, model)
     worst = max((_full(model)[n] - p).abs().max().item() for n, p in ref.named_parameters())
     assert worst <= 1e-5, f"dp2 x tp2 differs from one process by {worst}"
 
-    # Muon orthogonalizes a tensor-parallel matrix whole (tests/distributed/test_muon_tensor_parallel.py); only
-    # mode="local" (no communication) cannot, and says so, naming the parameter. Block quantization refuses.
+
+def _muon_takes_tp_weights_except_local(rank: int, world: int) -> None:
+    """Muon orthogonalizes a tensor-parallel matrix whole (tests/distributed/test_muon_tensor_parallel.py); only
+    mode="local" (no communication) cannot, and says so, naming the parameter."""
+    _, model = _sharded_pair(_dp_tp_mesh())
     Muon([("blocks.0.up.weight", model.blocks[0].up.weight)])
     with pytest.raises(ValueError, match=r"mode='local' .* tensor parallelism splits blocks\.0\.up\.weight"):
         Muon([("blocks.0.up.weight", model.blocks[0].up.weight)], mode="local")
+
+
+def _block_quantization_refuses_tp_weights(rank: int, world: int) -> None:
+    mesh = _dp_tp_mesh()
+    torch.manual_seed(0)
     quantized = Net()
     parallelize_module(quantized.blocks[0], mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     quantize_all_gather(quantized.blocks[0], BlockFormat("fp8_e4m3", 8), targets=["up.weight"])
     with pytest.raises(ValueError, match="up.weight is declared block-quantized and is a tensor-parallel DTensor"):
         lv.fully_shard(quantized.blocks[0], mesh=mesh["dp"])
 
-    # HSDP reports its 2-D (replicate, shard) mesh, as FSDP2's (Replicate(), Shard(0)).
+
+def _hsdp_reports_its_2d_mesh(rank: int, world: int) -> None:
+    """HSDP reports its 2-D (replicate, shard) mesh, as FSDP2's (Replicate(), Shard(0))."""
     hsdp = _shard(Net(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), tensor_parallel=False)
     w = hsdp.blocks[0].up.weight
     assert w.device_mesh.mesh_dim_names == ("replicate", "shard") and w.placements[0] == Replicate(), w.placements
     assert isinstance(w.placements[1], RaggedShard)
 
-    # A checkpoint of dp2 x tp2 loads into the model sharded over 4 ranks without tensor parallelism, bitwise.
+
+def _checkpoint_loads_into_dp4_bitwise(rank: int, world: int, tmp: str) -> None:
+    """A checkpoint of a trained dp2 x tp2 model loads into the model sharded over 4 ranks without tensor
+    parallelism, bitwise."""
+    mesh = _dp_tp_mesh()
+    ref, model = _sharded_pair(mesh)
+    opt = _train_like_one_process(mesh, ref, model)
     path = os.path.join(tmp, "tp_ckpt")
     ckpt.save(path, model, opt)
     flat = _shard(Net(), init_device_mesh("cpu", (world,)), tensor_parallel=False)
@@ -158,8 +191,23 @@ def _run(rank: int, world: int, tmp: str) -> None:
         assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), flat_opt.state[q]["exp_avg"].full_tensor()), n
 
 
-def test_dp2_tp2_trains_like_one_process_and_reshards() -> None:
-    import tempfile
+class TestTensorParallelDp2Tp2(DistributedTest):
+    world_size = 4
 
-    with tempfile.TemporaryDirectory() as tmp:
-        run_distributed(_run, 4, tmp, timeout=300, pg_timeout=120)
+    def test_parameters_are_dtensors_on_the_dp_tp_mesh(self) -> None:
+        self.run_ranks(_layout_on_the_dp_tp_mesh)
+
+    def test_training_with_accumulation_and_clipping_matches_one_process(self) -> None:
+        self.run_ranks(_training_matches_one_process)
+
+    def test_muon_takes_tp_weights_except_in_local_mode(self) -> None:
+        self.run_ranks(_muon_takes_tp_weights_except_local)
+
+    def test_block_quantization_refuses_tp_weights(self) -> None:
+        self.run_ranks(_block_quantization_refuses_tp_weights)
+
+    def test_hsdp_reports_its_replicate_shard_mesh(self) -> None:
+        self.run_ranks(_hsdp_reports_its_2d_mesh)
+
+    def test_checkpoint_reshards_from_dp2_tp2_to_dp4_bitwise(self, tmp_path) -> None:
+        self.run_ranks(_checkpoint_loads_into_dp4_bitwise, str(tmp_path))
