@@ -1,5 +1,11 @@
-"""AdamW8bit through ``Fabric``: joint setup, training, a sharded ``fabric.save`` / ``fabric.load`` that resumes
-exactly, and the layout check when the optimizer was built before sharding (one process group, 2 gloo ranks)."""
+"""AdamW8bit through ``Fabric`` on 2 gloo ranks, one test per behaviour (``tests.dist_pool.DistributedTest``):
+
+* joint setup (``fabric.setup(model, optimizer)``) with ``adamw8bit_granularity()`` trains (the loss falls by 0.3)
+  and keeps 8-bit states;
+* a sharded ``fabric.save`` / ``fabric.load`` into another init resumes exactly (losses to 1e-6);
+* negative control: under the default element granularity the optimizer built before sharding is refused at its
+  first step (a piece boundary falls inside an 8-bit block).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from lightning.fabric import Fabric
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
 from lightning_vescale.lightning import VeScaleFabricStrategy
 from lightning_vescale.optim import AdamW8bit, adamw8bit_granularity
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 from tests.toy_models import TinyTransformer
 
 
@@ -36,37 +42,61 @@ def train(fabric, model, opt, steps: range) -> list[float]:
     return losses
 
 
-def _run(rank: int, world: int, tmp: str) -> None:
+def _block_fabric(world: int) -> Fabric:
     fabric = Fabric(accelerator="cpu", devices=world, strategy=VeScaleFabricStrategy(granularity=adamw8bit_granularity()))
     fabric.launch()
-    torch.manual_seed(0)
+    return fabric
+
+
+def _setup(fabric: Fabric, seed: int):
+    torch.manual_seed(seed)
     model = TinyTransformer()
-    model, opt = fabric.setup(model, AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=256))
-    losses = train(fabric, model, opt, range(8))
+    return fabric.setup(model, AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=256))
+
+
+def _trained(world: int):
+    """The block-granular Fabric, and a model and optimizer set up jointly (seed 0) and trained 8 steps."""
+    fabric = _block_fabric(world)
+    model, opt = _setup(fabric, 0)
+    return fabric, model, opt, train(fabric, model, opt, range(8))
+
+
+def _trains_with_8bit_states(rank: int, world: int) -> None:
+    _, _, opt, losses = _trained(world)
     assert losses[-1] < losses[0] - 0.3, losses
     assert any("exp_avg_codes" in s for s in opt.state.values())
 
+
+def _save_and_load_resume_exactly(rank: int, world: int, tmp: str) -> None:
+    fabric, model, opt, _ = _trained(world)
     ckpt = os.path.join(tmp, "fabric_ckpt")
     fabric.save(ckpt, {"model": model, "optimizer": opt, "step": 8})
     after = train(fabric, model, opt, range(8, 11))
-    torch.manual_seed(1)
-    other = TinyTransformer()
-    other, other_opt = fabric.setup(other, AdamW8bit(other.parameters(), lr=1e-2, min_8bit_size=256))
+    other, other_opt = _setup(fabric, 1)
     state = {"model": other, "optimizer": other_opt, "step": 0}
     fabric.load(ckpt, state)
     assert state["step"] == 8
     assert train(fabric, other, other_opt, range(8, 11)) == pytest.approx(after, abs=1e-6)
 
-    # Negative control: the default element granularity cuts inside blocks; the optimizer built before sharding
-    # (joint setup) is refused at its first step.
+
+def _element_granularity_refused(rank: int, world: int) -> None:
+    # The default element granularity cuts inside blocks; the optimizer built before sharding (joint setup) is
+    # refused at its first step.
     plain = Fabric(accelerator="cpu", devices=world, strategy="vescale")
     plain.launch()
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    model, opt = plain.setup(model, AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=256))
+    model, opt = _setup(plain, 0)
     with pytest.raises(ValueError, match="falls inside an 8-bit block"):
         train(plain, model, opt, range(1))
 
 
-def test_adamw8bit_fabric_trains_saves_and_resumes(tmp_path) -> None:
-    run_distributed(_run, 2, str(tmp_path))
+class TestAdamW8bitFabric(DistributedTest):
+    world_size = 2
+
+    def test_joint_setup_trains_with_8bit_states(self) -> None:
+        self.run_ranks(_trains_with_8bit_states)
+
+    def test_save_and_load_resume_exactly(self, tmp_path) -> None:
+        self.run_ranks(_save_and_load_resume_exactly, str(tmp_path))
+
+    def test_element_granularity_is_refused_at_the_first_step(self) -> None:
+        self.run_ranks(_element_granularity_refused)

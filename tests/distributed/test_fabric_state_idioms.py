@@ -1,7 +1,8 @@
 """Fabric's and Hugging Face's state idioms under ``strategy="vescale"`` give what Fabric's DDP gives.
 
-One 2-rank run does each idiom with ``Fabric(strategy=DDPStrategy)`` and with ``Fabric(strategy="vescale")`` on the
-same seed and data, and records the per-step losses (and what the idiom wrote) for the tests below:
+Each idiom is one test on 2 gloo ranks (``tests.dist_pool.DistributedTest``): it runs with
+``Fabric(strategy=DDPStrategy)`` and with ``Fabric(strategy="vescale")`` on the same seed and data, and each rank
+compares the per-step losses (and what the idiom wrote) of the two:
 
 * LitGPT's pre-training order: ``fabric.init_module(empty_init=True)``, ``initialize_weights`` (``reset_parameters``
   set per module, then called), ``wte.weight = lm_head.weight``, then ``fabric.setup``;
@@ -19,8 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
-import traceback
 from functools import partial
 from typing import Any, Callable
 
@@ -33,8 +32,8 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
-from lightning_vescale.lightning import ProcessGroupEnvironment
-from tests.dist_utils import run_distributed
+from lightning_vescale.lightning import ProcessGroupEnvironment, VeScaleFabricStrategy
+from tests.dist_pool import DistributedTest
 
 VOCAB, DIM, SEQ = 37, 16, 8
 
@@ -92,6 +91,11 @@ def _fabric(engine: str) -> Fabric:
         strategy = "vescale"
     fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
     fabric.launch()
+    # The comparison means something only if the two runs use the two engines.
+    if engine == "ddp":
+        assert type(fabric.strategy) is DDPStrategy, fabric.strategy
+    else:
+        assert isinstance(fabric.strategy, VeScaleFabricStrategy), fabric.strategy
     return fabric
 
 
@@ -224,39 +228,21 @@ IDIOMS: dict[str, Callable[[str, str], dict]] = {f.__name__: f for f in (
 )}
 
 
-def _worker(rank: int, world_size: int, tmp: str) -> None:
-    results: dict[str, dict] = {}
-    for name, idiom in IDIOMS.items():
-        results[name] = {}
-        for engine in ("ddp", "vescale"):
-            try:
-                results[name][engine] = idiom(engine, tmp)
-            except Exception:  # noqa: BLE001 - recorded; the test of this idiom fails with it
-                results[name][engine] = {"error": traceback.format_exc(limit=8)}
-            dist.barrier()
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, results)
-    if rank == 0:
-        with open(os.path.join(tmp, "results.json"), "w") as f:
-            json.dump(everyone, f)
+def _idiom_matches_ddp(rank: int, world_size: int, idiom: str, tmp: str) -> None:
+    ref = IDIOMS[idiom]("ddp", tmp)
+    dist.barrier()
+    got = IDIOMS[idiom]("vescale", tmp)
+    assert len(got["losses"]) == len(ref["losses"]) > 0
+    worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(got["losses"], ref["losses"]))
+    assert worst <= 1e-5, f"rank {rank}: {idiom} differs from DDP by {worst:.2e}: {got['losses']} vs {ref['losses']}"
+    for key in set(ref) - {"losses"}:
+        assert got[key] == ref[key] or (key == "resumed_diff" and got[key] < 1e-6), (idiom, key, got[key], ref[key])
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        run_distributed(_worker, 2, tmp, timeout=600, pg_timeout=180)
-        with open(os.path.join(tmp, "results.json")) as f:
-            return json.load(f)
+class TestFabricIdiomsMatchDDP(DistributedTest):
+    world_size = 2
+    pg_timeout = 180
 
-
-@pytest.mark.parametrize("idiom", list(IDIOMS))
-def test_fabric_idiom_matches_ddp(results: list[dict], idiom: str) -> None:
-    for rank, per_rank in enumerate(results):
-        ref, got = per_rank[idiom]["ddp"], per_rank[idiom]["vescale"]
-        assert "error" not in ref, f"rank {rank}: {idiom} failed under DDP:\n{ref['error']}"
-        assert "error" not in got, f"rank {rank}: {idiom} failed under strategy='vescale':\n{got['error']}"
-        assert len(got["losses"]) == len(ref["losses"]) > 0
-        worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(got["losses"], ref["losses"]))
-        assert worst <= 1e-5, f"rank {rank}: {idiom} differs from DDP by {worst:.2e}: {got['losses']} vs {ref['losses']}"
-        for key in set(ref) - {"losses"}:
-            assert got[key] == ref[key] or (key == "resumed_diff" and got[key] < 1e-6), (idiom, key, got[key], ref[key])
+    @pytest.mark.parametrize("idiom", list(IDIOMS))
+    def test_fabric_idiom_matches_ddp(self, idiom: str, tmp_path) -> None:
+        self.run_ranks(_idiom_matches_ddp, idiom, str(tmp_path))

@@ -1,11 +1,18 @@
 """``Fabric(strategy="vescale")`` on 2 gloo ranks equals single-process training of the same model.
 
-One process group: a transformer with a tied embedding/head and a frozen parameter is set up jointly
-with its optimizer (``fabric.setup(model, optimizer)``), trained with gradient accumulation under
-``fabric.no_backward_sync`` (no ReduceScatter on non-final micro-batches) and
-``fabric.clip_gradients`` (the true global norm), saved with ``fabric.save`` as a sharded directory
-and resumed with ``fabric.load`` into a differently initialized model; ``fabric.init_module(empty_init=True)``
-gives the same weights as an unsharded init; bf16-mixed uses the engine's policy.
+One test per behaviour (``tests.dist_pool.DistributedTest``, 2 ranks):
+
+* ``strategy="vescale"`` resolves to :class:`VeScaleFabricStrategy`, whose collectives work (``broadcast``);
+* a transformer with a tied embedding/head and a frozen parameter, set up jointly with its optimizer
+  (``fabric.setup(model, optimizer)``), has one group per block and the root, the optimizer on the local pieces;
+* it trains like one process on the whole batch (losses, true global gradient norms under
+  ``fabric.clip_gradients``, clipping active; weights to 1e-5, not bitwise: reductions run in other orders) with
+  gradient accumulation under ``fabric.no_backward_sync`` (no ReduceScatter on non-final micro-batches);
+* saved with ``fabric.save`` as a sharded directory and resumed with ``fabric.load`` into a differently
+  initialized model, it replays the same losses and norms (1e-6);
+* ``fabric.init_module(empty_init=True)`` gives the same weights as an unsharded init (bitwise);
+* bf16-mixed uses the engine's policy (fp32 pieces and outputs); 16-true is refused;
+* ``VeScaleFabricStrategy(memory=...)`` trains bitwise like no offloading; a budget is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ import lightning_vescale as lv
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
 from lightning_vescale.engine.fully_shard import sharded_groups
 from lightning_vescale.lightning import VeScaleFabricStrategy
-from tests.dist_utils import max_piece_diff, run_distributed
+from tests.dist_pool import DistributedTest
+from tests.dist_utils import max_piece_diff
 from tests.toy_models import MLP, TinyTransformer
 
 LOCAL_BATCH = 4
@@ -75,29 +83,52 @@ def train(fabric, model, opt, ref, ref_opt, steps: int, first_step: int = 0):
     return losses, norms, comm
 
 
-
-def _run(rank: int, world: int, tmp: str) -> None:
-    fabric = Fabric(accelerator="cpu", devices=world, strategy="vescale")
+def _fabric(world: int, strategy="vescale", **kwargs) -> Fabric:
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, **kwargs)
     fabric.launch()
-    assert isinstance(fabric.strategy, VeScaleFabricStrategy)
-    assert fabric.broadcast(rank, src=1) == 1
+    return fabric
 
-    # 1. Joint setup: the optimizer built on the unsharded parameters is pointed at the local pieces.
-    torch.manual_seed(0)
+
+def _joint_setup(fabric: Fabric, seed: int = 0):
+    """A TinyTransformer (seed ``seed``) and its unsharded copy, each with an AdamW; the copy set up jointly."""
+    torch.manual_seed(seed)
     ref = TinyTransformer()
     model = copy.deepcopy(ref)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     model, opt = fabric.setup(model, opt)
+    return model, opt, ref, ref_opt
+
+
+def _strategy_resolves(rank: int, world: int) -> None:
+    fabric = _fabric(world)
+    assert isinstance(fabric.strategy, VeScaleFabricStrategy)
+    assert fabric.broadcast(rank, src=1) == 1
+
+
+def _joint_setup_points_optimizer_at_pieces(rank: int, world: int) -> None:
+    # The optimizer built on the unsharded parameters is pointed at the local pieces.
+    model, opt, _, _ = _joint_setup(_fabric(world))
     assert len(sharded_groups(model)) == 3, "2 blocks + the root"
     opt_params = {id(p) for g in opt.param_groups for p in g["params"]}
     assert opt_params == {id(p) for p in model.parameters()}
+
+
+def _trains_like_one_process(rank: int, world: int) -> None:
+    fabric = _fabric(world)
+    model, opt, ref, ref_opt = _joint_setup(fabric)
     losses, norms, comm = train(fabric, model, opt, ref, ref_opt, steps=3)
     # Non-final micro-batches communicate nothing; final ones reduce each group once.
     assert comm[0::2] == [0, 0, 0] and comm[1::2] == [3, 3, 3], comm
     assert max_piece_diff(model, ref) < 1e-5
 
-    # 2. Sharded save, two more steps, then load into another init and replay them.
+
+def _save_and_load_resume(rank: int, world: int, tmp: str) -> None:
+    # The state after 3 steps of joint-setup training, then a sharded save, two more steps, then load into
+    # another init and replay them.
+    fabric = _fabric(world)
+    model, opt, _, _ = _joint_setup(fabric)
+    train(fabric, model, opt, None, None, steps=3)
     ckpt = os.path.join(tmp, "fabric_ckpt")
     fabric.save(ckpt, {"model": model, "optimizer": opt, "step": 3, "note": {"tag": "a"}})
     assert os.path.isdir(ckpt)
@@ -112,7 +143,10 @@ def _run(rank: int, world: int, tmp: str) -> None:
     replay, replay_norms, _ = train(fabric, other, other_opt, None, None, steps=2, first_step=3)
     assert replay == pytest.approx(after, abs=1e-6) and replay_norms == pytest.approx(after_norms, abs=1e-6)
 
-    # 3. Meta-device init equals an unsharded init with the same seed; setup_module, then the optimizer.
+
+def _meta_init(rank: int, world: int) -> None:
+    # Meta-device init equals an unsharded init with the same seed; setup_module, then the optimizer.
+    fabric = _fabric(world)
     torch.manual_seed(7)
     full = MLP()
     torch.manual_seed(7)
@@ -125,21 +159,21 @@ def _run(rank: int, world: int, tmp: str) -> None:
     meta(torch.randn(2, 7)).sum().backward()
     meta_opt.step()
 
-    # 4. bf16-mixed: engine policy, fp32 local pieces.
-    bf16 = Fabric(accelerator="cpu", devices=world, strategy="vescale", precision="bf16-mixed")
-    bf16.launch()
+
+def _bf16_mixed(rank: int, world: int) -> None:
+    # bf16-mixed: engine policy, fp32 local pieces.
+    bf16 = _fabric(world, precision="bf16-mixed")
     torch.manual_seed(0)
     net = bf16.setup_module(TinyTransformer())
     assert all(g.mp_policy.param_dtype == torch.bfloat16 for g in sharded_groups(net))
     assert all(p.dtype == torch.float32 for p in net.parameters())
     out = net(lm_batch(2)[0])
     assert out.dtype == torch.float32, "root outputs come back in fp32"
+
+
+def _16_true_refused(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="does not support precision='16-true'"):
         Fabric(accelerator="cpu", devices=world, strategy="vescale", precision="16-true")
-
-
-def test_vescale_fabric_matches_single_process(tmp_path) -> None:
-    run_distributed(_run, 2, str(tmp_path), timeout=300)
 
 
 def _memory(rank: int, world: int, tmp: str) -> None:
@@ -149,8 +183,7 @@ def _memory(rank: int, world: int, tmp: str) -> None:
                           disk_dir=os.path.join(tmp, "swap"))
     runs = []
     for strategy in ("vescale", VeScaleFabricStrategy(memory=policy)):
-        fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
-        fabric.launch()
+        fabric = _fabric(world, strategy)
         torch.manual_seed(0)
         model = fabric.setup_module(TinyTransformer())
         opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -162,11 +195,43 @@ def _memory(rank: int, world: int, tmp: str) -> None:
     assert all(t.untyped_storage().nbytes() == 0 for t in pieces), "the weights live on disk between steps"
     with resident_pieces(offloaded):
         assert all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(plain.parameters(), offloaded.parameters()))
+
+
+def _memory_budget_refused(rank: int, world: int) -> None:
+    from lightning_vescale.memory import MemoryPolicy
+
     with pytest.raises(ValueError, match="takes explicit placements"):
         VeScaleFabricStrategy(memory=MemoryPolicy(budget="1GiB"))
 
 
-def test_fabric_memory_policy_trains_bitwise(tmp_path) -> None:
-    """``VeScaleFabricStrategy(memory=...)``: weights, gradients and optimizer states on disk (the optimizer set up
-    after the model), with accumulation and clipping: the same losses, norms and weights, bitwise."""
-    run_distributed(_memory, 2, str(tmp_path), timeout=300)
+class TestVeScaleFabric(DistributedTest):
+    world_size = 2
+
+    def test_strategy_string_resolves_and_broadcasts(self) -> None:
+        self.run_ranks(_strategy_resolves)
+
+    def test_joint_setup_points_the_optimizer_at_the_local_pieces(self) -> None:
+        self.run_ranks(_joint_setup_points_optimizer_at_pieces)
+
+    def test_accumulation_and_clipping_train_like_one_process(self) -> None:
+        self.run_ranks(_trains_like_one_process)
+
+    def test_sharded_save_and_load_resume_exactly(self, tmp_path) -> None:
+        self.run_ranks(_save_and_load_resume, str(tmp_path))
+
+    def test_meta_init_equals_unsharded_init(self) -> None:
+        self.run_ranks(_meta_init)
+
+    def test_bf16_mixed_uses_the_engine_policy(self) -> None:
+        self.run_ranks(_bf16_mixed)
+
+    def test_16_true_precision_is_refused(self) -> None:
+        self.run_ranks(_16_true_refused)
+
+    def test_memory_policy_trains_bitwise(self, tmp_path) -> None:
+        """``VeScaleFabricStrategy(memory=...)``: weights, gradients and optimizer states on disk (the optimizer set
+        up after the model), with accumulation and clipping: the same losses, norms and weights, bitwise."""
+        self.run_ranks(_memory, str(tmp_path))
+
+    def test_memory_policy_with_a_budget_is_refused(self) -> None:
+        self.run_ranks(_memory_budget_refused)

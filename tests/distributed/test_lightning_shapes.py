@@ -1,4 +1,5 @@
-"""Only the strategy changes: code that reads parameter shapes trains like ``strategy="ddp"`` (3 gloo ranks).
+"""Only the strategy changes: code that reads parameter shapes trains like ``strategy="ddp"`` (3 gloo ranks, one test
+per behaviour and case: ``tests.dist_pool.DistributedTest``).
 
 * A LightningModule that puts weight decay only on ``p.dim() >= 2`` (the nanoGPT / timm idiom) gives the same
   losses under "ddp" and "vescale" (1e-5) for every elementwise torch optimizer, and Lightning's
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -23,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
 from lightning_vescale.engine.tensor import is_ragged
 from lightning_vescale.lightning import ProcessGroupEnvironment
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 from tests.toy_models import MLP
 
 WORLD = 3
@@ -139,46 +141,61 @@ def close(a: list, b: list, what: str, tol: float = 1e-5) -> None:
     assert worst <= tol, f"{what}: {worst:.2e}\n{a}\n{b}"
 
 
-def _weight_decay_by_ndim(rank: int, world: int) -> None:
-    ddp = lambda: DDPStrategy(cluster_environment=ProcessGroupEnvironment())  # noqa: E731
-    for optimizer in OPTIMIZERS:
-        make = lambda: DecayByNdim(optimizer)  # noqa: E731
-        ref, _ = fit(make, ddp(), max_steps=4, enable_model_summary=False)
-        mine, _ = fit(make, "vescale", max_steps=4, enable_model_summary=False)
-        assert all(is_ragged(p) for p in mine.parameters())
-        close(mine.losses, ref.losses, f"{optimizer.__name__}: vescale vs ddp")
-        assert max(ref.losses) < 10 * ref.losses[0], f"{optimizer.__name__} diverged: {ref.losses}"
-        if optimizer is OPTIMIZERS[0]:
-            theirs, ours = ModelSummary(ref, max_depth=2), ModelSummary(mine, max_depth=2)
-            assert ours.total_parameters == theirs.total_parameters == sum(p.numel() for p in MLP().parameters())
-            assert ours.trainable_parameters == theirs.trainable_parameters
-            assert ours.param_nums == theirs.param_nums and ours.layer_names == theirs.layer_names
+def _ddp() -> DDPStrategy:
+    return DDPStrategy(cluster_environment=ProcessGroupEnvironment())
 
 
-def test_weight_decay_by_ndim_and_model_summary_match_ddp() -> None:
-    run_distributed(_weight_decay_by_ndim, WORLD, timeout=600)
+def _weight_decay_by_ndim(rank: int, world: int, name: str) -> None:
+    optimizer = getattr(torch.optim, name)
+    make = lambda: DecayByNdim(optimizer)  # noqa: E731
+    ref, _ = fit(make, _ddp(), max_steps=4, enable_model_summary=False)
+    mine, _ = fit(make, "vescale", max_steps=4, enable_model_summary=False)
+    assert all(is_ragged(p) for p in mine.parameters())
+    close(mine.losses, ref.losses, f"{optimizer.__name__}: vescale vs ddp")
+    assert max(ref.losses) < 10 * ref.losses[0], f"{optimizer.__name__} diverged: {ref.losses}"
 
 
-def _backbone_finetuning(rank: int, world: int) -> None:
-    for frozen_at_init in (False, True):
-        make = lambda: Finetune(frozen_at_init)  # noqa: E731
-        callback = lambda: BackboneFinetuning(unfreeze_backbone_at_epoch=1)  # noqa: E731
-        # The reference: one process on the whole global batch (the same samples per step, in order).
-        seed_everything(0)
-        ref = make()
-        ref_trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                              enable_checkpointing=False, enable_model_summary=False, max_epochs=3,
-                              callbacks=[callback()])
-        ref_trainer.fit(ref)
-        mine, _ = fit(make, "vescale", max_epochs=3, callbacks=[callback()], enable_model_summary=False)
-        what = f"BackboneFinetuning (frozen at init: {frozen_at_init})"
-        close(mine.losses, ref.losses, what)
-        seed_everything(0)
-        before = Finetune(frozen_at_init).backbone  # the initial weights (seed 0)
-        for (name, p), q in zip(mine.backbone.named_parameters(), before.parameters()):
-            assert not torch.equal(p.full_tensor(), q.detach()), f"{what}: backbone {name} never trained"
-        dist.barrier()
+def _model_summary(rank: int, world: int) -> None:
+    # The modules of OPTIMIZERS[0]'s ddp and vescale fits, as the optimizer loop left them.
+    make = lambda: DecayByNdim(OPTIMIZERS[0])  # noqa: E731
+    ref, _ = fit(make, _ddp(), max_steps=4, enable_model_summary=False)
+    mine, _ = fit(make, "vescale", max_steps=4, enable_model_summary=False)
+    theirs, ours = ModelSummary(ref, max_depth=2), ModelSummary(mine, max_depth=2)
+    assert ours.total_parameters == theirs.total_parameters == sum(p.numel() for p in MLP().parameters())
+    assert ours.trainable_parameters == theirs.trainable_parameters
+    assert ours.param_nums == theirs.param_nums and ours.layer_names == theirs.layer_names
 
 
-def test_backbone_finetuning_trains_the_unfrozen_backbone() -> None:
-    run_distributed(_backbone_finetuning, WORLD, timeout=600)
+def _backbone_finetuning(rank: int, world: int, frozen_at_init: bool) -> None:
+    make = lambda: Finetune(frozen_at_init)  # noqa: E731
+    callback = lambda: BackboneFinetuning(unfreeze_backbone_at_epoch=1)  # noqa: E731
+    # The reference: one process on the whole global batch (the same samples per step, in order).
+    seed_everything(0)
+    ref = make()
+    ref_trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                          enable_checkpointing=False, enable_model_summary=False, max_epochs=3,
+                          callbacks=[callback()])
+    ref_trainer.fit(ref)
+    mine, _ = fit(make, "vescale", max_epochs=3, callbacks=[callback()], enable_model_summary=False)
+    what = f"BackboneFinetuning (frozen at init: {frozen_at_init})"
+    close(mine.losses, ref.losses, what)
+    seed_everything(0)
+    before = Finetune(frozen_at_init).backbone  # the initial weights (seed 0)
+    for (name, p), q in zip(mine.backbone.named_parameters(), before.parameters()):
+        assert not torch.equal(p.full_tensor(), q.detach()), f"{what}: backbone {name} never trained"
+    dist.barrier()
+
+
+class TestStrategyReadsShapesLikeDDP(DistributedTest):
+    world_size = WORLD
+
+    @pytest.mark.parametrize("name", [o.__name__ for o in OPTIMIZERS])
+    def test_weight_decay_by_ndim_matches_ddp(self, name: str) -> None:
+        self.run_ranks(_weight_decay_by_ndim, name)
+
+    def test_model_summary_counts_the_models_parameters(self) -> None:
+        self.run_ranks(_model_summary)
+
+    @pytest.mark.parametrize("frozen_at_init", [False, True], ids=["trainable_at_init", "frozen_at_init"])
+    def test_backbone_finetuning_trains_the_unfrozen_backbone(self, frozen_at_init: bool) -> None:
+        self.run_ranks(_backbone_finetuning, frozen_at_init)

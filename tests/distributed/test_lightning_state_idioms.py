@@ -1,8 +1,8 @@
 """The Trainer's state idioms under ``strategy="vescale"`` give what ``strategy="ddp"`` gives for the same calls.
 
-One 2-rank run (a process group costs seconds) trains a GAN-style LightningModule (manual optimization, two
-optimizers, noise drawn from the global RNG) with DDP and with the engine, and checks, each recorded for its own
-test below:
+Each idiom is one test on 2 gloo ranks (``tests.dist_pool.DistributedTest``, sharing the ranks): a GAN-style
+LightningModule (manual optimization, two optimizers, noise drawn from the global RNG) trained with DDP and with the
+engine, each rank checking:
 
 * the two-optimizer training equals DDP's;
 * ``trainer.save_checkpoint`` saves both optimizers, and resuming with ``restore_rng_states=True`` equals the
@@ -16,13 +16,9 @@ test below:
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
-import traceback
-from typing import Any, Callable
+from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -32,8 +28,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
+from lightning_vescale.engine.tensor import is_ragged
 from lightning_vescale.lightning import ProcessGroupEnvironment, VeScaleStrategy
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 
 class GAN(LightningModule):
@@ -91,6 +88,9 @@ def _fit(strategy, *, max_steps: int, ckpt_path=None) -> tuple[GAN, Trainer]:
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=dist.get_world_size(), max_steps=max_steps,
                       logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(module, ckpt_path=ckpt_path)
+    # The comparisons mean something only if the engine's runs are sharded (DDP's are not).
+    sharded = isinstance(strategy, VeScaleStrategy)
+    assert all(is_ragged(p) == sharded for p in module.parameters()), (type(strategy).__name__, sharded)
     return module, trainer
 
 
@@ -157,66 +157,49 @@ def fit_resumes_from_a_ddp_checkpoint_file(tmp: str) -> dict:
     return {"max_rel_diff": _close(mine.losses, ref.losses), "global_step": trainer.global_step}
 
 
-IDIOMS: dict[str, Callable[[str], dict]] = {f.__name__: f for f in (
-    two_optimizers_train_like_ddp, save_checkpoint_keeps_both_optimizers, resume_leaves_the_global_rng_like_ddp,
-    load_from_checkpoint_of_a_sharded_directory, fit_resumes_from_a_ddp_checkpoint_file,
-)}
+def _two_optimizers(rank: int, world: int, tmp: str) -> None:
+    v = two_optimizers_train_like_ddp(tmp)
+    assert v["steps"] >= 4 and v["max_rel_diff"] <= 1e-5, v
 
 
-def _worker(rank: int, world_size: int, tmp: str) -> None:
-    results = {}
-    for name, idiom in IDIOMS.items():
-        try:
-            results[name] = {"values": idiom(tmp)}
-        except Exception:  # noqa: BLE001 - recorded; the test of this idiom fails with it
-            results[name] = {"error": traceback.format_exc(limit=8)}
-        dist.barrier()
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, results)
-    if rank == 0:
-        with open(os.path.join(tmp, "results.json"), "w") as f:
-            json.dump(everyone, f)
+def _save_checkpoint_keeps_both_optimizers(rank: int, world: int, tmp: str) -> None:
+    v = save_checkpoint_keeps_both_optimizers(tmp)
+    assert v["noise_diff"] == 0.0, f"restore_rng_states=True must continue the global RNG exactly: {v}"
+    assert v["max_rel_diff"] <= 1e-6, f"the resumed run differs from the uninterrupted one: {v}"
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        run_distributed(_worker, 2, tmp, timeout=600, pg_timeout=180)
-        with open(os.path.join(tmp, "results.json")) as f:
-            return json.load(f)
+def _resume_leaves_the_global_rng(rank: int, world: int, tmp: str) -> None:
+    v = resume_leaves_the_global_rng_like_ddp(tmp)
+    assert v["noise_diff"] == 0.0, f"the resumed run draws other noise than DDP's resume: {v}"
+    assert v["max_rel_diff"] <= 1e-5, v
 
 
-def _values(results: list[dict], idiom: str) -> list[dict]:
-    out = []
-    for rank, per_rank in enumerate(results):
-        assert "error" not in per_rank[idiom], f"rank {rank}: {idiom} failed:\n{per_rank[idiom]['error']}"
-        out.append(per_rank[idiom]["values"])
-    return out
+def _load_from_checkpoint(rank: int, world: int, tmp: str) -> None:
+    v = load_from_checkpoint_of_a_sharded_directory(tmp)
+    assert v["same_keys"] == 1.0 and v["hparams_equal"] == 1.0, v
+    assert v["max_rel_diff"] <= 1e-5, v
 
 
-def test_two_optimizers_train_like_ddp(results: list[dict]) -> None:
-    for v in _values(results, "two_optimizers_train_like_ddp"):
-        assert v["steps"] >= 4 and v["max_rel_diff"] <= 1e-5, v
+def _fit_resumes_from_ddp(rank: int, world: int, tmp: str) -> None:
+    v = fit_resumes_from_a_ddp_checkpoint_file(tmp)
+    assert v["global_step"] >= 6 and v["max_rel_diff"] <= 1e-5, v
 
 
-def test_save_checkpoint_keeps_both_optimizers(results: list[dict]) -> None:
-    for v in _values(results, "save_checkpoint_keeps_both_optimizers"):
-        assert v["noise_diff"] == 0.0, f"restore_rng_states=True must continue the global RNG exactly: {v}"
-        assert v["max_rel_diff"] <= 1e-6, f"the resumed run differs from the uninterrupted one: {v}"
+class TestTrainerIdiomsMatchDDP(DistributedTest):
+    world_size = 2
+    pg_timeout = 180
 
+    def test_two_optimizers_train_like_ddp(self, tmp_path) -> None:
+        self.run_ranks(_two_optimizers, str(tmp_path))
 
-def test_resume_leaves_the_global_rng_like_ddp(results: list[dict]) -> None:
-    for v in _values(results, "resume_leaves_the_global_rng_like_ddp"):
-        assert v["noise_diff"] == 0.0, f"the resumed run draws other noise than DDP's resume: {v}"
-        assert v["max_rel_diff"] <= 1e-5, v
+    def test_save_checkpoint_keeps_both_optimizers(self, tmp_path) -> None:
+        self.run_ranks(_save_checkpoint_keeps_both_optimizers, str(tmp_path))
 
+    def test_resume_leaves_the_global_rng_like_ddp(self, tmp_path) -> None:
+        self.run_ranks(_resume_leaves_the_global_rng, str(tmp_path))
 
-def test_load_from_checkpoint_of_a_sharded_directory(results: list[dict]) -> None:
-    for v in _values(results, "load_from_checkpoint_of_a_sharded_directory"):
-        assert v["same_keys"] == 1.0 and v["hparams_equal"] == 1.0, v
-        assert v["max_rel_diff"] <= 1e-5, v
+    def test_load_from_checkpoint_of_a_sharded_directory(self, tmp_path) -> None:
+        self.run_ranks(_load_from_checkpoint, str(tmp_path))
 
-
-def test_fit_resumes_from_a_ddp_checkpoint_file(results: list[dict]) -> None:
-    for v in _values(results, "fit_resumes_from_a_ddp_checkpoint_file"):
-        assert v["global_step"] >= 6 and v["max_rel_diff"] <= 1e-5, v
+    def test_fit_resumes_from_a_ddp_checkpoint_file(self, tmp_path) -> None:
+        self.run_ranks(_fit_resumes_from_ddp, str(tmp_path))
