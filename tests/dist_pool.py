@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedPool", "DistributedTest", "fake_world"]
+__all__ = ["FORKSERVER_PRELOAD", "DistributedPool", "DistributedTest", "fake_world"]
+
+FORKSERVER_PRELOAD = ["torch", "lightning.pytorch", "lightning_vescale", "tests.dist_pool", "tests.dist_utils",
+                      "tests.toy_models"]
+"""What the forkserver imports once, so every rank forked from it starts with it imported. One list for every
+launcher of the tests (the first to start the server decides); Lightning is in it because a third of the
+distributed classes import it in their ranks (seconds each, on every rank, otherwise)."""
 
 
 def _serve(rank: int, world_size: int, init_file: str, tasks, results, pg_timeout: Optional[float]) -> None:
@@ -62,7 +68,7 @@ class DistributedPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "lightning_vescale", "tests.dist_pool", "tests.toy_models"])
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         self._tmp = tempfile.TemporaryDirectory()
         init_file = os.path.join(self._tmp.name, "pg_init")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]

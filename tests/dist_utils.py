@@ -45,7 +45,9 @@ def run_distributed(
     # each rank starts in a fraction of a second instead of re-importing everything (as spawn does),
     # without fork's hazards (the server runs no threads and no collectives).
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "lightning_vescale", "tests.dist_utils", "tests.toy_models"])
+    from tests.dist_pool import FORKSERVER_PRELOAD
+
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
