@@ -1,9 +1,9 @@
 """AdamW8bit on sharded parameters: bitwise one process, blocks never split, checkpoints that reshard, memory tiers.
 
 One test per behaviour (:class:`tests.dist_pool.DistributedTest`: a class per world size, 2, 3 and 1 ranks; the
-checkpoint the 3- and 1-rank tests load is saved once for the module by 2 ranks, the ``saved`` fixture), on an MLP
-whose matrices hold 2800 and 2870 elements (not multiples of the 256-element block, nor evenly split by 2 or 3
-ranks). Every comparison is bitwise, except the negative controls (visibly different):
+checkpoint the 3- and 1-rank tests load is saved once for the module, the ``saved`` fixture, by the ranks of the
+2-rank tests), on an MLP whose matrices hold 2800 and 2870 elements (not multiples of the 256-element block, nor
+evenly split by 2 or 3 ranks). Every comparison is bitwise, except the negative controls (visibly different):
 
 2 ranks:
 1. Sharded with ``adamw8bit_granularity()``, every step on the same full gradients is bitwise the unsharded
@@ -144,14 +144,18 @@ def _save2(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> str:
+def ranks2():
+    """The module's 2 ranks: they run the 2-rank tests and save the checkpoint the other world sizes load."""
+    pool = DistributedPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def saved(ranks2: DistributedPool, tmp_path_factory) -> str:
     """The checkpoint, full optimizer export and final parameters of the 2-rank run, once for the module."""
     tmp = str(tmp_path_factory.mktemp("adamw8bit_ckpt"))
-    pool = DistributedPool(2)
-    try:
-        pool.run(_save2, tmp)
-    finally:
-        pool.close()
+    ranks2.run(_save2, tmp)
     return tmp
 
 
@@ -188,6 +192,13 @@ def _without_optimizer_state_differs(rank: int, world: int, tmp: str) -> None:
 
 class TestAdamW8bitOn2Ranks(DistributedTest):
     world_size = 2
+
+    @pytest.fixture(scope="class", autouse=True)
+    def _ranks(self, request: pytest.FixtureRequest, ranks2: DistributedPool):
+        """The module's 2 ranks (those that save the checkpoint), not a pool of the class's own."""
+        request.cls._pool = ranks2
+        yield
+        request.cls._pool = None
 
     def test_sharded_steps_are_bitwise_one_process(self) -> None:
         self.run_ranks(_sharded_steps_bitwise)
