@@ -1,8 +1,11 @@
 """On 2 gloo ranks: a damaged checkpoint changes nothing on any rank, and no entry point runs stored code.
 
-* Four bytes flipped in one rank's shard file (a piece rank 1 wrote): every rank raises ``CheckpointError`` (an ``Exception``) naming
-  the file and the tensor, and no rank's parameters or optimizer states changed (the ranks agree before any
-  copy). A missing shard file is named the same way, and so is a ``.metadata`` that lost a chunk.
+One class of tests sharing its 2 ranks (:class:`tests.dist_pool.DistributedTest`), one test per behaviour:
+
+* Four bytes flipped in one rank's shard file (a piece rank 1 wrote): every rank raises ``CheckpointError`` (an
+  ``Exception``) naming the file and the tensor, and no rank's parameters or optimizer states changed (bitwise: the
+  ranks agree before any copy). A missing shard file is named the same way, and so is a ``.metadata`` that lost a
+  chunk (by ``load`` and by ``read_full_tensors``).
 * A ``.metadata`` replaced by a pickle that would create a file: refused through ``Trainer.fit(ckpt_path=...)``
   (``weights_only`` True and False: metadata is never unpickled freely), ``Fabric.load`` and
   ``VeScaleAccelerator.load_state``; the file is never created.
@@ -28,7 +31,7 @@ import lightning_vescale as lv
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
 from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.accelerate import VeScaleAccelerator
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 from tests.toy_models import MLP
 from tests.unit.test_checkpoint_safety import Payload, _corrupt_tensor_bytes
 
@@ -61,17 +64,24 @@ def craft(path: Path, marker: Path) -> None:
     dist.barrier()
 
 
-def _damaged(rank: int, world: int, tmp: str) -> None:
-    tmp = Path(tmp)
+def _saved(rank: int, path: Path):
+    """A trained model and optimizer saved at ``path``; a tensor of which rank 1 wrote a piece of at least 16
+    elements; and another model and optimizer, trained, with a snapshot of them."""
     model, opt = sharded(0)
     x, y = torch.randn(8, 7), torch.randn(8, 5)
     F.mse_loss(model(x[rank::2]), y[rank::2]).backward()
     opt.step()
-    path = tmp / "ck"
     ckpt.save(path, model, opt)
-    # A tensor of which rank 1 wrote a piece of at least 16 elements: corrupt that piece.
     name, weight = next((n, p) for n, p in model.named_parameters()
                         if p.layout_info.ranges[1][1] - p.layout_info.ranges[1][0] >= 16)
+    other, other_opt = sharded(1)
+    F.mse_loss(other(x[rank::2]), y[rank::2]).backward()
+    other_opt.step()
+    return name, weight, other, other_opt, snapshot(other, other_opt)
+
+
+def _corrupt_rank1_piece(rank: int, path: Path, name: str, weight) -> str:
+    """Rank 0 corrupts the piece of ``weight`` rank 1 wrote; the name of its file, on every rank."""
     full = weight.full_tensor()
     start, end = weight.layout_info.ranges[1]
     file = [None]
@@ -79,27 +89,37 @@ def _damaged(rank: int, world: int, tmp: str) -> None:
         file[0] = _corrupt_tensor_bytes(path, f"model.{name}", full.view(-1)[start:end])[0]
     dist.broadcast_object_list(file)
     assert file[0].startswith("__1_")
+    return file[0]
 
-    other, other_opt = sharded(1)
-    F.mse_loss(other(x[rank::2]), y[rank::2]).backward()
-    other_opt.step()
-    before = snapshot(other, other_opt)
-    with pytest.raises(ckpt.CheckpointError, match=rf"{file[0]} is corrupted: the bytes of tensor 'model\.{name}'") as err:
+
+def _flipped_bytes(rank: int, world: int, tmp: str) -> None:
+    path = Path(tmp) / "ck"
+    name, weight, other, other_opt, before = _saved(rank, path)
+    file = _corrupt_rank1_piece(rank, path, name, weight)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{file} is corrupted: the bytes of tensor 'model\.{name}'") as err:
         ckpt.load(path, other, other_opt)
     assert isinstance(err.value, Exception)
     assert same(snapshot(other, other_opt), before), "a failed load changed this rank's model or optimizer"
 
+
+def _missing_shard_file(rank: int, world: int, tmp: str) -> None:
+    path = Path(tmp) / "ck"
+    name, weight, other, other_opt, before = _saved(rank, path)
+    file = _corrupt_rank1_piece(rank, path, name, weight)  # finds the file rank 1 wrote
     if rank == 0:
-        os.remove(path / file[0])
+        os.remove(path / file)
     dist.barrier()
-    with pytest.raises(ckpt.CheckpointError, match=rf"cannot read checkpoint file .*{file[0]}"):
+    with pytest.raises(ckpt.CheckpointError, match=rf"cannot read checkpoint file .*{file}"):
         ckpt.load(path, other, other_opt)
     assert same(snapshot(other, other_opt), before)
 
-    # A .metadata with the chunk rank 1 wrote of one tensor removed (issue 25): its rows would load as
-    # uninitialised memory on rank 1. Refused on every rank and every reader before anything is read.
-    path = tmp / "ck_chunk"
-    ckpt.save(path, model, opt)
+
+def _lost_chunk(rank: int, world: int, tmp: str) -> None:
+    """A .metadata with the chunk rank 1 wrote of one tensor removed (issue 25): its rows would load as
+    uninitialised memory on rank 1. Refused on every rank and every reader before anything is read."""
+    path = Path(tmp) / "ck_chunk"
+    name, weight, other, other_opt, before = _saved(rank, path)
+    full = weight.full_tensor()
     if rank == 0:
         remove_chunk(path, f"model.{name}", weight.layout_info.ranges[1][0])
     dist.barrier()
@@ -125,15 +145,9 @@ def remove_chunk(path: Path, fqn: str, flat_start: int) -> None:
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
-def test_a_damaged_checkpoint_changes_nothing_on_any_rank(tmp_path) -> None:
-    run_distributed(_damaged, 2, str(tmp_path), timeout=300)
-
-
-def _entry_points(rank: int, world: int, tmp: str) -> None:
+def _trainer(rank: int, world: int, tmp: str) -> None:
     tmp = Path(tmp)
     marker = tmp / "pwned"
-
-    # Lightning Trainer.
     trainer_kwargs = dict(strategy="vescale", accelerator="cpu", devices=world, logger=False,
                           enable_progress_bar=False, enable_model_summary=False, max_steps=2)
     t = Trainer(default_root_dir=tmp, **trainer_kwargs)
@@ -145,8 +159,13 @@ def _entry_points(rank: int, world: int, tmp: str) -> None:
         t2 = Trainer(default_root_dir=tmp, **trainer_kwargs)
         with pytest.raises(ckpt.CheckpointError, match=r"refused to load (io|builtins)\.open"):
             t2.fit(BoringModel(), ckpt_path=path, weights_only=weights_only)
+    dist.barrier()
+    assert not marker.exists(), "a load ran code stored in a checkpoint"
 
-    # Fabric.
+
+def _fabric(rank: int, world: int, tmp: str) -> None:
+    tmp = Path(tmp)
+    marker = tmp / "pwned"
     fabric = Fabric(accelerator="cpu", devices=world, strategy="vescale")
     fabric.launch()
     torch.manual_seed(0)
@@ -156,8 +175,13 @@ def _entry_points(rank: int, world: int, tmp: str) -> None:
     craft(fpath, marker)
     with pytest.raises(ckpt.CheckpointError, match=r"refused to load (io|builtins)\.open"):
         fabric.load(fpath, {"model": module, "step": 0})
+    dist.barrier()
+    assert not marker.exists(), "a load ran code stored in a checkpoint"
 
-    # Accelerate.
+
+def _accelerate(rank: int, world: int, tmp: str) -> None:
+    tmp = Path(tmp)
+    marker = tmp / "pwned"
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     accelerator = VeScaleAccelerator(cpu=True)
@@ -173,5 +197,23 @@ def _entry_points(rank: int, world: int, tmp: str) -> None:
     assert not marker.exists(), "a load ran code stored in a checkpoint"
 
 
-def test_no_entry_point_runs_code_stored_in_a_checkpoint(tmp_path) -> None:
-    run_distributed(_entry_points, 2, str(tmp_path), timeout=300)
+class TestCheckpointSafetyOn2Ranks(DistributedTest):
+    world_size = 2
+
+    def test_flipped_bytes_are_named_and_change_nothing_on_any_rank(self, tmp_path) -> None:
+        self.run_ranks(_flipped_bytes, str(tmp_path))
+
+    def test_a_missing_shard_file_is_named_and_changes_nothing(self, tmp_path) -> None:
+        self.run_ranks(_missing_shard_file, str(tmp_path))
+
+    def test_metadata_that_lost_a_chunk_is_refused_by_every_reader(self, tmp_path) -> None:
+        self.run_ranks(_lost_chunk, str(tmp_path))
+
+    def test_trainer_fit_runs_no_stored_code(self, tmp_path) -> None:
+        self.run_ranks(_trainer, str(tmp_path))
+
+    def test_fabric_load_runs_no_stored_code(self, tmp_path) -> None:
+        self.run_ranks(_fabric, str(tmp_path))
+
+    def test_accelerate_load_state_runs_no_stored_code(self, tmp_path) -> None:
+        self.run_ranks(_accelerate, str(tmp_path))

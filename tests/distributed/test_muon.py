@@ -1,8 +1,21 @@
 """Sharded Muon (+ routed AdamW) equals ``torch.optim.Muon`` + ``torch.optim.AdamW`` on the unsharded model.
 
-One process group per world size (1-4 gloo ranks) checks many things. The model has matrices of odd
-shapes (tall, wide, a 2-row one that leaves ranks empty), two 3-D expert stacks, norms, biases, an
-embedding and a head; nothing divides by 2, 3 or 4.
+One class of tests per world size (1-4 gloo ranks, :class:`tests.dist_pool.DistributedTest`), one test per
+behaviour:
+
+* whole matrices on one rank (``mode="local"``): no communication in the optimizer step, and ``mode="auto"``
+  takes the same path;
+* matrices straddling rank boundaries (element granularity): ``auto`` gathers them, one all-to-all there and
+  back carrying the planned bytes, and a save/reload of the optimizer state mid-run continues identically
+  (a momentum of the wrong shape is refused, naming the parameter);
+* forced ``gather`` on whole matrices; row granularity with gradient accumulation over 3 micro-batches;
+* negative control (2+ ranks): Newton–Schulz on each rank's row shard is caught by the comparison, and
+  ``torch.optim.Muon`` on the sharded parameters themselves refuses;
+* end to end on the reference's own gradients;
+* misuse is refused with a message naming the parameter.
+
+The model has matrices of odd shapes (tall, wide, a 2-row one that leaves ranks empty), two 3-D expert
+stacks, norms, biases, an embedding and a head; nothing divides by 2, 3 or 4.
 
 [Note: what is bitwise here]
 The optimizer is compared bitwise: every step, the reference model first computes its own gradients on
@@ -35,7 +48,7 @@ from lightning_vescale.optim import (
     muon_granularity,
     route_parameters,
 )
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 LOCAL_BATCH = 3
 VOCAB, DIM, HIDDEN, EXPERTS, EXPERT_HIDDEN = 29, 13, 19, 3, 7
@@ -380,32 +393,87 @@ def _errors(rank, world):
             build_optimizer(model, **HYPER, mode="local")
 
 
-def _run(rank: int, world: int) -> None:
-    torch.set_num_threads(1)
-    # (a) whole matrices on one rank: no communication at all in the optimizer step.
+def _whole_matrices_local(rank: int, world: int) -> None:
+    """Whole matrices on one rank: no communication at all in the optimizer step."""
     model, report = _train(rank, world, granularity="muon", mode="local", steps=2,
                            expect_modes={"local": NUM_MATRICES})
     (b,) = report["buckets"]
     assert b["bytes_sent_gather"] == 0 == b["gathered_matrices"]
     # mode="auto" takes the same zero-communication path there (moving tiny matrices never pays off).
     assert build_optimizer(model, **HYPER, mode="auto").plan_report()["modes"] == {"local": NUM_MATRICES}
-    # (b) matrices straddling rank boundaries (element granularity), auto picks gather for them; with a
-    # save/reload of the optimizer state in the middle.
+
+
+def _straddling_matrices_gather_and_reload(rank: int, world: int) -> None:
+    """Matrices straddling rank boundaries (element granularity): auto picks gather for them; with a save/reload
+    of the optimizer state in the middle."""
     _, report = _train(rank, world, granularity="element", mode="auto", steps=3, reload_after=0)
     if world > 1:
         assert report["modes"]["gather"] > 0
-    # Forced gather on whole matrices (owners by LPT, not where the planner put them); row granularity with
-    # gradient accumulation over 3 micro-batches.
+
+
+def _forced_gather(rank: int, world: int) -> None:
+    """Forced gather on whole matrices (owners by LPT, not where the planner put them)."""
     _train(rank, world, granularity="muon", mode="gather", steps=2,
            expect_modes={"gather": NUM_MATRICES} if world > 1 else None)
+
+
+def _row_accumulation(rank: int, world: int) -> None:
+    """Row granularity with gradient accumulation over 3 micro-batches."""
     _train(rank, world, granularity="row", mode="auto", accum=3, steps=2)
-    control = _negative_control(rank, world) if world > 1 else None
-    end_to_end = _end_to_end(rank, world)
-    _errors(rank, world)
+
+
+def _control(rank: int, world: int) -> None:
+    control = _negative_control(rank, world)
     if rank == 0:
-        print(f"world {world}: row-shard control rel. error {control}, end-to-end max rel. diff {end_to_end:.2e}")
+        print(f"world {world}: row-shard control rel. error {control}")
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_sharded_muon_matches_torch_muon(world_size: int) -> None:
-    run_distributed(_run, world_size)
+def _end_to_end_run(rank: int, world: int) -> None:
+    end_to_end = _end_to_end(rank, world)
+    if rank == 0:
+        print(f"world {world}: end-to-end max rel. diff {end_to_end:.2e}")
+
+
+def _refusals(rank: int, world: int) -> None:
+    _errors(rank, world)
+
+
+class _MuonTests(DistributedTest):
+    def test_whole_matrices_step_without_communication(self) -> None:
+        self.run_ranks(_whole_matrices_local)
+
+    def test_straddling_matrices_are_gathered_and_survive_a_state_reload(self) -> None:
+        self.run_ranks(_straddling_matrices_gather_and_reload)
+
+    def test_forced_gather_on_whole_matrices(self) -> None:
+        self.run_ranks(_forced_gather)
+
+    def test_row_shards_with_gradient_accumulation(self) -> None:
+        self.run_ranks(_row_accumulation)
+
+    def test_end_to_end_on_own_gradients(self) -> None:
+        self.run_ranks(_end_to_end_run)
+
+    def test_misuse_is_refused_naming_the_parameter(self) -> None:
+        self.run_ranks(_refusals)
+
+
+class _MultiRankMuonTests(_MuonTests):
+    def test_newton_schulz_on_row_shards_is_caught(self) -> None:
+        self.run_ranks(_control)
+
+
+class TestMuonOn1Rank(_MuonTests):
+    world_size = 1
+
+
+class TestMuonOn2Ranks(_MultiRankMuonTests):
+    world_size = 2
+
+
+class TestMuonOn3Ranks(_MultiRankMuonTests):
+    world_size = 3
+
+
+class TestMuonOn4Ranks(_MultiRankMuonTests):
+    world_size = 4

@@ -1,7 +1,8 @@
 """Muon's momentum survives a sharded checkpoint saved on 2 ranks and loaded on 3 (a reshard N -> M).
 
-Two ``run_distributed`` calls (process groups cost seconds) check everything, for two shardings of the
-toy MLP (sizes that divide by neither 2 nor 3):
+Two process groups (they cost seconds): the 2 saving ranks run once for the module (a fixture), the 3 loading
+ranks are one class of tests (:class:`tests.dist_pool.DistributedTest`), one test per behaviour and sharding,
+for two shardings of the toy MLP (sizes that divide by neither 2 nor 3):
 
 * ``"muon"``: ``muon_granularity(model)`` keeps each Muon matrix whole on one rank (Muon's local path);
 * ``"element"``: the default element granularity splits matrices over ranks (Muon's gather path).
@@ -12,7 +13,8 @@ keep training ``MORE_STEPS`` steps (the run that never stopped), recording the g
 of those steps and the final full parameters and states. Also saves a checkpoint of an MLP with another
 hidden size, and each rank's plain ``optimizer.state_dict()`` (local pieces).
 
-3 ranks (``_load3``), per sharding, on freshly built (differently initialized) models and optimizers:
+3 ranks, per sharding, on freshly built (differently initialized) models and optimizers, each test loading the
+checkpoint itself:
 
 1. ``checkpoint.load`` gives bitwise the saved full parameters and optimizer states (every
    ``momentum_buffer``, AdamW's moments and steps, the param groups).
@@ -44,7 +46,7 @@ from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.engine.tensor import RaggedTensor, is_ragged
 from lightning_vescale.optim import build_optimizer, muon_granularity
 from tests.asserts import assert_equal_tree
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedPool, DistributedTest
 from tests.toy_models import MLP
 
 GLOBAL_BATCH = 12  # divisible by 2 and 3 ranks: every rank's slice has the same size
@@ -172,8 +174,13 @@ def _save2(rank: int, world: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> str:
+    """The 2-rank run (its checks of the saved state included), once for the module."""
     tmp = str(tmp_path_factory.mktemp("muon_ckpt"))
-    run_distributed(_save2, 2, tmp)
+    pool = DistributedPool(2)
+    try:
+        pool.run(_save2, tmp)
+    finally:
+        pool.close()
     return tmp
 
 
@@ -190,74 +197,94 @@ def _check_loaded(model, opt, ref: dict, what: str) -> None:
     assert_equal_tree(got, ref["optim"], f"{what} optimizer")
 
 
-def _load3(rank: int, world: int, tmp: str) -> None:
-    for sharding in SHARDINGS:
-        ref = torch.load(os.path.join(tmp, f"ref_{sharding}.pt"))
+def _load_restores_state_bitwise(rank: int, world: int, tmp: str, sharding: str) -> None:
+    """1. Load into a fresh model (another init) and a fresh optimizer: bitwise the saved state."""
+    ref = torch.load(os.path.join(tmp, f"ref_{sharding}.pt"))
+    model, opt = make(sharding, seed=1)
+    assert not opt.state
+    assert ckpt.load(os.path.join(tmp, f"ck_{sharding}"), model, opt) == {"step": SAVED_STEPS}
+    _check_loaded(model, opt, ref, f"{sharding}, loaded on {world} ranks")
+    modes = plan_modes(opt)
+    if sharding == "element":
+        assert modes.get("gather", 0) > 0, modes  # matrices straddle ranks: Muon gathers them
 
-        # 1. Load into a fresh model (another init) and a fresh optimizer: bitwise the saved state.
-        model, opt = make(sharding, seed=1)
-        assert not opt.state
-        assert ckpt.load(os.path.join(tmp, f"ck_{sharding}"), model, opt) == {"step": SAVED_STEPS}
-        _check_loaded(model, opt, ref, f"{sharding}, loaded on {world} ranks")
-        modes = plan_modes(opt)
-        if sharding == "element":
-            assert modes.get("gather", 0) > 0, modes  # matrices straddle ranks: Muon gathers them
 
-        # 2. The continuation on the never-stopped run's gradients is bitwise that run.
-        for grads in ref["grads"]:
-            set_grads(model, grads)
-            opt.step()
-            opt.zero_grad()
-        next_params = ckpt.export_full_state_dict(model, rank0_only=False)
-        assert_equal_tree(next_params, ref["next_params"], f"{sharding} continued params")
-        assert_equal_tree(ckpt.export_full_optimizer_state_dict(model, opt, rank0_only=False), ref["next_optim"],
-                          f"{sharding} continued optimizer")
+def _continuation_on_saved_gradients(rank: int, world: int, tmp: str, sharding: str) -> None:
+    """2. The continuation on the never-stopped run's gradients is bitwise that run."""
+    ref = torch.load(os.path.join(tmp, f"ref_{sharding}.pt"))
+    model, opt = make(sharding, seed=1)
+    assert ckpt.load(os.path.join(tmp, f"ck_{sharding}"), model, opt) == {"step": SAVED_STEPS}
+    for grads in ref["grads"]:
+        set_grads(model, grads)
+        opt.step()
+        opt.zero_grad()
+    next_params = ckpt.export_full_state_dict(model, rank0_only=False)
+    assert_equal_tree(next_params, ref["next_params"], f"{sharding} continued params")
+    assert_equal_tree(ckpt.export_full_optimizer_state_dict(model, opt, rank0_only=False), ref["next_optim"],
+                      f"{sharding} continued optimizer")
 
-        # 3. Its own backward on the same global batch, split over 3 ranks: equal up to summation order.
-        model, opt = make(sharding, seed=3)
-        ckpt.load(os.path.join(tmp, f"ck_{sharding}"), model, opt)
-        for k, step in enumerate(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS)):
-            backward(model, step)
-            grad_diff = max_diff(gathered_grads(model), ref["grads"][k])
-            assert grad_diff < GRAD_TOL, (sharding, step, grad_diff)
-            opt.step()
-            opt.zero_grad()
-        diff = max_diff(ckpt.export_full_state_dict(model, rank0_only=False), ref["next_params"])
-        assert diff < CONTINUE_TOL, (sharding, diff)
 
-        # 4. Negative control: the model loaded, the optimizer not. No momentum, and on the very same
-        # gradients it ends elsewhere: the bitwise checks above would catch a momentum that was not restored.
-        control, c_opt = make(sharding, seed=1)
-        ckpt.load(os.path.join(tmp, f"ck_{sharding}"), control)
-        assert ckpt.export_full_optimizer_state_dict(control, c_opt, rank0_only=False)["state"] == {}
-        # 5c. A rank-local state_dict of the 2-rank Muon holds pieces of other sizes (on every rank, for both
-        # shardings): Muon.load_state_dict refuses it instead of loading it silently.
-        local = torch.load(os.path.join(tmp, f"local_{sharding}_rank{min(rank, 1)}.pt"))
-        ids = [i for g in local["param_groups"] for i in g["params"]]
-        mismatched = [
-            n for i, p, n in zip(ids, [p for g in c_opt.param_groups for p in g["params"]],
-                                 [n for g in c_opt.param_groups for n in g["param_names"]])
-            if local["state"].get(i, {}).get("momentum_buffer", p.to_local()).shape != p.to_local().shape
-        ]
-        assert mismatched, "pieces on 3 ranks differ in size from those on 2 ranks"
-        with pytest.raises(ValueError, match=r"cannot load optimizer state 'momentum_buffer' of .*saved with "
-                                             r"another sharding.*reshard it through a full or DCP checkpoint"):
-            c_opt.load_state_dict(local)
-        assert not c_opt.state
+def _continuation_with_own_backward(rank: int, world: int, tmp: str, sharding: str) -> None:
+    """3. Its own backward on the same global batch, split over 3 ranks: equal up to summation order."""
+    ref = torch.load(os.path.join(tmp, f"ref_{sharding}.pt"))
+    model, opt = make(sharding, seed=3)
+    ckpt.load(os.path.join(tmp, f"ck_{sharding}"), model, opt)
+    for k, step in enumerate(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS)):
+        backward(model, step)
+        grad_diff = max_diff(gathered_grads(model), ref["grads"][k])
+        assert grad_diff < GRAD_TOL, (sharding, step, grad_diff)
+        opt.step()
+        opt.zero_grad()
+    diff = max_diff(ckpt.export_full_state_dict(model, rank0_only=False), ref["next_params"])
+    assert diff < CONTINUE_TOL, (sharding, diff)
 
-        for grads in ref["grads"]:
-            set_grads(control, grads)
-            c_opt.step()
-            c_opt.zero_grad()
-        c_optim = ckpt.export_full_optimizer_state_dict(control, c_opt, rank0_only=False)
-        c_params = ckpt.export_full_state_dict(control, rank0_only=False)
-        for name in muon_names(c_opt):
-            assert not torch.equal(c_optim["state"][name]["momentum_buffer"],
-                                   ref["next_optim"]["state"][name]["momentum_buffer"]), name
-            assert not torch.equal(c_params[name], ref["next_params"][name]), name
-        assert max_diff(c_params, ref["next_params"]) > 30 * CONTINUE_TOL  # measured: ~3e-2
 
-    # 5a. A checkpoint of another model shape: refused before anything changes, naming the difference.
+def _loaded_model_fresh_optimizer(tmp: str, sharding: str):
+    """The model loaded, the optimizer not: no momentum."""
+    control, c_opt = make(sharding, seed=1)
+    ckpt.load(os.path.join(tmp, f"ck_{sharding}"), control)
+    assert ckpt.export_full_optimizer_state_dict(control, c_opt, rank0_only=False)["state"] == {}
+    return control, c_opt
+
+
+def _local_state_dict_of_other_world_refused(rank: int, world: int, tmp: str, sharding: str) -> None:
+    """5c. A rank-local state_dict of the 2-rank Muon holds pieces of other sizes (on every rank, for both
+    shardings): Muon.load_state_dict refuses it instead of loading it silently."""
+    _, c_opt = _loaded_model_fresh_optimizer(tmp, sharding)
+    local = torch.load(os.path.join(tmp, f"local_{sharding}_rank{min(rank, 1)}.pt"))
+    ids = [i for g in local["param_groups"] for i in g["params"]]
+    mismatched = [
+        n for i, p, n in zip(ids, [p for g in c_opt.param_groups for p in g["params"]],
+                             [n for g in c_opt.param_groups for n in g["param_names"]])
+        if local["state"].get(i, {}).get("momentum_buffer", p.to_local()).shape != p.to_local().shape
+    ]
+    assert mismatched, "pieces on 3 ranks differ in size from those on 2 ranks"
+    with pytest.raises(ValueError, match=r"cannot load optimizer state 'momentum_buffer' of .*saved with "
+                                         r"another sharding.*reshard it through a full or DCP checkpoint"):
+        c_opt.load_state_dict(local)
+    assert not c_opt.state
+
+
+def _control_without_momentum_ends_elsewhere(rank: int, world: int, tmp: str, sharding: str) -> None:
+    """4. Negative control: the model loaded, the optimizer not. No momentum, and on the very same gradients it
+    ends elsewhere: the bitwise checks of the continuation would catch a momentum that was not restored."""
+    ref = torch.load(os.path.join(tmp, f"ref_{sharding}.pt"))
+    control, c_opt = _loaded_model_fresh_optimizer(tmp, sharding)
+    for grads in ref["grads"]:
+        set_grads(control, grads)
+        c_opt.step()
+        c_opt.zero_grad()
+    c_optim = ckpt.export_full_optimizer_state_dict(control, c_opt, rank0_only=False)
+    c_params = ckpt.export_full_state_dict(control, rank0_only=False)
+    for name in muon_names(c_opt):
+        assert not torch.equal(c_optim["state"][name]["momentum_buffer"],
+                               ref["next_optim"]["state"][name]["momentum_buffer"]), name
+        assert not torch.equal(c_params[name], ref["next_params"][name]), name
+    assert max_diff(c_params, ref["next_params"]) > 30 * CONTINUE_TOL  # measured: ~3e-2
+
+
+def _other_shape_checkpoint_refused(rank: int, world: int, tmp: str) -> None:
+    """5a. A checkpoint of another model shape: refused before anything changes, naming the difference."""
     model, opt = make("element", seed=5)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match="does not match the model") as err:
@@ -266,7 +293,11 @@ def _load3(rank: int, world: int, tmp: str) -> None:
     assert named in str(err.value), err.value
     assert not opt.state
     assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
-    # 5b. Its full optimizer state: the momentum of the wrong shape is named.
+
+
+def _other_shape_optimizer_state_refused(rank: int, world: int, tmp: str) -> None:
+    """5b. The other shape's full optimizer state: the momentum of the wrong shape is named."""
+    model, opt = make("element", seed=5)
     other_optim = torch.load(os.path.join(tmp, "ref_other_optim.pt"))
     wrong_momentum = (rf"optimizer state 'momentum_buffer' of blocks\.0\.up\.weight has shape "
                       rf"\({OTHER_HIDDEN}, {DIM}\); expected the parameter's global shape \({HIDDEN}, {DIM}\)")
@@ -275,5 +306,33 @@ def _load3(rank: int, world: int, tmp: str) -> None:
     assert not opt.state
 
 
-def test_muon_momentum_survives_reshard_2_to_3(saved: str) -> None:
-    run_distributed(_load3, 3, saved)
+class TestMuonMomentumReshard2To3(DistributedTest):
+    """Saved on 2 ranks (the ``saved`` fixture), loaded on 3."""
+
+    world_size = 3
+
+    @pytest.mark.parametrize("sharding", SHARDINGS)
+    def test_load_restores_params_and_optimizer_state_bitwise(self, saved: str, sharding: str) -> None:
+        self.run_ranks(_load_restores_state_bitwise, saved, sharding)
+
+    @pytest.mark.parametrize("sharding", SHARDINGS)
+    def test_continuation_on_the_same_gradients_is_bitwise(self, saved: str, sharding: str) -> None:
+        self.run_ranks(_continuation_on_saved_gradients, saved, sharding)
+
+    @pytest.mark.parametrize("sharding", SHARDINGS)
+    def test_continuation_with_its_own_backward_is_close(self, saved: str, sharding: str) -> None:
+        self.run_ranks(_continuation_with_own_backward, saved, sharding)
+
+    @pytest.mark.parametrize("sharding", SHARDINGS)
+    def test_without_restored_momentum_training_ends_elsewhere(self, saved: str, sharding: str) -> None:
+        self.run_ranks(_control_without_momentum_ends_elsewhere, saved, sharding)
+
+    @pytest.mark.parametrize("sharding", SHARDINGS)
+    def test_local_state_dict_of_another_world_size_is_refused(self, saved: str, sharding: str) -> None:
+        self.run_ranks(_local_state_dict_of_other_world_refused, saved, sharding)
+
+    def test_checkpoint_of_another_model_shape_is_refused(self, saved: str) -> None:
+        self.run_ranks(_other_shape_checkpoint_refused, saved)
+
+    def test_optimizer_state_of_another_shape_is_refused(self, saved: str) -> None:
+        self.run_ranks(_other_shape_optimizer_state_refused, saved)

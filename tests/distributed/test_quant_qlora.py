@@ -1,12 +1,22 @@
 """QLoRA-style fine-tuning on a block-quantized frozen base, sharded on gloo ranks, against one process.
 
-One process group per test function: each checks several things (sharding starts at seconds).
+One test per behaviour; 2 and 3 ranks, each started once for the module (:class:`tests.dist_pool.DistributedPool`)
+and shared by the class of its world size and by the fixture whose checkpoint the 3 ranks reload:
+
+* the frozen base is sharded codes + scales, bitwise the one-process quantization (and its gathered
+  dequantization), in about half the bytes of bf16 sharding; fine-tuning gives the one-process losses and adapters
+  (1e-5); a checkpoint stores codes + scales and reloads bitwise on 3 ranks (fp8_e4m3 and int8 tiles);
+* a frozen parameter backward still needs stays gathered (gradients to torch's default tolerance);
+* QLoRA from an fp8 checkpoint keeps its codes (bitwise) and trains like one process (1e-5), and the adapters it
+  exports equal one process's (1e-5);
+* quantized 3-D expert stacks train like one process (1e-5); unfreezing a quantized weight is refused by name.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+from typing import Iterator
 
 import pytest
 import torch
@@ -17,7 +27,7 @@ from lightning_vescale import checkpoint, fully_shard
 from lightning_vescale.models import Llama, LlamaConfig
 from lightning_vescale.quant import BlockFormat, QuantizedTensor, quantize_frozen_weights
 from lightning_vescale.quant.lora import LoRAConfig, apply_lora
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedPool, DistributedTest
 
 CONFIG = LlamaConfig(vocab_size=128, dim=128, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=176, max_seq_len=32)
 LORA = LoRAConfig(rank=4, alpha=8.0)
@@ -64,7 +74,7 @@ def train(model, steps: int = STEPS) -> list[float]:
     return losses
 
 
-def _qlora(rank: int, world: int, tmp: str, fmt_kind: str) -> None:
+def _frozen_base_is_codes(rank: int, world: int, fmt_kind: str) -> None:
     fmt = BlockFormat(fmt_kind, 32)
     ref = build(fmt)
     model = shard(copy.deepcopy(ref))
@@ -80,7 +90,12 @@ def _qlora(rank: int, world: int, tmp: str, fmt_kind: str) -> None:
     assert torch.equal(model.layers[0].attention.wq.base_layer.weight, ref_wq.dequantize())
     model.layers[0].reshard()
 
-    # Fine-tuning: the same losses and adapters as the one-process run (1e-5).
+
+def _finetuning_equals_one_process(rank: int, world: int, fmt_kind: str) -> None:
+    """Fine-tuning: the same losses and adapters as the one-process run (1e-5)."""
+    fmt = BlockFormat(fmt_kind, 32)
+    ref = build(fmt)
+    model = shard(copy.deepcopy(ref))
     ref_losses = train(ref)
     losses = train(model)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
@@ -90,7 +105,14 @@ def _qlora(rank: int, world: int, tmp: str, fmt_kind: str) -> None:
             torch.testing.assert_close(p.full_tensor(), ref_params[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
     assert any(p.requires_grad for p in model.parameters())
 
-    # A checkpoint writes each quantized weight as codes + scales (RaggedTensors: every rank its tiles).
+
+def _train_and_save(rank: int, world: int, tmp: str, fmt_kind: str) -> None:
+    """A checkpoint of the fine-tuned model writes each quantized weight as codes + scales (RaggedTensors: every
+    rank its tiles); rank 0 keeps the trained plain parameters and the reference's codes to compare a reload with."""
+    fmt = BlockFormat(fmt_kind, 32)
+    ref = build(fmt)
+    model = shard(copy.deepcopy(ref))
+    train(model)
     sd = checkpoint.get_model_state_dict(model)
     assert sd["layers.0.attention.wq.base_layer.weight"].dtype == fmt.code_dtype
     assert sd["layers.0.attention.wq.base_layer.weight_scale_inv"].dtype == torch.float32
@@ -101,10 +123,13 @@ def _qlora(rank: int, world: int, tmp: str, fmt_kind: str) -> None:
         torch.save({n: torch.cat([p.codes.reshape(-1).view(torch.uint8), p.scale_inv.reshape(-1).view(torch.uint8)])
                     for n, p in ref.named_parameters() if isinstance(p, QuantizedTensor)}, os.path.join(tmp, "codes.pt"))
 
-    # Memory: the frozen base per rank vs bf16 sharding of the same weights.
+
+def _frozen_base_memory(rank: int, world: int, fmt_kind: str) -> None:
+    """Memory: the frozen base per rank vs bf16 sharding of the same weights."""
     from lightning_vescale.engine.fully_shard import sharded_groups
     from lightning_vescale.quant._storage import QuantizedStorage
 
+    model = shard(build(BlockFormat(fmt_kind, 32)))
     stored = sum(b.local_nbytes() for g in sharded_groups(model) for b in g.buffers.values()
                  if isinstance(b, QuantizedStorage))
     numel = sum(p.numel() for p in model.parameters() if isinstance(p, QuantizedTensor))
@@ -130,11 +155,6 @@ def _reload(rank: int, world: int, tmp: str, fmt_kind: str) -> None:
         else:
             assert torch.equal(p.full_tensor(), plain[name]), name  # trained adapters and the frozen rest
 
-
-@pytest.mark.parametrize("fmt_kind", ["fp8_e4m3", "int8"])
-def test_qlora_sharded_equals_one_process_and_reloads_on_another_world_size(tmp_path, fmt_kind):
-    run_distributed(_qlora, 2, str(tmp_path), fmt_kind)
-    run_distributed(_reload, 3, str(tmp_path), fmt_kind)
 
 
 class _NormThenLinear(torch.nn.Module):
@@ -165,10 +185,6 @@ def _frozen_before_trainable(rank: int, world: int) -> None:
     ref(x_ref).square().sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
     torch.testing.assert_close(model[1].proj.weight.grad.full_tensor(), ref[1].proj.weight.grad)
-
-
-def test_frozen_parameters_stay_gathered_until_backward_used_them():
-    run_distributed(_frozen_before_trainable, 2)
 
 
 def _lora_values(model) -> dict[str, torch.Tensor]:
@@ -215,18 +231,10 @@ def _qlora_from_fp8(rank: int, world: int, path: str, tmp: str) -> None:
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
-def test_qlora_from_an_fp8_checkpoint_keeps_its_codes(tmp_path):
-    from tests.unit.test_quant_hf_import import _write_fp8
-
-    torch.manual_seed(0)
-    _write_fp8(Llama(CONFIG), CONFIG, tmp_path / "hf")
-    run_distributed(_qlora_from_fp8, 2, str(tmp_path / "hf"), str(tmp_path))
-
-
-def _moe_qlora(rank: int, world: int) -> None:
+def _quantized_moe():
+    """Expert stacks (3-D) stored as codes + scales per expert matrix, MLA attention with adapters."""
     from lightning_vescale.models import DeepSeekV3, deepseek_v3_config
 
-    # Expert stacks (3-D) stored as codes + scales per expert matrix, MLA attention with adapters.
     torch.manual_seed(0)
     ref = DeepSeekV3(deepseek_v3_config("tiny"))
     apply_lora(ref, LoRAConfig(rank=4, alpha=8.0, targets=("*attention.wq_b", "*attention.wo")))
@@ -239,12 +247,116 @@ def _moe_qlora(rank: int, world: int) -> None:
     model = shard(copy.deepcopy(ref))
     stack = model.layers[1].feed_forward.experts.w1_EDF
     assert isinstance(stack, QuantizedTensor) and stack.is_sharded and stack.dim() == 3
+    return ref, model, stack
+
+
+def _moe_qlora(rank: int, world: int) -> None:
+    ref, model, _ = _quantized_moe()
     torch.testing.assert_close(torch.tensor(train(model)), torch.tensor(train(ref)), rtol=1e-5, atol=1e-5)
-    # Codes cannot train: unfreezing a quantized weight is refused by name at the next forward.
+
+
+def _unfreezing_refused(rank: int, world: int) -> None:
+    """Codes cannot train: unfreezing a quantized weight is refused by name at the next forward."""
+    _, model, stack = _quantized_moe()
     stack.requires_grad_(True)
     with pytest.raises(RuntimeError, match=r"block-quantized frozen weight .* was set to requires_grad=True"):
         model(batch(0)[0])
 
 
-def test_qlora_over_quantized_expert_stacks():
-    run_distributed(_moe_qlora, 2)
+# --------------------------------------------------------------------------------------------------------
+# The module's ranks: the 2 that save the fine-tuned checkpoints are those of the 2-rank tests.
+
+
+class _Pools:
+    """One :class:`DistributedPool` per world size, started on first use, closed with the module."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, DistributedPool] = {}
+
+    def __call__(self, world_size: int) -> DistributedPool:
+        if world_size not in self._open:
+            self._open[world_size] = DistributedPool(world_size)
+        return self._open[world_size]
+
+    def close(self) -> None:
+        for pool in self._open.values():
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[_Pools]:
+    pools = _Pools()
+    yield pools
+    pools.close()
+
+
+@pytest.fixture(scope="module")
+def saved(ranks: _Pools, tmp_path_factory):
+    """``saved(fmt_kind)``: the directory of the 2-rank fine-tuned checkpoint in that format (saved once)."""
+    done: dict[str, str] = {}
+
+    def get(fmt_kind: str) -> str:
+        if fmt_kind not in done:
+            tmp = str(tmp_path_factory.mktemp(f"qlora_{fmt_kind}"))
+            ranks(2).run(_train_and_save, tmp, fmt_kind)
+            done[fmt_kind] = tmp
+        return done[fmt_kind]
+
+    return get
+
+
+class _ModuleRanks(DistributedTest):
+    @pytest.fixture(scope="class", autouse=True)
+    def _ranks(self, request: pytest.FixtureRequest, ranks: _Pools) -> Iterator[None]:
+        """The module's ranks of this world size, not a pool of the class's own."""
+        request.cls._pool = ranks(request.cls.world_size)
+        yield
+        request.cls._pool = None
+
+
+FORMATS = ["fp8_e4m3", "int8"]
+
+
+class TestQLoRAOn2Ranks(_ModuleRanks):
+    world_size = 2
+
+    @pytest.mark.parametrize("fmt_kind", FORMATS)
+    def test_frozen_base_is_sharded_codes_bitwise_one_process(self, fmt_kind: str) -> None:
+        self.run_ranks(_frozen_base_is_codes, fmt_kind)
+
+    @pytest.mark.parametrize("fmt_kind", FORMATS)
+    def test_finetuning_equals_one_process(self, fmt_kind: str) -> None:
+        self.run_ranks(_finetuning_equals_one_process, fmt_kind)
+
+    @pytest.mark.parametrize("fmt_kind", FORMATS)
+    def test_checkpoint_writes_codes_and_scales(self, saved, fmt_kind: str) -> None:
+        tmp = saved(fmt_kind)  # the ranks check the state dict's dtypes, then save
+        assert os.path.isfile(os.path.join(tmp, fmt_kind, ".metadata"))
+
+    @pytest.mark.parametrize("fmt_kind", FORMATS)
+    def test_frozen_base_takes_about_half_the_bytes_of_bf16(self, fmt_kind: str) -> None:
+        self.run_ranks(_frozen_base_memory, fmt_kind)
+
+    def test_frozen_parameters_stay_gathered_until_backward_used_them(self) -> None:
+        self.run_ranks(_frozen_before_trainable)
+
+    def test_qlora_from_an_fp8_checkpoint_keeps_its_codes(self, tmp_path) -> None:
+        from tests.unit.test_quant_hf_import import _write_fp8
+
+        torch.manual_seed(0)
+        _write_fp8(Llama(CONFIG), CONFIG, tmp_path / "hf")
+        self.run_ranks(_qlora_from_fp8, str(tmp_path / "hf"), str(tmp_path))
+
+    def test_qlora_over_quantized_expert_stacks(self) -> None:
+        self.run_ranks(_moe_qlora)
+
+    def test_unfreezing_a_quantized_weight_is_refused(self) -> None:
+        self.run_ranks(_unfreezing_refused)
+
+
+class TestQLoRAOn3Ranks(_ModuleRanks):
+    world_size = 3
+
+    @pytest.mark.parametrize("fmt_kind", FORMATS)
+    def test_checkpoint_reloads_bitwise_on_another_world_size(self, saved, fmt_kind: str) -> None:
+        self.run_ranks(_reload, saved(fmt_kind), fmt_kind)
