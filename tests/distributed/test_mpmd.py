@@ -144,10 +144,9 @@ def _bytes_per_step(rank: int, world: int) -> None:
     assert (once > 0) == (rank > 0)
 
 
-def _checkpoint_round_trips(rank: int, world: int, tmp: str) -> None:
-    """Checkpoint of all stages -> plain sharding over every rank -> MPMD again (and another grouping), bitwise;
-    and the sharded MPMD checkpoint resumes training exactly."""
-    config, ref, _, ref_opt, mpmd, _, opt = _trained_vlm_gpipe(rank)
+def _checkpoint_round_trips_through_plain_sharding(rank: int, world: int, tmp: str) -> None:
+    """Checkpoint of all stages -> plain sharding over every rank -> MPMD again, bitwise."""
+    config, ref, _, _, mpmd, _, opt = _trained_vlm_gpipe(rank)
     save_mpmd(f"{tmp}/mpmd", mpmd, opt)
     full = read_mpmd_full_state_dict(f"{tmp}/mpmd")
     assert set(full) == set(ref.state_dict()), set(full) ^ set(ref.state_dict())
@@ -161,7 +160,13 @@ def _checkpoint_round_trips(rank: int, world: int, tmp: str) -> None:
     load_full_into(again, full_plain)
     for name, p in again.named_parameters():
         assert torch.equal(p.full_tensor(), full[name]), name
-    # Into another grouping: the projector moves to the decoder's ranks.
+
+
+def _checkpoint_loads_into_another_grouping(rank: int, world: int, tmp: str) -> None:
+    """Into another grouping: the projector moves to the decoder's ranks, bitwise."""
+    config, _, _, _, mpmd, _, opt = _trained_vlm_gpipe(rank, with_reference=False)
+    save_mpmd(f"{tmp}/mpmd", mpmd, opt)
+    full = read_mpmd_full_state_dict(f"{tmp}/mpmd")
     regrouped_plan = {"schedule": "gpipe", "microbatches": 2, "stages": [
         {"name": "vision", "modules": ["encoder"], "ranks": 1},
         {"name": "language", "modules": ["projector", "decoder"], "ranks": 2}]}
@@ -169,7 +174,14 @@ def _checkpoint_round_trips(rank: int, world: int, tmp: str) -> None:
     load_full_into(regrouped, full)
     for name, p in regrouped.named_parameters():
         assert torch.equal(p.full_tensor(), full[name]), name
-    # And the sharded MPMD checkpoint resumes training exactly (optimizer states included).
+
+
+def _sharded_checkpoint_resumes_training(rank: int, world: int, tmp: str) -> None:
+    """The sharded MPMD checkpoint resumes training exactly (optimizer states included)."""
+    config, ref, _, ref_opt, mpmd, _, opt = _trained_vlm_gpipe(rank)
+    save_mpmd(f"{tmp}/mpmd", mpmd, opt)
+    torch.manual_seed(1)
+    again = lv.parallelize(VLM(config), vlm_plan(1, 2, "gpipe"))
     again_opt = torch.optim.AdamW(again.parameters(), lr=LR, eps=EPS)
     load_mpmd(f"{tmp}/mpmd", again, again_opt)
     assert max_piece_diff(again, ref) < 1e-5
@@ -216,8 +228,14 @@ class TestMPMDOn3Ranks(DistributedTest):
     def test_one_reduce_scatter_and_all_gather_per_step_as_the_dry_run_says(self) -> None:
         self.run_ranks(_bytes_per_step)
 
-    def test_checkpoint_round_trips_through_plain_sharding_and_regrouping_and_resumes(self, tmp_path) -> None:
-        self.run_ranks(_checkpoint_round_trips, str(tmp_path))
+    def test_checkpoint_round_trips_through_plain_sharding_bitwise(self, tmp_path) -> None:
+        self.run_ranks(_checkpoint_round_trips_through_plain_sharding, str(tmp_path))
+
+    def test_checkpoint_loads_into_another_grouping_bitwise(self, tmp_path) -> None:
+        self.run_ranks(_checkpoint_loads_into_another_grouping, str(tmp_path))
+
+    def test_sharded_checkpoint_resumes_training_exactly(self, tmp_path) -> None:
+        self.run_ranks(_sharded_checkpoint_resumes_training, str(tmp_path))
 
     @pytest.mark.parametrize("scale_right", [True, False], ids=["divided-by-microbatches", "not-divided-is-detected"])
     def test_micro_batch_gradient_scale(self, scale_right: bool) -> None:
