@@ -26,7 +26,7 @@ from lightning_vescale.models.moe import RouterOutput, TopKRouter
 from lightning_vescale.plan import load_plan, resolve_plan
 from lightning_vescale.plan._dry_run import Workload, dry_run
 from lightning_vescale.plan._hardware import FunctionalCollectiveCounter, load_profile
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 CONFIG = dataclasses.replace(moe_config("tiny"), vocab_size=64, dim=32, moe_hidden=32, shared_expert_hidden=32)
 BATCH, SEQ = 2, 8
@@ -60,15 +60,23 @@ def _counted(mesh, rank: int) -> tuple[dict, dict, list]:
     return sent, counter.calls, list(routed)
 
 
-def _run(rank: int, world: int) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+def _predicted(world: int):
+    """The dry run's bytes (non-zero kinds) and calls per step of the moe plan on dp2 x ep2."""
     with torch.device("meta"):
         meta = MoE(CONFIG)
     workload = Workload(batch_size=BATCH, seq_len=SEQ, precision="32-true", clip_grad=True)
     predicted = dry_run(meta, resolve_plan(meta, load_plan("moe")), world, expert_parallel=2, workload=workload,
                         hardware=load_profile("cpu"), activations={}).vescale
-    want = {k: int(v) for k, v in predicted.collectives.items() if v}
+    return {k: int(v) for k, v in predicted.collectives.items() if v}, predicted.calls
 
+
+def _mesh():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+
+
+def _even_routing_equals_the_dry_run(rank: int, world: int) -> None:
+    mesh = _mesh()
+    want, predicted_calls = _predicted(world)
     original = TopKRouter.forward
     TopKRouter.forward = _even_routing  # type: ignore[method-assign]
     try:
@@ -76,8 +84,12 @@ def _run(rank: int, world: int) -> None:
     finally:
         TopKRouter.forward = original  # type: ignore[method-assign]
     assert sent == want, (sent, want)
-    assert calls == {k: predicted.calls[k] for k in calls} == {"all_to_all_ep": 2 * 4, "all_to_all_ep_counts": 2}
+    assert calls == {k: predicted_calls[k] for k in calls} == {"all_to_all_ep": 2 * 4, "all_to_all_ep_counts": 2}
 
+
+def _own_routing_rows_sent_and_received(rank: int, world: int) -> None:
+    mesh = _mesh()
+    want, _ = _predicted(world)
     sent, calls, routed = _counted(mesh, rank)  # the routers' own choice
     everyone: list = [None] * world
     dist.all_gather_object(everyone, [c.tolist() for c in routed])
@@ -96,5 +108,13 @@ def _run(rank: int, world: int) -> None:
               f"rank 0 {sent['all_to_all_ep']} (rows out {out}, in {into}; balanced: {BATCH * SEQ * CONFIG.top_k} each way)")
 
 
-def test_expert_parallel_bytes_per_step_equal_the_dry_run() -> None:
-    run_distributed(_run, 4, timeout=300, pg_timeout=120)
+class TestExpertParallelBytesPerStep(DistributedTest):
+    """dp2 x ep2 on 4 ranks."""
+
+    world_size = 4
+
+    def test_even_routing_bytes_and_calls_equal_the_dry_run(self) -> None:
+        self.run_ranks(_even_routing_equals_the_dry_run)
+
+    def test_uneven_routing_sends_the_rows_routed_away_and_received(self) -> None:
+        self.run_ranks(_own_routing_rows_sent_and_received)

@@ -6,7 +6,8 @@ its output gathered over tp forward, its input gradient backward) in a group of 
 experts (E/ep per rank) over the 4 dp x tp ranks of their ep coordinate, the rest over the 4 dp x ep ranks of a tp
 coordinate; the all-to-alls run among the ep ranks on 1/tp of the tokens. Every kind's bytes and calls equal the
 dry run's: the engine's (``comm_stats``), torch's tensor-parallel ones and the all-to-alls
-(:class:`~lightning_vescale.plan._hardware.FunctionalCollectiveCounter`)."""
+(:class:`~lightning_vescale.plan._hardware.FunctionalCollectiveCounter`), exactly. The dry run's mesh is checked in
+this process (it moves no data); the counted run on 8 ranks (:class:`tests.dist_pool.DistributedTest`)."""
 
 from __future__ import annotations
 
@@ -20,17 +21,25 @@ from lightning_vescale.models.moe import TopKRouter
 from lightning_vescale.plan import load_plan, resolve_plan
 from lightning_vescale.plan._dry_run import Workload, dry_run
 from lightning_vescale.plan._hardware import FunctionalCollectiveCounter, load_profile
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 from tests.distributed.test_dry_run_expert_parallel import BATCH, CONFIG, SEQ, _even_routing
 
 
-def _run(rank: int, world: int) -> None:
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+def _predicted(world: int):
     with torch.device("meta"):
         meta = MoE(CONFIG)
     workload = Workload(batch_size=BATCH, seq_len=SEQ, precision="32-true", clip_grad=True)
-    predicted = dry_run(meta, resolve_plan(meta, load_plan("moe")), world, tensor_parallel=2, expert_parallel=2,
-                        workload=workload, hardware=load_profile("cpu"), activations={})
+    return dry_run(meta, resolve_plan(meta, load_plan("moe")), world, tensor_parallel=2, expert_parallel=2,
+                   workload=workload, hardware=load_profile("cpu"), activations={})
+
+
+def test_the_dry_run_lays_out_a_3d_mesh() -> None:
+    assert _predicted(8).mesh == "3-D (dp=2, ep=2, tp=2)"
+
+
+def _bytes_and_calls_equal_the_dry_run(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+    predicted = _predicted(world)
     assert predicted.mesh == "3-D (dp=2, ep=2, tp=2)"
     want = {k: int(v) for k, v in predicted.vescale.collectives.items() if v}
 
@@ -55,5 +64,11 @@ def _run(rank: int, world: int) -> None:
     assert counter.calls == {k: predicted.vescale.calls[k] for k in counter.calls}, (counter.calls, predicted.vescale.calls)
 
 
-def test_expert_tensor_parallel_bytes_per_step_equal_the_dry_run() -> None:
-    run_distributed(_run, 8, timeout=400, pg_timeout=200)
+class TestExpertTensorParallelBytesPerStep(DistributedTest):
+    """dp2 x ep2 x tp2 on 8 ranks."""
+
+    world_size = 8
+    pg_timeout = 200
+
+    def test_bytes_and_calls_per_step_equal_the_dry_run(self) -> None:
+        self.run_ranks(_bytes_and_calls_equal_the_dry_run, timeout=400)

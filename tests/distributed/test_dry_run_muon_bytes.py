@@ -1,7 +1,8 @@
 """The dry run's Muon all-to-alls against counted runs: every rank's ``muon_gather`` / ``muon_scatter`` bytes per
 step (``comm_stats``) equal the dry run's, on 2 gloo ranks (dp2: the default plan's element granularity splits
 matrices over the ranks; ``granularity: muon`` keeps them whole: nothing is sent) and on 4
-(dp2 x tp2: each tp-split matrix gathered whole to one rank of the (dp, tp) mesh)."""
+(dp2 x tp2: each tp-split matrix gathered whole to one rank of the (dp, tp) mesh). One class per world size
+(:class:`tests.dist_pool.DistributedTest`), one test per granularity; every comparison is exact."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from lightning_vescale.optim import build_optimizer
 from lightning_vescale.plan import load_plan, resolve_plan
 from lightning_vescale.plan._dry_run import Workload, dry_run
 from lightning_vescale.plan._hardware import load_profile
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16)
 
@@ -60,23 +61,35 @@ def _check(counted: list[dict], predicted: dict, sends: bool = True) -> None:
         assert any(got) == sends, f"{kind}: {got}"
 
 
-def _run_dp2(rank: int, world: int) -> None:
+def _element_granularity_dp2(rank: int, world: int) -> None:
     plan = _plan("element")
     _check(_counted(None, plan), _predicted(plan, world, 1))
+
+
+def _muon_granularity_dp2(rank: int, world: int) -> None:
     # Every matrix whole on one rank: the local path, nothing sent (moving one does not pay at these sizes).
     plan = _plan("muon")
     _check(_counted(None, plan), _predicted(plan, world, 1), sends=False)
 
 
-def _run_dp2_tp2(rank: int, world: int) -> None:
+def _element_granularity_dp2_tp2(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     plan = _plan("element")
     _check(_counted(mesh, plan), _predicted(plan, world, 2))
 
 
-def test_muon_bytes_per_rank_equal_the_dry_run_dp2() -> None:
-    run_distributed(_run_dp2, 2, timeout=300, pg_timeout=120)
+class TestMuonBytesDp2(DistributedTest):
+    world_size = 2
+
+    def test_split_matrices_send_the_dry_runs_bytes_per_rank(self) -> None:
+        self.run_ranks(_element_granularity_dp2)
+
+    def test_whole_matrices_send_nothing_as_the_dry_run_says(self) -> None:
+        self.run_ranks(_muon_granularity_dp2)
 
 
-def test_muon_bytes_per_rank_equal_the_dry_run_dp2_tp2() -> None:
-    run_distributed(_run_dp2_tp2, 4, timeout=300, pg_timeout=120)
+class TestMuonBytesDp2Tp2(DistributedTest):
+    world_size = 4
+
+    def test_tp_split_matrices_send_the_dry_runs_bytes_per_rank(self) -> None:
+        self.run_ranks(_element_granularity_dp2_tp2)

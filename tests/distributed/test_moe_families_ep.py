@@ -3,13 +3,15 @@
 2 gloo ranks as a (dp, ep) = (1, 2) mesh through ``fully_shard_expert_parallel``: each rank holds half of
 every layer's experts; the rest is sharded over both ranks. Each rank trains one SGD step on its half of
 the global batch, with DeepSeek-V3's auxiliary-loss-free bias update as a pre-step hook; the reference is
-one process on the whole batch. fp32, 1e-5 relative (the collectives sum in another order).
+one process on the whole batch. fp32, 1e-5 relative (the collectives sum in another order). One test per family
+(:class:`tests.dist_pool.DistributedTest`, the two ranks shared).
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,7 +21,7 @@ from lightning_vescale.checkpoint import export_full_state_dict
 from lightning_vescale.models import DeepSeekV3, Qwen3MoE, deepseek_v3_config, qwen3_moe_config
 from lightning_vescale.parallel import fully_shard_expert_parallel, register_expert_bias_update
 from lightning_vescale.parallel.expert_parallel import ExpertParallelGroupedExperts
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 LOCAL_BATCH, SEQ, TOL, LR, BIAS_RATE = 2, 12, 1e-5, 0.5, 0.01
 
@@ -75,10 +77,9 @@ def _train_one_step(rank: int, world: int, family: str) -> None:
     assert moved > 1e-4, "the step must change the experts for the comparison to mean anything"
 
 
-def _worker(rank: int, world: int) -> None:
-    for family in ("qwen3_moe", "deepseek_v3"):
-        _train_one_step(rank, world, family)
+class TestMoEFamiliesUnderExpertParallelism(DistributedTest):
+    world_size = 2
 
-
-def test_new_moe_families_train_under_expert_parallelism():
-    run_distributed(_worker, 2, timeout=180)
+    @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+    def test_one_sgd_step_equals_single_process(self, family: str) -> None:
+        self.run_ranks(_train_one_step, family)

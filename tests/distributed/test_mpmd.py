@@ -1,13 +1,16 @@
 """MPMD on gloo ranks: sub-models on disjoint groups of ranks, pipelined, equal single-process training.
 
-One multi-process run per world size checks several things (process groups cost seconds):
+One class of tests per world size (:class:`tests.dist_pool.DistributedTest`: the ranks are shared), one test per
+behaviour; the tests that need a trained model train it again (``_trained_vlm_gpipe``):
 
 * 3 ranks: the VLM with its encoder and projector on 1 rank and the decoder sharded over 2 (a team of 2 behind
   one pipeline), GPipe: losses and parameters equal one process training the whole model (fp32, 1e-5),
-  with clipping by the global norm; a wrong micro-batch gradient scale is detected (negative control);
-  the checkpoint of all stages reloads into a plain sharded model and back, bitwise.
-* 4 ranks: the VLM with 1 + 3 ranks under 1F1B; and a Llama split in two stages of 2 ranks (two pipelines side
-  by side) under 1F1B.
+  with clipping by the global norm; one ReduceScatter and one AllGather per buffer and step (the dry run's bytes,
+  exact); a wrong micro-batch gradient scale is detected (negative control); the checkpoint of all stages reloads
+  into a plain sharded model and back, and into another grouping, bitwise, and resumes training (1e-5).
+* 4 ranks: the VLM with 1 + 3 ranks under 1F1B (and its forward-only evaluation; a batch the team of 3 cannot split
+  is refused); bf16 stages pass fp32 activations (bf16 tolerances); and a Llama split in two stages of 2 ranks (two
+  pipelines side by side) under 1F1B.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from lightning_vescale.pipeline import (
 )
 from lightning_vescale.plan._dry_run import Workload, dry_run
 from lightning_vescale.plan._hardware import load_profile
-from tests.dist_utils import max_piece_diff, run_distributed
+from tests.dist_pool import DistributedTest
+from tests.dist_utils import max_piece_diff
 
 BATCH, SEQ, LR, CLIP = 8, 6, 1e-2, 0.05
 # Adam divides by sqrt(v): with its default eps a gradient element near 0 turns round-off (the order of a sum
@@ -89,26 +93,36 @@ def vlm_step(config, batch: int = BATCH):
 
 
 
-def _three_ranks(rank: int, world: int, tmp: str) -> None:
+def _trained_vlm_gpipe(rank: int, with_reference: bool = True):
+    """The VLM (1 + 2 ranks, GPipe) and, with ``with_reference``, one process on the whole model, 3 steps each."""
     config = vlm_config("tiny")
-    torch.manual_seed(0)
-    ref = VLM(config)
-    ref_losses, ref_opt = train(ref, 3, vlm_step(config))
-
+    ref = ref_losses = ref_opt = None
+    if with_reference:
+        torch.manual_seed(0)
+        ref = VLM(config)
+        ref_losses, ref_opt = train(ref, 3, vlm_step(config))
     torch.manual_seed(0)
     images, tokens, _ = synthetic_vlm_batch(config, BATCH, SEQ, 0)
     mpmd = lv.parallelize(VLM(config), vlm_plan(1, 2, "gpipe"), example_inputs=(images, tokens))
+    losses, opt = train(mpmd, 3, vlm_step(config))
+    return config, ref, ref_losses, ref_opt, mpmd, losses, opt
+
+
+def _vlm_gpipe_trains_like_one_process(rank: int, world: int) -> None:
+    config, ref, ref_losses, _, mpmd, losses, _ = _trained_vlm_gpipe(rank)
     assert isinstance(mpmd, MPMDModel)
     assert set(n.split(".")[0] for n, _ in mpmd.named_parameters()) == ({"encoder", "projector"} if rank == 0
                                                                           else {"decoder"})
     assert mpmd.mesh.size() == (1 if rank == 0 else 2)
-    losses, opt = train(mpmd, 3, vlm_step(config))
     assert_same_run(losses, ref_losses)
     d = max_piece_diff(mpmd, ref)
     assert d < 1e-5, d
 
-    # One ReduceScatter per group and step, whatever the number of micro-batches (gradients accumulate unsharded):
-    # the dry run's bytes of one step.
+
+def _bytes_per_step(rank: int, world: int) -> None:
+    """One ReduceScatter per group and step, whatever the number of micro-batches (gradients accumulate unsharded):
+    the dry run's bytes of one step; and one AllGather per buffer and step."""
+    config, _, _, _, mpmd, _, opt = _trained_vlm_gpipe(rank, with_reference=False)
     lv.comm_stats.step()
     vlm_step(config)(mpmd, 9)
     sent = lv.comm_stats.step()
@@ -129,7 +143,10 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
     assert sent.get("all_gather", 0) == once, (sent, once)
     assert (once > 0) == (rank > 0)
 
-    # Checkpoint of all stages -> plain sharding over every rank -> MPMD again (and another grouping), bitwise.
+
+def _checkpoint_round_trips_through_plain_sharding(rank: int, world: int, tmp: str) -> None:
+    """Checkpoint of all stages -> plain sharding over every rank -> MPMD again, bitwise."""
+    config, ref, _, _, mpmd, _, opt = _trained_vlm_gpipe(rank)
     save_mpmd(f"{tmp}/mpmd", mpmd, opt)
     full = read_mpmd_full_state_dict(f"{tmp}/mpmd")
     assert set(full) == set(ref.state_dict()), set(full) ^ set(ref.state_dict())
@@ -143,7 +160,13 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
     load_full_into(again, full_plain)
     for name, p in again.named_parameters():
         assert torch.equal(p.full_tensor(), full[name]), name
-    # Into another grouping: the projector moves to the decoder's ranks.
+
+
+def _checkpoint_loads_into_another_grouping(rank: int, world: int, tmp: str) -> None:
+    """Into another grouping: the projector moves to the decoder's ranks, bitwise."""
+    config, _, _, _, mpmd, _, opt = _trained_vlm_gpipe(rank, with_reference=False)
+    save_mpmd(f"{tmp}/mpmd", mpmd, opt)
+    full = read_mpmd_full_state_dict(f"{tmp}/mpmd")
     regrouped_plan = {"schedule": "gpipe", "microbatches": 2, "stages": [
         {"name": "vision", "modules": ["encoder"], "ranks": 1},
         {"name": "language", "modules": ["projector", "decoder"], "ranks": 2}]}
@@ -151,7 +174,14 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
     load_full_into(regrouped, full)
     for name, p in regrouped.named_parameters():
         assert torch.equal(p.full_tensor(), full[name]), name
-    # And the sharded MPMD checkpoint resumes training exactly (optimizer states included).
+
+
+def _sharded_checkpoint_resumes_training(rank: int, world: int, tmp: str) -> None:
+    """The sharded MPMD checkpoint resumes training exactly (optimizer states included)."""
+    config, ref, _, ref_opt, mpmd, _, opt = _trained_vlm_gpipe(rank)
+    save_mpmd(f"{tmp}/mpmd", mpmd, opt)
+    torch.manual_seed(1)
+    again = lv.parallelize(VLM(config), vlm_plan(1, 2, "gpipe"))
     again_opt = torch.optim.AdamW(again.parameters(), lr=LR, eps=EPS)
     load_mpmd(f"{tmp}/mpmd", again, again_opt)
     assert max_piece_diff(again, ref) < 1e-5
@@ -164,29 +194,52 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
         optimizer.step()
     assert max_piece_diff(again, ref) < 1e-5
 
-    # Negative control: without the division by the number of micro-batches the gradients are twice too large,
-    # which the parameters show after one unclipped SGD step.
-    for scale_right in (True, False):
-        original = _runtime._gradient_divide_factor
-        if not scale_right:
-            _runtime._gradient_divide_factor = lambda pipelines, microbatches: float(pipelines)
-        try:
-            torch.manual_seed(0)
-            ref2 = VLM(config)
-            torch.manual_seed(0)
-            m = lv.parallelize(VLM(config), vlm_plan(1, 2, "gpipe"))
-        finally:
-            _runtime._gradient_divide_factor = original
-        for net in (m, ref2):
-            vlm_step(config)(net, 0)
-            with torch.no_grad():
-                for p in net.parameters():
-                    p.sub_(p.grad)
-        assert (max_piece_diff(m, ref2) < 1e-5) == scale_right, scale_right
+
+def _micro_batch_gradient_scale(rank: int, world: int, scale_right: bool) -> None:
+    """Without the division by the number of micro-batches the gradients are twice too large, which the parameters
+    show after one unclipped SGD step (negative control); with it they equal one process's."""
+    config = vlm_config("tiny")
+    original = _runtime._gradient_divide_factor
+    if not scale_right:
+        _runtime._gradient_divide_factor = lambda pipelines, microbatches: float(pipelines)
+    try:
+        torch.manual_seed(0)
+        ref2 = VLM(config)
+        torch.manual_seed(0)
+        m = lv.parallelize(VLM(config), vlm_plan(1, 2, "gpipe"))
+    finally:
+        _runtime._gradient_divide_factor = original
+    for net in (m, ref2):
+        vlm_step(config)(net, 0)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.sub_(p.grad)
+    assert (max_piece_diff(m, ref2) < 1e-5) == scale_right, scale_right
 
 
-def test_mpmd_three_ranks_vlm_parity_clipping_checkpoint_and_negative_control(tmp_path):
-    run_distributed(_three_ranks, 3, str(tmp_path))
+class TestMPMDOn3Ranks(DistributedTest):
+    """The VLM's encoder and projector on rank 0, its decoder sharded over ranks 1 and 2, GPipe."""
+
+    world_size = 3
+
+    def test_vlm_gpipe_trains_like_one_process_with_global_norm_clipping(self) -> None:
+        self.run_ranks(_vlm_gpipe_trains_like_one_process)
+
+    def test_one_reduce_scatter_and_all_gather_per_step_as_the_dry_run_says(self) -> None:
+        self.run_ranks(_bytes_per_step)
+
+    def test_checkpoint_round_trips_through_plain_sharding_bitwise(self, tmp_path) -> None:
+        self.run_ranks(_checkpoint_round_trips_through_plain_sharding, str(tmp_path))
+
+    def test_checkpoint_loads_into_another_grouping_bitwise(self, tmp_path) -> None:
+        self.run_ranks(_checkpoint_loads_into_another_grouping, str(tmp_path))
+
+    def test_sharded_checkpoint_resumes_training_exactly(self, tmp_path) -> None:
+        self.run_ranks(_sharded_checkpoint_resumes_training, str(tmp_path))
+
+    @pytest.mark.parametrize("scale_right", [True, False], ids=["divided-by-microbatches", "not-divided-is-detected"])
+    def test_micro_batch_gradient_scale(self, scale_right: bool) -> None:
+        self.run_ranks(_micro_batch_gradient_scale, scale_right)
 
 
 class LlamaFront(nn.Module):
@@ -239,8 +292,9 @@ def llama_step(model, step):
     return loss.detach()
 
 
-def _four_ranks(rank: int, world: int) -> None:
-    # The VLM on 1 + 3 ranks under 1F1B (a team of 3 behind one pipeline).
+def _vlm_1f1b(rank: int, world: int) -> None:
+    """The VLM on 1 + 3 ranks under 1F1B (a team of 3 behind one pipeline): trains like one process, and evaluates
+    (forward only) the trained model like it."""
     config = vlm_config("tiny")
     torch.manual_seed(0)
     ref = VLM(config)
@@ -248,9 +302,6 @@ def _four_ranks(rank: int, world: int) -> None:
     ref_losses, _ = train(ref, 3, step_fn)
     torch.manual_seed(0)
     mpmd = lv.parallelize(VLM(config), vlm_plan(1, 3, "1f1b"))
-    images, tokens, target = synthetic_vlm_batch(config, 8, SEQ, 0)
-    with pytest.raises(ValueError, match="use a multiple of 6"):
-        mpmd.step(images, tokens, target=target)  # 8 = 2 micro-batches of 4, not divisible by the team of 3
     losses, _ = train(mpmd, 3, step_fn)
     assert_same_run(losses, ref_losses)
     d = max_piece_diff(mpmd, ref)
@@ -261,8 +312,21 @@ def _four_ranks(rank: int, world: int) -> None:
     assert abs(float(mpmd.evaluate(images, tokens, target=target)) - float(expected)) < 1e-5  # forward only
     assert all(p.grad is None for p in mpmd.parameters())
 
-    # A stage's own precision: both stages compute in bf16, activations still cross stages in fp32 (the
-    # receive buffers are laid out from the model).
+
+def _batch_not_divisible_by_the_team(rank: int, world: int) -> None:
+    config = vlm_config("tiny")
+    torch.manual_seed(0)
+    mpmd = lv.parallelize(VLM(config), vlm_plan(1, 3, "1f1b"))
+    images, tokens, target = synthetic_vlm_batch(config, 8, SEQ, 0)
+    with pytest.raises(ValueError, match="use a multiple of 6"):
+        mpmd.step(images, tokens, target=target)  # 8 = 2 micro-batches of 4, not divisible by the team of 3
+
+
+def _stage_precision(rank: int, world: int) -> None:
+    """A stage's own precision: both stages compute in bf16, activations still cross stages in fp32 (the receive
+    buffers are laid out from the model)."""
+    config = vlm_config("tiny")
+    images, tokens, target = synthetic_vlm_batch(config, 12, SEQ, 7)
     bf16 = vlm_plan(1, 3, "1f1b")
     bf16["stages"][0]["plan"] = {"fallback": {"param_dtype": "bf16"}, "rules": [
         {"match": "encoder.blocks.*", "group": True}]}
@@ -285,7 +349,9 @@ def _four_ranks(rank: int, world: int) -> None:
         want = embeds[2 * k:2 * k + 2]
         assert (received[0].float() - want).abs().max() < 3e-2 * want.abs().max(), "activations lost in transit"
 
-    # A Llama in two stages of 2 ranks: two pipelines side by side, each stage sharded over its 2 ranks.
+
+def _two_stage_llama(rank: int, world: int) -> None:
+    """A Llama in two stages of 2 ranks: two pipelines side by side, each stage sharded over its 2 ranks."""
     torch.manual_seed(0)
     ref = SplitLlama()
     ref_losses, _ = train(ref, 3, llama_step)
@@ -301,5 +367,17 @@ def _four_ranks(rank: int, world: int) -> None:
     assert d < 1e-5, d
 
 
-def test_mpmd_four_ranks_vlm_1f1b_and_two_stage_llama(tmp_path):
-    run_distributed(_four_ranks, 4)
+class TestMPMDOn4Ranks(DistributedTest):
+    world_size = 4
+
+    def test_vlm_1f1b_on_1_plus_3_ranks_trains_and_evaluates_like_one_process(self) -> None:
+        self.run_ranks(_vlm_1f1b)
+
+    def test_a_batch_the_team_cannot_split_is_refused(self) -> None:
+        self.run_ranks(_batch_not_divisible_by_the_team)
+
+    def test_bf16_stages_pass_fp32_activations(self) -> None:
+        self.run_ranks(_stage_precision)
+
+    def test_llama_in_two_stages_of_two_ranks_trains_like_one_process(self) -> None:
+        self.run_ranks(_two_stage_llama)

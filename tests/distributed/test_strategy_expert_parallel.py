@@ -47,7 +47,17 @@ def test_the_strategy_checks_expert_parallel_size_when_the_trainer_is_built():
 
     with pytest.raises(ValueError, match=r"expert_parallel_size=3 does not divide the world size 2"):
         Trainer(strategy=VeScaleStrategy(expert_parallel_size=3), accelerator="cpu", devices=2, logger=False)
+
+
+def test_expert_parallel_with_replicate_size_is_refused():
+    from lightning_vescale.lightning import VeScaleStrategy
+
     with pytest.raises(ValueError, match=r"replicate_size=2 \(HSDP\) is not supported yet"):
         VeScaleStrategy(expert_parallel_size=2, replicate_size=2)
+
+
+def test_expert_parallel_size_must_be_a_positive_int():
+    from lightning_vescale.lightning import VeScaleStrategy
+
     with pytest.raises(ValueError, match="expert_parallel_size must be a positive int"):
         VeScaleStrategy(expert_parallel_size=0)
