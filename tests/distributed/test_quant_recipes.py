@@ -1,10 +1,17 @@
-"""The quant group of the recipes end to end: QLoRA from an FP8 checkpoint, a quantized AllGather, config errors."""
+"""The quant group of the recipes end to end: QLoRA from an FP8 checkpoint, a quantized AllGather, config errors.
+
+The QLoRA fine-tune runs once for the module (a module-scoped fixture; its tests stay on one pytest-xdist worker),
+each test checks one behaviour of it: the frozen weights are stored and gathered as FP8 codes; the checkpoint keeps
+the file's own codes (bitwise: no re-quantization) and trained adapters; the PEFT adapter on the dequantized base
+gives the merged Hugging Face export's logits (1e-4), which differ from the base's."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -16,11 +23,25 @@ from tests.distributed.test_recipes import ROOT, run_recipe
 BLOCK = 32
 
 
-def test_qlora_finetune_from_an_fp8_checkpoint_exports_adapters_and_merged_weights(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
+ONE_WORKER = pytest.mark.xdist_group(name="test_quant_recipes.qlora_finetune")
+"""The tests of the fixture's fine-tune: on one pytest-xdist worker, so it runs once."""
+
+
+class QLoRARun(NamedTuple):
+    root: Path
+    run: Path
+    arch: object
+    output: str
+
+
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory) -> QLoRARun:
+    """``recipes/finetune.py`` from an FP8 block-quantized checkpoint, with LoRA adapters and the HF export."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
     from tests.unit.test_quant_hf_import import FMT, _write_fp8
 
+    tmp_path = tmp_path_factory.mktemp("qlora")
     assert FMT.block_size == BLOCK
     torch.manual_seed(0)
     arch = llama_config("tiny")
@@ -30,22 +51,37 @@ def test_qlora_finetune_from_an_fp8_checkpoint_exports_adapters_and_merged_weigh
                       "quant.lora_rank=4", f"output_root={tmp_path}", f"hydra.run.dir={run}", "trainer.max_steps=6",
                       "trainer.checkpoint_every_n_steps=0", "trainer.limit_val_batches=0", "export_hf=true",
                       "optimizer.lr=1e-2", "scheduler.warmup_steps=1")
-    assert "Linear layers; 14 frozen weights stored as fp8_e4m3/32" in proc.stderr + proc.stdout
-    summary = json.loads((run / "summary.json").read_text())
+    return QLoRARun(tmp_path, run, arch, proc.stderr + proc.stdout)
+
+
+@ONE_WORKER
+def test_qlora_finetune_stores_and_gathers_the_frozen_weights_as_fp8(qlora: QLoRARun):
+    assert "Linear layers; 14 frozen weights stored as fp8_e4m3/32" in qlora.output
+    summary = json.loads((qlora.run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["world_size"] == 2 and summary["loss_is_finite"]
     assert summary["comm_bytes_per_step_by_kind"]["all_gather_quant_codes"] > 0
 
-    # The checkpoint holds the base as FP8 codes + scales (the file's own codes: no re-quantization) and the adapters.
-    state = read_model_state(run / "checkpoints" / "last.ckpt")
+
+@ONE_WORKER
+def test_qlora_checkpoint_keeps_the_files_fp8_codes_and_the_trained_adapters(qlora: QLoRARun):
+    """The checkpoint holds the base as FP8 codes + scales (the file's own codes: no re-quantization) and the
+    adapters."""
+    state = read_model_state(qlora.run / "checkpoints" / "last.ckpt")
     codes = state["layers.0.attention.wq.base_layer.weight"]
     assert codes.dtype == torch.float8_e4m3fn and "layers.0.attention.wq.base_layer.weight_scale_inv" in state
-    kept, _ = from_pretrained(tmp_path / "fp8", quantized_weights="keep")
+    kept, _ = from_pretrained(qlora.root / "fp8", quantized_weights="keep")
     assert torch.equal(codes.view(torch.uint8), kept.layers[0].attention.wq.weight.codes.view(torch.uint8))
     assert state["layers.0.attention.wq.lora_B.weight"].abs().sum() > 0  # trained
 
-    # <run>/adapter (PEFT) on the dequantized base = <run>/hf (adapters merged), both loaded by transformers.
+
+@ONE_WORKER
+def test_qlora_adapter_on_the_dequantized_base_equals_the_merged_export(qlora: QLoRARun):
+    """<run>/adapter (PEFT) on the dequantized base = <run>/hf (adapters merged), both loaded by transformers."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    tmp_path, run = qlora.root, qlora.run
     base, _ = from_pretrained(tmp_path / "fp8", quantized_weights="dequantize")
-    save_pretrained(base, arch, tmp_path / "base")
+    save_pretrained(base, qlora.arch, tmp_path / "base")
     adapter_config = json.loads((run / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["r"] == 4 and adapter_config["peft_type"] == "LORA"
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32)

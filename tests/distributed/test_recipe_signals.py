@@ -6,6 +6,9 @@ code 143, nothing left behind) with a checkpoint of the last completed step, and
 exactly the batches of the uninterrupted one (mid-epoch: an epoch is 185 steps), so their losses are equal.
 The first stop signals the whole process group (as ``timeout`` and schedulers do), the second only the
 launching process (as ``kill <pid>`` does; it forwards the signal to the rank it started).
+
+The four runs are one sequence (each resume continues the previous stop), run once for the module by a
+module-scoped fixture; each test checks one behaviour of it (the losses are compared exactly, as logged).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple, Optional
 
 import pytest
 
@@ -27,6 +31,8 @@ MAX_STEPS = 60
 # Liveness bounds, not timings: a run that hangs is killed here instead of blocking the suite.
 START_TIMEOUT_S = 240
 EXIT_TIMEOUT_S = 90
+ONE_WORKER = pytest.mark.xdist_group(name="test_recipe_signals.sequence")
+"""The tests of the fixture's sequence of runs: on one pytest-xdist worker, so it runs once."""
 
 
 def _start(output_root: Path, log: Path, *overrides: str) -> subprocess.Popen:
@@ -57,8 +63,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _stop_with_sigterm(proc: subprocess.Popen, log: Path, *, after_step: int, whole_group: bool) -> int:
-    """Send SIGTERM once the run logged ``after_step``; return the step it stopped after."""
+class Stop(NamedTuple):
+    """How a run ended after SIGTERM: the launcher's exit code, whether a rank outlived it, its log, the step it
+    reported stopping after (None if it reported none) and its run directory."""
+
+    code: int
+    alive: bool
+    text: str
+    step: Optional[int]
+    run: Path
+
+
+def _stop_with_sigterm(proc: subprocess.Popen, log: Path, *, after_step: int, whole_group: bool) -> tuple:
+    """Send SIGTERM once the run logged ``after_step``; the exit code, whether a rank outlived it, and the log."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while _progress_step(log) < after_step:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -79,12 +96,12 @@ def _stop_with_sigterm(proc: subprocess.Popen, log: Path, *, after_step: int, wh
         time.sleep(0.1)
     alive = _group_alive(proc.pid)
     _kill_group(proc)
-    text = log.read_text()
-    assert not alive, f"a rank outlived SIGTERM:\n{text[-4000:]}"
-    assert code == 143, f"exit code {code}:\n{text[-4000:]}"
+    return code, alive, log.read_text()
+
+
+def _stopped_after(text: str) -> Optional[int]:
     stopped = re.search(r"stopped by SIGTERM after step (\d+); saved (\S+): continue with resume=true", text)
-    assert stopped, text[-4000:]
-    return int(stopped.group(1))
+    return int(stopped.group(1)) if stopped else None
 
 
 def _csv_losses(run_dir: Path) -> dict[int, str]:
@@ -98,7 +115,19 @@ def _only_run(root: Path, exclude: set[Path] = frozenset()) -> Path:
     return runs[0]
 
 
-def test_sigterm_saves_and_resume_continues_exactly(tmp_path):
+class Sequence(NamedTuple):
+    ref_losses: dict[int, Any]
+    ref_csv: dict[int, str]
+    first: Stop  # SIGTERM to the process group after step 8
+    second: Stop  # resumed, then SIGTERM to the launching process 8 steps later
+    third_code: int  # resumed to the end
+    third_log: str
+    third_summary: Optional[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def sequence(tmp_path_factory) -> Sequence:
+    tmp_path = tmp_path_factory.mktemp("signals")
     reference = _start(tmp_path / "ref", tmp_path / "ref.log")
     assert reference.wait(timeout=START_TIMEOUT_S * 2) == 0, (tmp_path / "ref.log").read_text()[-4000:]
     ref_run = _only_run(tmp_path / "ref")
@@ -107,22 +136,58 @@ def test_sigterm_saves_and_resume_continues_exactly(tmp_path):
     ref_csv = _csv_losses(ref_run)
 
     root = tmp_path / "runs"
-    first = _stop_with_sigterm(_start(root, tmp_path / "1.log"), tmp_path / "1.log", after_step=8, whole_group=True)
-    run1 = _only_run(root)
-    assert os.path.realpath(run1 / "checkpoints" / "last.ckpt").endswith(f"step-{first:06d}.ckpt")
+    code, alive, text = _stop_with_sigterm(_start(root, tmp_path / "1.log"), tmp_path / "1.log", after_step=8,
+                                           whole_group=True)
+    first = Stop(code, alive, text, _stopped_after(text), _only_run(root))
+    if first.step is None:
+        pytest.fail(f"the first run reported no stop, nothing to resume:\n{text[-4000:]}")
 
     proc = _start(root, tmp_path / "2.log", "resume=true")
-    second = _stop_with_sigterm(proc, tmp_path / "2.log", after_step=first + 8, whole_group=False)
-    run2 = _only_run(root, {run1})
-    assert os.path.realpath(run2 / "checkpoints" / "last.ckpt").endswith(f"step-{second:06d}.ckpt")
-    # The stretch the second run trained (after the first stop) saw the uninterrupted run's batches.
-    between = {s: v for s, v in _csv_losses(run2).items() if first < s <= second}
-    assert between and between == {s: ref_csv[s] for s in between}, (between, ref_csv)
+    code, alive, text = _stop_with_sigterm(proc, tmp_path / "2.log", after_step=first.step + 8, whole_group=False)
+    second = Stop(code, alive, text, _stopped_after(text), _only_run(root, {first.run}))
+    if second.step is None:
+        pytest.fail(f"the second run reported no stop, nothing to resume:\n{text[-4000:]}")
 
     proc = _start(root, tmp_path / "3.log", "resume=true")
-    assert proc.wait(timeout=START_TIMEOUT_S * 2) == 0, (tmp_path / "3.log").read_text()[-4000:]
-    run3 = _only_run(root, {run1, run2})
-    summary = json.loads((run3 / "summary.json").read_text())
+    third_code = proc.wait(timeout=START_TIMEOUT_S * 2)
+    third_log = (tmp_path / "3.log").read_text()
+    third_summary = None
+    if third_code == 0:
+        run3 = _only_run(root, {first.run, second.run})
+        third_summary = json.loads((run3 / "summary.json").read_text())
+    return Sequence(ref_losses, ref_csv, first, second, third_code, third_log, third_summary)
+
+
+def _assert_stopped_and_saved(stop: Stop) -> None:
+    """Every process ended, with SIGTERM's exit code, after saving the last completed step."""
+    assert not stop.alive, f"a rank outlived SIGTERM:\n{stop.text[-4000:]}"
+    assert stop.code == 143, f"exit code {stop.code}:\n{stop.text[-4000:]}"
+    assert stop.step is not None, stop.text[-4000:]
+    assert os.path.realpath(stop.run / "checkpoints" / "last.ckpt").endswith(f"step-{stop.step:06d}.ckpt")
+
+
+@ONE_WORKER
+def test_sigterm_to_the_process_group_ends_every_rank_after_saving(sequence: Sequence):
+    _assert_stopped_and_saved(sequence.first)
+
+
+@ONE_WORKER
+def test_sigterm_to_the_launching_process_alone_ends_every_rank_after_saving(sequence: Sequence):
+    _assert_stopped_and_saved(sequence.second)
+
+
+@ONE_WORKER
+def test_a_resumed_run_trains_on_the_uninterrupted_runs_batches(sequence: Sequence):
+    # The stretch the second run trained (after the first stop) saw the uninterrupted run's batches.
+    first, second, ref_csv = sequence.first.step, sequence.second.step, sequence.ref_csv
+    between = {s: v for s, v in _csv_losses(sequence.second.run).items() if first < s <= second}
+    assert between and between == {s: ref_csv[s] for s in between}, (between, ref_csv)
+
+
+@ONE_WORKER
+def test_resume_to_the_end_gives_the_uninterrupted_runs_losses(sequence: Sequence):
+    assert sequence.third_code == 0, sequence.third_log[-4000:]
+    summary, second, ref_losses = sequence.third_summary, sequence.second.step, sequence.ref_losses
     assert summary["resumed_from_step"] == second and summary["steps"] == MAX_STEPS
     resumed = {p["step"]: p["loss"] for p in summary["losses"]}
     assert sorted(resumed) == list(range(second + 1, MAX_STEPS + 1))

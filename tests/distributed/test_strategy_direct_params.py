@@ -2,9 +2,13 @@
 ``strategy="vescale"`` exactly as under ``strategy="ddp"``, unchanged: the parameters no child holds go into
 the LightningModule's own group (FSDP2's root group), gathered around each step.
 
-One process group (2 gloo ranks) runs every check: losses and gradient norms against DDP with accumulation
-and clipping, validation, a checkpoint resume, and the same module with its children built on the meta
-device in ``configure_model``.
+One class of tests sharing 2 gloo ranks (:class:`tests.dist_pool.DistributedTest`), one test per behaviour, each
+fitting 6 steps with accumulation and clipping:
+
+* the layout: every parameter sharded, ``cls`` and ``pos`` in the LightningModule's own group, full shapes;
+* the losses, gradient norms and validation loss against DDP (1e-5: reductions run in other orders);
+* a checkpoint resume from the end of the first epoch against the uninterrupted run (1e-6);
+* the same module with its children built on the meta device in ``configure_model``, against DDP (1e-5).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_vescale.engine.fully_shard import get_state, sharded_groups
 from lightning_vescale.engine.tensor import is_ragged
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 from tests.distributed.test_lightning_strategy import Recorder, assert_close, ddp, fit
 from tests.toy_models import Block
 
@@ -90,13 +94,12 @@ class DirectParams(Recorder):
         return DataLoader(Sequences(16, seed=2), batch_size=4)
 
 
-def _checks(rank: int, world: int, tmp: str) -> None:
-    common = dict(max_steps=6, accumulate_grad_batches=2, gradient_clip_val=CLIP, val_check_interval=4)
-    ref, ref_trainer = fit(DirectParams, ddp(), **common)
-    saver = ModelCheckpoint(dirpath=os.path.join(tmp, "ckpt"), every_n_train_steps=4, save_top_k=-1)
-    mine, trainer = fit(DirectParams, "vescale", callbacks=[saver], **common)
+COMMON = dict(max_steps=6, accumulate_grad_batches=2, gradient_clip_val=CLIP, val_check_interval=4)
 
-    # Every parameter is sharded; cls and pos are in the LightningModule's own group.
+
+def _own_parameters_in_the_root_group(rank: int, world: int) -> None:
+    """Every parameter is sharded; cls and pos are in the LightningModule's own group."""
+    mine, _ = fit(DirectParams, "vescale", **COMMON)
     assert all(is_ragged(p) for p in mine.parameters())
     own = get_state(mine).group
     assert sorted(mp.fqn for mp in own.managed) == ["cls", "pos"]
@@ -106,6 +109,11 @@ def _checks(rank: int, world: int, tmp: str) -> None:
     dist.all_reduce(pieces)
     assert pieces.item() == DIM + (SEQ + 1) * DIM
 
+
+def _trains_like_ddp(rank: int, world: int) -> None:
+    ref, ref_trainer = fit(DirectParams, ddp(), **COMMON)
+    mine, trainer = fit(DirectParams, "vescale", **COMMON)
+
     # Same losses (every micro-batch), gradient norms (clipping active) and validation loss as DDP.
     assert len(mine.losses) == 12 and len(mine.norms) == 6
     assert_close(mine.losses, ref.losses, 1e-5, "losses vs DDP")
@@ -114,19 +122,39 @@ def _checks(rank: int, world: int, tmp: str) -> None:
     want = ref_trainer.callback_metrics["val_loss"].item()
     assert abs(trainer.callback_metrics["val_loss"].item() - want) < 1e-5
 
-    # A resume from step 4, the end of the first epoch (cls and pos in the sharded checkpoint), equals the
-    # uninterrupted run.
+
+def _resume_equals_uninterrupted(rank: int, world: int, tmp: str) -> None:
+    """A resume from step 4, the end of the first epoch (cls and pos in the sharded checkpoint), equals the
+    uninterrupted run."""
+    saver = ModelCheckpoint(dirpath=os.path.join(tmp, "ckpt"), every_n_train_steps=4, save_top_k=-1)
+    mine, _ = fit(DirectParams, "vescale", callbacks=[saver], **COMMON)
     ckpt = os.path.join(tmp, "ckpt", "epoch=0-step=4.ckpt")
     assert os.path.isdir(ckpt), sorted(os.listdir(os.path.join(tmp, "ckpt")))
-    resumed, _ = fit(DirectParams, "vescale", init_seed=123, ckpt_path=ckpt, **common)
+    resumed, _ = fit(DirectParams, "vescale", init_seed=123, ckpt_path=ckpt, **COMMON)
     assert_close(resumed.losses, mine.losses[8:], 1e-6, "resumed vs uninterrupted")
 
-    # Children built on the meta device in configure_model, cls and pos real from __init__: same as DDP.
-    ref_cm, _ = fit(lambda: DirectParams(build_in_configure_model=True), ddp(), **common)
-    mine_cm, _ = fit(lambda: DirectParams(build_in_configure_model=True), "vescale", **common)
+
+def _configure_model_children_train_like_ddp(rank: int, world: int) -> None:
+    """Children built on the meta device in configure_model, cls and pos real from __init__: same as DDP."""
+    ref_cm, _ = fit(lambda: DirectParams(build_in_configure_model=True), ddp(), **COMMON)
+    mine_cm, _ = fit(lambda: DirectParams(build_in_configure_model=True), "vescale", **COMMON)
     assert not any(p.is_meta for p in mine_cm.parameters())
     assert_close(mine_cm.losses, ref_cm.losses, 1e-5, "configure_model children vs DDP")
 
 
-def test_lightning_module_with_its_own_parameters_trains_like_ddp(tmp_path) -> None:
-    run_distributed(_checks, 2, str(tmp_path), timeout=300)
+class TestDirectParameters(DistributedTest):
+    """A LightningModule with parameters of its own, on 2 ranks."""
+
+    world_size = 2
+
+    def test_its_own_parameters_are_sharded_in_the_lightning_modules_group(self) -> None:
+        self.run_ranks(_own_parameters_in_the_root_group)
+
+    def test_losses_gradient_norms_and_validation_equal_ddp(self) -> None:
+        self.run_ranks(_trains_like_ddp)
+
+    def test_resume_from_the_end_of_the_first_epoch_equals_uninterrupted_training(self, tmp_path) -> None:
+        self.run_ranks(_resume_equals_uninterrupted, str(tmp_path))
+
+    def test_children_built_in_configure_model_train_like_ddp(self) -> None:
+        self.run_ranks(_configure_model_children_train_like_ddp)

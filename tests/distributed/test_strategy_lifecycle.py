@@ -1,8 +1,11 @@
 """The strategies across repeated runs in one process, and resuming from the ``.old`` fallback.
 
-One 2-rank process group runs every check: repeated HSDP ``Trainer.fit`` calls and repeated HSDP Fabric
-launches add no process groups, file descriptors or threads after the first; ``Trainer.fit(ckpt_path=p)``
-resumes from ``p.old`` when a save crashed between its renames (as ``checkpoint.load`` does).
+One class of tests sharing 2 gloo ranks (:class:`tests.dist_pool.DistributedTest`), one test per behaviour:
+
+* repeated HSDP ``Trainer.fit`` calls add no process groups, file descriptors or threads after the first;
+* repeated HSDP Fabric launches add none either;
+* ``Trainer.fit(ckpt_path=p)`` resumes from ``p.old`` when a save crashed between its renames (as
+  ``checkpoint.load`` does).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_vescale.lightning  # noqa: F401 - registers strategy="vescale"
 from lightning_vescale.lightning import VeScaleFabricStrategy, VeScaleStrategy
-from tests.dist_utils import run_distributed
+from tests.dist_pool import DistributedTest
 
 FITS = 4
 
@@ -56,7 +59,7 @@ def _resources() -> tuple[int, int, int]:
     return groups, len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
 
 
-def _repeated_fits_hold_no_new_resources(world: int) -> None:
+def _repeated_fits_hold_no_new_resources(rank: int, world: int) -> None:
     seen = []
     for _ in range(FITS):
         # replicate_size=2 on 2 ranks: a (2, 1) mesh, whose shard dimension is a group of its own per rank.
@@ -65,7 +68,7 @@ def _repeated_fits_hold_no_new_resources(world: int) -> None:
     assert seen[1:] == seen[:1] * (FITS - 1), f"(groups, fds, threads) after each fit: {seen}"
 
 
-def _repeated_fabric_launches_hold_no_new_resources(world: int) -> None:
+def _repeated_fabric_launches_hold_no_new_resources(rank: int, world: int) -> None:
     seen = []
     for _ in range(FITS):
         fabric = Fabric(strategy=VeScaleFabricStrategy(replicate_size=2), accelerator="cpu", devices=world)
@@ -91,11 +94,16 @@ def _resume_from_the_old_fallback(rank: int, world: int, tmp: str) -> None:
     assert resumed.first_step == 2
 
 
-def _run(rank: int, world: int, tmp: str) -> None:
-    _repeated_fits_hold_no_new_resources(world)
-    _repeated_fabric_launches_hold_no_new_resources(world)
-    _resume_from_the_old_fallback(rank, world, tmp)
+class TestStrategyLifecycle(DistributedTest):
+    """Repeated runs in the same 2 ranks."""
 
+    world_size = 2
 
-def test_repeated_runs_and_the_old_fallback(tmp_path) -> None:
-    run_distributed(_run, 2, str(tmp_path), timeout=300)
+    def test_repeated_hsdp_trainer_fits_hold_no_new_resources(self) -> None:
+        self.run_ranks(_repeated_fits_hold_no_new_resources)
+
+    def test_repeated_hsdp_fabric_launches_hold_no_new_resources(self) -> None:
+        self.run_ranks(_repeated_fabric_launches_hold_no_new_resources)
+
+    def test_fit_resumes_from_the_old_fallback_of_a_crashed_save(self, tmp_path) -> None:
+        self.run_ranks(_resume_from_the_old_fallback, str(tmp_path))
