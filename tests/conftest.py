@@ -6,7 +6,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_collection_modifyitems(config, items):
     """Keep the tests of one DistributedTest class on one pytest-xdist worker (``--dist loadgroup``: they share one
-    set of ranks), and skip ``gpu`` tests where there is no CUDA device."""
+    set of ranks), and those of a module with a module-scoped fixture of its own; skip ``gpu`` tests where there is
+    no CUDA device."""
     import pytest
     import torch
 
@@ -15,7 +16,25 @@ def pytest_collection_modifyitems(config, items):
     no_cuda = pytest.mark.skip(reason="gpu test: no CUDA device here")
     for item in items:
         cls = getattr(item, "cls", None)
-        if cls is not None and issubclass(cls, DistributedTest):
-            item.add_marker(pytest.mark.xdist_group(name=f"{item.module.__name__}.{cls.__name__}"))
+        if item.get_closest_marker("xdist_group") is None:
+            if _uses_module_fixture(item):
+                # A module-scoped fixture of the test's own module (ranks shared by its classes, a checkpoint one
+                # world size saves for the others to load, recipe runs): one worker, so it is set up once.
+                item.add_marker(pytest.mark.xdist_group(name=item.module.__name__))
+            elif cls is not None and issubclass(cls, DistributedTest):
+                item.add_marker(pytest.mark.xdist_group(name=f"{item.module.__name__}.{cls.__name__}"))
         if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(no_cuda)
+
+
+def _uses_module_fixture(item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture defined in its own module."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    for defs in info.name2fixturedefs.values():
+        fixturedef = defs[-1]
+        func = getattr(fixturedef, "func", None)
+        if fixturedef.scope == "module" and func is not None and getattr(func, "__module__", None) == item.module.__name__:
+            return True
+    return False
