@@ -6,7 +6,8 @@ weights.
 The two runs are launched once for the module (a module-scoped fixture; its tests stay on one pytest-xdist worker),
 each test checks one behaviour of them: the ep x tp run reports its mesh; its losses and validation loss equal the ep
 run's (fp32, AdamW; measured 2e-7 apart over 6 steps, 1e-5 allowed: reductions run in other orders), so do its weights
-(1e-4 relative); its checkpoint reads whole and exports to Hugging Face (the expert weights bitwise). An ep x tp
+(per tensor: the difference's norm within 5e-5 of the weights', the largest element within 1e-3 of the largest
+weight; see the test for why two measures); its checkpoint reads whole and exports to Hugging Face (the expert weights bitwise). An ep x tp
 product that does not divide the processes stops before anything is launched (exit 2)."""
 
 from __future__ import annotations
@@ -65,11 +66,21 @@ def test_expert_and_tensor_parallel_losses_equal_expert_parallel_losses(runs: Ru
 
 @ONE_WORKER
 def test_expert_and_tensor_parallel_weights_equal_expert_parallel_weights(runs: Runs):
+    # Two measures, because AdamW amplifies reduction order unevenly: an element whose gradient is about zero moves by
+    # lr * m / sqrt(v), so last-bit gradient differences there become visible updates (a heavy tail: 4 of wq's 8192
+    # elements above 1e-6 apart, 1.2e-4 of the tensor's largest weight, on an AVX-512 Xeon). Per tensor, the norm of
+    # the difference stays at reduction noise (measured 5.9e-6 of the weights' norm, the same recipe with gradient
+    # accumulation 6e-7); a wrong tensor-parallel gradient (a missing or doubled reduction) moves whole tensors by
+    # 1e-2 or more. The largest element is bounded too, at the tail's size with a margin.
     eptp_state, ep_state = (read_model_state(run / "checkpoints" / "last.ckpt") for run in (runs.eptp_run, runs.ep_run))
     assert eptp_state.keys() == ep_state.keys()
+    floats = [n for n in ep_state if ep_state[n].is_floating_point()]
+    norm_worst, norm_name = max((((eptp_state[n] - ep_state[n]).norm() / ep_state[n].norm().clamp_min(1e-12)).item(), n)
+                                for n in floats)
+    assert norm_worst <= 5e-5, f"the ep x tp run's weights differ from the ep run's by {norm_worst} (norm, in {norm_name})"
     worst, name = max((((eptp_state[n] - ep_state[n]).abs().max() / ep_state[n].abs().max().clamp_min(1e-12)).item(), n)
-                      for n in ep_state if ep_state[n].is_floating_point())
-    assert worst <= 1e-4, f"the ep x tp run's weights differ from the ep run's by {worst} (relative, in {name})"
+                      for n in floats)
+    assert worst <= 1e-3, f"the ep x tp run's weights differ from the ep run's by {worst} (largest element, in {name})"
 
 
 @ONE_WORKER
