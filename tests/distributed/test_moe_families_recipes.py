@@ -8,6 +8,8 @@ import pytest
 
 from tests.distributed.test_recipes import run_recipe
 
+pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
+
 
 @pytest.mark.parametrize(
     "model,overrides",

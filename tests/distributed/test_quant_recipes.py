@@ -20,6 +20,8 @@ from lightning_vescale.export import read_model_state
 from lightning_vescale.models import Llama, from_pretrained, llama_config, save_pretrained
 from tests.distributed.test_recipes import ROOT, run_recipe
 
+pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
+
 BLOCK = 32
 
 

@@ -23,6 +23,8 @@ from safetensors.torch import load_file
 from lightning_vescale.export import export_hf, read_model_state
 from tests.distributed.test_recipes import run_recipe
 
+pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
+
 ONE_WORKER = pytest.mark.xdist_group(name="test_recipe_expert_tensor_parallel.eptp_and_ep_runs")
 """The tests of the fixture's two runs: on one pytest-xdist worker, so the runs are launched once."""
 

@@ -8,8 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lightning_vescale.models.vlm import VLM, vlm_config
 from lightning_vescale.pipeline import read_mpmd_full_state_dict
+
+pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,11 +51,13 @@ def test_vlm_mpmd_recipe_trains_the_layout_the_cost_model_chooses(tmp_path):
     from lightning_vescale.recipe.mpmd import MPMDConfig
 
     run = tmp_path / "run"
-    proc = run_train("trainer.max_steps=3", "trainer.checkpoint_every_n_steps=0", f"output_root={tmp_path}",
-                     f"hydra.run.dir={run}")
+    # The tiny model (the choice is made and followed alike for any size; the default one costs a minute here).
+    proc = run_train("mpmd.model=tiny", "trainer.max_steps=3", "trainer.checkpoint_every_n_steps=0",
+                     f"output_root={tmp_path}", f"hydra.run.dir={run}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     summary = json.loads((run / "summary.json").read_text())
-    config = MPMDConfig(**yaml.safe_load((ROOT / "configs" / "experiment" / "vlm_mpmd.yaml").read_text())["mpmd"])
+    experiment = yaml.safe_load((ROOT / "configs" / "experiment" / "vlm_mpmd.yaml").read_text())["mpmd"]
+    config = MPMDConfig(**{**experiment, "model": "tiny"})
     plan, costs = config.choose(4, "cpu")
     assert summary["layout"] == ("uniform" if plan is None else plan.name)
     assert [c["layout"] for c in summary["predicted"]] == [c.name.removeprefix("mpmd:") for c in costs]

@@ -26,6 +26,8 @@ from typing import Any, NamedTuple, Optional
 
 import pytest
 
+pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
+
 ROOT = Path(__file__).resolve().parents[2]
 MAX_STEPS = 60
 # Liveness bounds, not timings: a run that hangs is killed here instead of blocking the suite.

@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 from lightning_vescale.export import export_hf, read_model_state
 from tests.distributed.test_recipes import run_recipe
 
+pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
+
 WEIGHT_TOLERANCE = 2e-2
 """Max |w_tp - w_dp| after 6 Muon steps: measured 3.9e-3 (Newton-Schulz runs in bf16: fp32 reduction-order differences
 flip its roundings, and each Muon update moves every element by about lr); a wrong split is off by the weights' scale."""

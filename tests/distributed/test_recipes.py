@@ -23,6 +23,8 @@ import yaml
 from lightning_vescale.export import read_model_state
 from lightning_vescale.models import Llama, MoE, llama_config, moe_config, save_pretrained
 
+pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -16,6 +16,7 @@ import pytest
 from tests.distributed.test_recipes import ROOT, run_recipe
 
 
+@pytest.mark.slow
 def test_moe_tiny_trains_with_expert_parallel_size_2(tmp_path):
     run = tmp_path / "moe_tiny" / "run"
     proc = run_recipe("train.py", "model=moe_tiny", "strategy.expert_parallel_size=2", "trainer.devices=2",

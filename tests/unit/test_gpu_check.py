@@ -23,6 +23,7 @@ def _gpu_check():
     return module
 
 
+@pytest.mark.slow
 def test_cpu_dry_check_end_to_end(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "GPU_CHECK_STEPS": "1",
            "GPU_CHECK_WARMUP": "1", "PYTHON": sys.executable,
