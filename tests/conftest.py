@@ -1,7 +1,9 @@
 import os
 
-# Keep multi-process CPU tests from oversubscribing the two cores.
+# Keep multi-process CPU tests from oversubscribing the two cores (before torch is imported).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from tests.dist_pool import ranks  # noqa: E402, F401 - the module-scoped ranks of ModuleRanksTest, for every module
 
 
 def pytest_collection_modifyitems(config, items):
@@ -18,8 +20,8 @@ def pytest_collection_modifyitems(config, items):
         cls = getattr(item, "cls", None)
         if item.get_closest_marker("xdist_group") is None:
             if _uses_module_fixture(item):
-                # A module-scoped fixture of the test's own module (ranks shared by its classes, a checkpoint one
-                # world size saves for the others to load, recipe runs): one worker, so it is set up once.
+                # A module-scoped fixture (ranks shared by the module's classes, a checkpoint one world size saves
+                # for the others to load, recipe runs): one worker, so it is set up once.
                 item.add_marker(pytest.mark.xdist_group(name=item.module.__name__))
             elif cls is not None and issubclass(cls, DistributedTest):
                 item.add_marker(pytest.mark.xdist_group(name=f"{item.module.__name__}.{cls.__name__}"))
@@ -28,13 +30,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _uses_module_fixture(item) -> bool:
-    """Whether ``item`` uses a module-scoped fixture defined in its own module."""
+    """Whether ``item`` uses a module-scoped fixture of the tests (not of pytest or a plugin: their ids are empty)."""
     info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return False
-    for defs in info.name2fixturedefs.values():
-        fixturedef = defs[-1]
-        func = getattr(fixturedef, "func", None)
-        if fixturedef.scope == "module" and func is not None and getattr(func, "__module__", None) == item.module.__name__:
-            return True
-    return False
+    return info is not None and any(defs[-1].scope == "module" and defs[-1].baseid
+                                    for defs in info.name2fixturedefs.values())

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["FORKSERVER_PRELOAD", "DistributedPool", "DistributedTest", "fake_world"]
+__all__ = ["FORKSERVER_PRELOAD", "DistributedPool", "DistributedPools", "DistributedTest", "ModuleRanksTest", "fake_world",
+           "ranks"]
 
 FORKSERVER_PRELOAD = ["torch", "lightning.pytorch", "lightning_vescale", "tests.dist_pool", "tests.dist_utils",
                       "tests.toy_models"]
@@ -148,6 +149,42 @@ class DistributedTest:
     def run_ranks(self, fn: Callable[..., Any], *args: Any, timeout: float = 300) -> None:
         assert self._pool is not None, "run_ranks runs inside a test of the class"
         self._pool.run(fn, *args, timeout=timeout)
+
+
+class DistributedPools:
+    """One :class:`DistributedPool` per world size, started on first use: the ranks a module's world sizes share
+    with its fixtures (a checkpoint saved on N ranks for the tests that load it on M)."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, DistributedPool] = {}
+
+    def __call__(self, world_size: int) -> DistributedPool:
+        if world_size not in self._open:
+            self._open[world_size] = DistributedPool(world_size)
+        return self._open[world_size]
+
+    def close(self) -> None:
+        for pool in self._open.values():
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[DistributedPools]:
+    """The module's ranks, per world size (``tests/conftest.py`` offers it to every module)."""
+    pools = DistributedPools()
+    yield pools
+    pools.close()
+
+
+class ModuleRanksTest(DistributedTest):
+    """A :class:`DistributedTest` on the module's ranks of its world size (the ``ranks`` fixture) instead of a pool of
+    its own, so a fixture of the module can run on the same ranks first."""
+
+    @pytest.fixture(scope="class", autouse=True)
+    def _ranks(self, request: pytest.FixtureRequest, ranks: DistributedPools) -> Iterator[None]:
+        request.cls._pool = ranks(request.cls.world_size)
+        yield
+        request.cls._pool = None
 
 
 @contextlib.contextmanager

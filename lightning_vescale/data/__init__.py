@@ -12,7 +12,7 @@ from lightning_vescale.data.corpus import (
     generate_corpus,
     load_text,
 )
-from lightning_vescale.data.options import TEXT_DATA_DEFAULTS, TextDataOptions, text_data_problem
+from lightning_vescale.data.options import TEXT_DATA_DEFAULTS, TextDataOptions
 from lightning_vescale.data.tokenizer import (
     TOKENIZERS,
     BPETokenizer,
@@ -37,7 +37,6 @@ __all__ = [
     "generate_corpus",
     "load_text",
     "split_tokens",
-    "text_data_problem",
     "train_bpe",
 ]
 

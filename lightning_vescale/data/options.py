@@ -11,7 +11,7 @@ from typing import Optional
 
 from lightning_vescale.data.tokenizer import TOKENIZERS
 
-__all__ = ["TEXT_DATA_DEFAULTS", "TextDataOptions", "text_data_problem"]
+__all__ = ["TEXT_DATA_DEFAULTS", "TextDataOptions"]
 
 
 @dataclass(frozen=True)
@@ -36,25 +36,20 @@ class TextDataOptions:
     """Seed of the training sampler's shuffle."""
 
     def problem(self, *, prefix: str = "", null: str = "None") -> Optional[str]:
-        """What is wrong with these options, or None; keys named as the caller's users write them (``prefix``
+        """The first thing wrong with these options, or None; keys named as the caller's users write them (``prefix``
         ``"data."`` and ``null`` ``"null"`` in a recipe)."""
-        return text_data_problem(self, prefix=prefix, null=null)
+        o, p = self, prefix
+        if o.tokenizer not in TOKENIZERS:
+            return f"{p}tokenizer must be one of {', '.join(TOKENIZERS)}, got {o.tokenizer!r}"
+        checks = [
+            (o.bpe_vocab_size >= 256, f"{p}bpe_vocab_size must be >= 256 (the byte alphabet), got {o.bpe_vocab_size}"),
+            (o.seq_len >= 1, f"{p}seq_len must be >= 1, got {o.seq_len}"),
+            (o.batch_size >= 1, f"{p}batch_size must be >= 1, got {o.batch_size}"),
+            (0.0 < o.val_fraction < 1.0, f"{p}val_fraction must be in (0, 1), got {o.val_fraction}"),
+            (o.stride is None or o.stride >= 1, f"{p}stride must be >= 1 or {null}, got {o.stride}"),
+            (o.num_workers >= 0, f"{p}num_workers must be >= 0, got {o.num_workers}"),
+        ]
+        return next((message for ok, message in checks if not ok), None)
 
 
 TEXT_DATA_DEFAULTS = TextDataOptions()
-
-
-def text_data_problem(options: TextDataOptions, *, prefix: str = "", null: str = "None") -> Optional[str]:
-    """The first thing wrong with ``options`` (see :meth:`TextDataOptions.problem`), or None."""
-    o, p = options, prefix
-    if o.tokenizer not in TOKENIZERS:
-        return f"{p}tokenizer must be one of {', '.join(TOKENIZERS)}, got {o.tokenizer!r}"
-    checks = [
-        (o.bpe_vocab_size >= 256, f"{p}bpe_vocab_size must be >= 256 (the byte alphabet), got {o.bpe_vocab_size}"),
-        (o.seq_len >= 1, f"{p}seq_len must be >= 1, got {o.seq_len}"),
-        (o.batch_size >= 1, f"{p}batch_size must be >= 1, got {o.batch_size}"),
-        (0.0 < o.val_fraction < 1.0, f"{p}val_fraction must be in (0, 1), got {o.val_fraction}"),
-        (o.stride is None or o.stride >= 1, f"{p}stride must be >= 1 or {null}, got {o.stride}"),
-        (o.num_workers >= 0, f"{p}num_workers must be >= 0, got {o.num_workers}"),
-    ]
-    return next((message for ok, message in checks if not ok), None)

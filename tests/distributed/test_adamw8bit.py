@@ -34,7 +34,7 @@ from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.engine.tensor import RaggedTensor, is_ragged, local_tensor
 from lightning_vescale.memory import MemoryPolicy, offload_optimizer_states
 from lightning_vescale.optim import AdamW8bit, adamw8bit_granularity
-from tests.dist_pool import DistributedPool, DistributedTest
+from tests.dist_pool import DistributedPools, DistributedTest, ModuleRanksTest
 
 SAVED_STEPS = 3
 MORE_STEPS = 3
@@ -144,18 +144,10 @@ def _save2(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ranks2():
-    """The module's 2 ranks: they run the 2-rank tests and save the checkpoint the other world sizes load."""
-    pool = DistributedPool(2)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def saved(ranks2: DistributedPool, tmp_path_factory) -> str:
+def saved(ranks: DistributedPools, tmp_path_factory) -> str:
     """The checkpoint, full optimizer export and final parameters of the 2-rank run, once for the module."""
     tmp = str(tmp_path_factory.mktemp("adamw8bit_ckpt"))
-    ranks2.run(_save2, tmp)
+    ranks(2).run(_save2, tmp)
     return tmp
 
 
@@ -190,15 +182,10 @@ def _without_optimizer_state_differs(rank: int, world: int, tmp: str) -> None:
     assert diff > 1e-3, diff
 
 
-class TestAdamW8bitOn2Ranks(DistributedTest):
-    world_size = 2
+class TestAdamW8bitOn2Ranks(ModuleRanksTest):
+    """On the module's 2 ranks, those that save the checkpoint."""
 
-    @pytest.fixture(scope="class", autouse=True)
-    def _ranks(self, request: pytest.FixtureRequest, ranks2: DistributedPool):
-        """The module's 2 ranks (those that save the checkpoint), not a pool of the class's own."""
-        request.cls._pool = ranks2
-        yield
-        request.cls._pool = None
+    world_size = 2
 
     def test_sharded_steps_are_bitwise_one_process(self) -> None:
         self.run_ranks(_sharded_steps_bitwise)

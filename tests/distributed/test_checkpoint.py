@@ -1,7 +1,7 @@
 """Sharded checkpoints (DESIGN invariant 6): resume, reshard N -> M, atomic save, full export.
 
 One test per behaviour; each world size starts its ranks once for the module (:class:`tests.dist_pool.
-DistributedPool`), shared by its class of tests and by the fixture that saves what the next world size loads:
+ModuleRanksTest`), shared by its class of tests and by the fixture that saves what the next world size loads:
 
 * 4 ranks: a model trained side by side with a single-process reference is saved (``ck4``, the ``saved``
   fixture), exported in full (safetensors and torch: the same names and order as the unsharded model, equal to the
@@ -26,7 +26,6 @@ import math
 import os
 import random
 import shutil
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -41,7 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import lightning_vescale as lv
 from lightning_vescale import checkpoint as ckpt
 from tests.asserts import assert_equal_tree
-from tests.dist_pool import DistributedPool, DistributedTest
+from tests.dist_pool import DistributedPools, ModuleRanksTest
 from tests.toy_models import MLP, TinyTransformer
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
@@ -123,36 +122,8 @@ def each_element_once(directory: str) -> None:
 # the checkpoint the next world size loads (4 -> 2 -> 3 -> 1), so each world size starts its ranks once.
 
 
-class _Pools:
-    """One :class:`DistributedPool` per world size, started on first use, closed with the module."""
-
-    def __init__(self) -> None:
-        self._open: dict[int, DistributedPool] = {}
-
-    def __call__(self, world_size: int) -> DistributedPool:
-        if world_size not in self._open:
-            self._open[world_size] = DistributedPool(world_size)
-        return self._open[world_size]
-
-    def close(self) -> None:
-        for pool in self._open.values():
-            pool.close()
 
 
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[_Pools]:
-    pools = _Pools()
-    yield pools
-    pools.close()
-
-
-class _ModuleRanks(DistributedTest):
-    @pytest.fixture(scope="class", autouse=True)
-    def _ranks(self, request: pytest.FixtureRequest, ranks: _Pools) -> Iterator[None]:
-        """The module's ranks of this world size (those that save the checkpoints), not a pool of the class's own."""
-        request.cls._pool = ranks(request.cls.world_size)
-        yield
-        request.cls._pool = None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -217,7 +188,7 @@ def _save4(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def saved(ranks: _Pools, tmp_path_factory) -> str:
+def saved(ranks: DistributedPools, tmp_path_factory) -> str:
     tmp = str(tmp_path_factory.mktemp("ckpt"))
     ranks(4).run(_save4, tmp)
     return tmp
@@ -316,7 +287,7 @@ def _whole_tensors_leave_empty_pieces(rank: int, world: int) -> None:
     assert empty.item() > 0
 
 
-class TestCheckpointOn4Ranks(_ModuleRanks):
+class TestCheckpointOn4Ranks(ModuleRanksTest):
     world_size = 4
 
     def test_full_export_is_the_unsharded_state_dict(self) -> None:
@@ -383,7 +354,7 @@ def _save2(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ck2(ranks: _Pools, saved: str) -> str:
+def ck2(ranks: DistributedPools, saved: str) -> str:
     ranks(2).run(_save2, saved)
     return saved
 
@@ -473,7 +444,7 @@ def _previous_ck2_loads(rank: int, world: int, tmp: str) -> None:
     _check_against_reference(model, opt, sched, tmp)
 
 
-class TestCheckpointOn2Ranks(_ModuleRanks):
+class TestCheckpointOn2Ranks(ModuleRanksTest):
     world_size = 2
 
     def test_4_rank_checkpoint_loads_and_continues_like_the_reference(self, saved: str) -> None:
@@ -528,12 +499,12 @@ def _save3(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ck3(ranks: _Pools, ck2: str) -> str:
+def ck3(ranks: DistributedPools, ck2: str) -> str:
     ranks(3).run(_save3, ck2)
     return ck2
 
 
-class TestCheckpointOn3Ranks(_ModuleRanks):
+class TestCheckpointOn3Ranks(ModuleRanksTest):
     world_size = 3
 
     def test_2_rank_checkpoint_loads_on_3_ranks(self, ck2: str) -> None:

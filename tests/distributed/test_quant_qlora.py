@@ -1,6 +1,6 @@
 """QLoRA-style fine-tuning on a block-quantized frozen base, sharded on gloo ranks, against one process.
 
-One test per behaviour; 2 and 3 ranks, each started once for the module (:class:`tests.dist_pool.DistributedPool`)
+One test per behaviour; 2 and 3 ranks, each started once for the module (:class:`tests.dist_pool.ModuleRanksTest`)
 and shared by the class of its world size and by the fixture whose checkpoint the 3 ranks reload:
 
 * the frozen base is sharded codes + scales, bitwise the one-process quantization (and its gathered
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Iterator
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ from lightning_vescale import checkpoint, fully_shard
 from lightning_vescale.models import Llama, LlamaConfig
 from lightning_vescale.quant import BlockFormat, QuantizedTensor, quantize_frozen_weights
 from lightning_vescale.quant.lora import LoRAConfig, apply_lora
-from tests.dist_pool import DistributedPool, DistributedTest
+from tests.dist_pool import DistributedPools, ModuleRanksTest
 
 CONFIG = LlamaConfig(vocab_size=128, dim=128, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=176, max_seq_len=32)
 LORA = LoRAConfig(rank=4, alpha=8.0)
@@ -267,31 +266,10 @@ def _unfreezing_refused(rank: int, world: int) -> None:
 # The module's ranks: the 2 that save the fine-tuned checkpoints are those of the 2-rank tests.
 
 
-class _Pools:
-    """One :class:`DistributedPool` per world size, started on first use, closed with the module."""
-
-    def __init__(self) -> None:
-        self._open: dict[int, DistributedPool] = {}
-
-    def __call__(self, world_size: int) -> DistributedPool:
-        if world_size not in self._open:
-            self._open[world_size] = DistributedPool(world_size)
-        return self._open[world_size]
-
-    def close(self) -> None:
-        for pool in self._open.values():
-            pool.close()
 
 
 @pytest.fixture(scope="module")
-def ranks() -> Iterator[_Pools]:
-    pools = _Pools()
-    yield pools
-    pools.close()
-
-
-@pytest.fixture(scope="module")
-def saved(ranks: _Pools, tmp_path_factory):
+def saved(ranks: DistributedPools, tmp_path_factory):
     """``saved(fmt_kind)``: the directory of the 2-rank fine-tuned checkpoint in that format (saved once)."""
     done: dict[str, str] = {}
 
@@ -305,19 +283,12 @@ def saved(ranks: _Pools, tmp_path_factory):
     return get
 
 
-class _ModuleRanks(DistributedTest):
-    @pytest.fixture(scope="class", autouse=True)
-    def _ranks(self, request: pytest.FixtureRequest, ranks: _Pools) -> Iterator[None]:
-        """The module's ranks of this world size, not a pool of the class's own."""
-        request.cls._pool = ranks(request.cls.world_size)
-        yield
-        request.cls._pool = None
 
 
 FORMATS = ["fp8_e4m3", "int8"]
 
 
-class TestQLoRAOn2Ranks(_ModuleRanks):
+class TestQLoRAOn2Ranks(ModuleRanksTest):
     world_size = 2
 
     @pytest.mark.parametrize("fmt_kind", FORMATS)
@@ -354,7 +325,7 @@ class TestQLoRAOn2Ranks(_ModuleRanks):
         self.run_ranks(_unfreezing_refused)
 
 
-class TestQLoRAOn3Ranks(_ModuleRanks):
+class TestQLoRAOn3Ranks(ModuleRanksTest):
     world_size = 3
 
     @pytest.mark.parametrize("fmt_kind", FORMATS)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Iterator
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ from lightning_vescale.engine.fully_shard import sharded_groups
 from lightning_vescale.quant import BlockFormat, dequantize_block_major, quantize_all_gather, quantize_block_major
 from lightning_vescale.quant.blocks import tile_boxes
 from lightning_vescale.quant.formats import dequantize_tiles, quantize_tiles
-from tests.dist_pool import DistributedPool, DistributedTest
+from tests.dist_pool import DistributedPools, ModuleRanksTest
 
 SHAPES = {"a": (300, 256), "b": (200, 384), "c": (257, 130), "d": (128, 128)}
 STACK = (3, 200, 130)  # an expert stack: each expert's last tile row holds 72 rows
@@ -309,47 +308,19 @@ def _broadcast_from_rank0(rank: int, world: int) -> None:
 
 
 # -- the module's ranks: the 2 that save the tile-major checkpoint are those of the 2-rank tests -------------------
-class _Pools:
-    """One :class:`DistributedPool` per world size, started on first use, closed with the module."""
-
-    def __init__(self) -> None:
-        self._open: dict[int, DistributedPool] = {}
-
-    def __call__(self, world_size: int) -> DistributedPool:
-        if world_size not in self._open:
-            self._open[world_size] = DistributedPool(world_size)
-        return self._open[world_size]
-
-    def close(self) -> None:
-        for pool in self._open.values():
-            pool.close()
 
 
 @pytest.fixture(scope="module")
-def ranks() -> Iterator[_Pools]:
-    pools = _Pools()
-    yield pools
-    pools.close()
-
-
-@pytest.fixture(scope="module")
-def tiled_ckpt(ranks: _Pools, tmp_path_factory) -> str:
+def tiled_ckpt(ranks: DistributedPools, tmp_path_factory) -> str:
     """A checkpoint of the tile-major master trained on 2 ranks, and its full state (``full.pt``)."""
     tmp = str(tmp_path_factory.mktemp("tiles"))
     ranks(2).run(_save_tiled, tmp)
     return tmp
 
 
-class _ModuleRanks(DistributedTest):
-    @pytest.fixture(scope="class", autouse=True)
-    def _ranks(self, request: pytest.FixtureRequest, ranks: _Pools) -> Iterator[None]:
-        """The module's ranks of this world size, not a pool of the class's own."""
-        request.cls._pool = ranks(request.cls.world_size)
-        yield
-        request.cls._pool = None
 
 
-class _GatherTests(_ModuleRanks):
+class _GatherTests(ModuleRanksTest):
     @pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
     @pytest.mark.parametrize("fmt_index", range(len(FORMATS)), ids=[f.name for f in FORMATS])
     @pytest.mark.parametrize("layout", ["auto", "block_major", "bands"])
