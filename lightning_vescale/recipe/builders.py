@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from lightning_vescale.engine.planner import element_blocks
 from lightning_vescale.recipe.memory import world_size_of
-from lightning_vescale.recipe.paths import hydra_on
+from lightning_vescale.recipe.paths import absolute
 from lightning_vescale.recipe.schema import (
     AdamW8bitConfig,
     DataConfig,
@@ -36,7 +36,7 @@ def build_datamodule(data: DataConfig, *, seed: int = 0) -> TextDataModule:
     orders the training windows."""
     from lightning_vescale.data import TextDataModule
 
-    path = None if data.path is None else hydra.utils.to_absolute_path(data.path) if hydra_on() else data.path
+    path = None if data.path is None else absolute(data.path)
     return TextDataModule(
         path, tokenizer=data.tokenizer, bpe_vocab_size=data.bpe_vocab_size, seq_len=data.seq_len,
         batch_size=data.batch_size, val_fraction=data.val_fraction, stride=data.stride, num_workers=data.num_workers,

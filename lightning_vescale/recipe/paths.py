@@ -23,10 +23,9 @@ def hydra_on() -> bool:
 
 def run_dir_for(config: TrainConfig) -> Path:
     """The run's folder: Hydra's, or ``{output_root}/{name}/{time}`` claimed exclusively (a launched rank's as given)."""
-    if hydra_on():
-        from hydra.core.hydra_config import HydraConfig
-
-        return Path(HydraConfig.get().runtime.output_dir)
+    known = run_dir_if_known()
+    if known is not None:
+        return known
     path = Path(config.output_root) / config.name / time.strftime("%Y-%m-%d_%H-%M-%S")
     from lightning.fabric.utilities.rank_zero import _get_rank
 
