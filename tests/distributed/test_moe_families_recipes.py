@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.distributed.test_recipes import run_recipe
+from tests.recipe_zygote import run_recipe
 
 pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
 

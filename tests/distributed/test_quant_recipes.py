@@ -8,7 +8,7 @@ gives the merged Hugging Face export's logits (1e-4), which differ from the base
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -18,7 +18,7 @@ import torch
 
 from lightning_vescale.export import read_model_state
 from lightning_vescale.models import Llama, from_pretrained, llama_config, save_pretrained
-from tests.distributed.test_recipes import ROOT, run_recipe
+from tests.recipe_zygote import ROOT, run_command, run_recipe
 
 pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
 
@@ -116,7 +116,7 @@ def test_train_with_a_quantized_all_gather(tmp_path):
 )
 def test_quant_config_mistakes_stop_before_the_run(tmp_path, script, overrides, message):
     cmd = [sys.executable, str(ROOT / "recipes" / script), f"output_root={tmp_path}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_command(cmd, env=dict(os.environ), timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert not any(tmp_path.iterdir())

@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from lightning_vescale.models.vlm import VLM, vlm_config
 from lightning_vescale.pipeline import read_mpmd_full_state_dict
+from tests.recipe_zygote import ROOT, run_command
 
 pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 def run_train(*overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "experiment=vlm_mpmd", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return run_command(cmd, timeout=300)
 
 
 def test_vlm_mpmd_recipe_trains_on_four_processes_and_saves_every_stage(tmp_path):

@@ -26,9 +26,10 @@ from typing import Any, NamedTuple, Optional
 
 import pytest
 
+from tests.recipe_zygote import ROOT, ForkedProcess, start
+
 pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_STEPS = 60
 # Liveness bounds, not timings: a run that hangs is killed here instead of blocking the suite.
 START_TIMEOUT_S = 240
@@ -37,13 +38,14 @@ ONE_WORKER = pytest.mark.xdist_group(name="test_recipe_signals.sequence")
 """The tests of the fixture's sequence of runs: on one pytest-xdist worker, so it runs once."""
 
 
-def _start(output_root: Path, log: Path, *overrides: str) -> subprocess.Popen:
+def _start(output_root: Path, log: Path, *overrides: str) -> ForkedProcess:
+    """The run in a process group of its own (``start_new_session``; Lightning's launcher starts rank 1 in it),
+    stdout and stderr to ``log``."""
     cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "experiment=smoke", f"trainer.max_steps={MAX_STEPS}",
            "trainer.checkpoint_every_n_steps=0", "trainer.val_every_n_steps=25", f"output_root={output_root}",
            *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log, "w") as out, open(os.devnull) as devnull:
+        return start(cmd, fds=(devnull.fileno(), out.fileno(), out.fileno()))
 
 
 def _progress_step(log: Path) -> int:
@@ -59,7 +61,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: ForkedProcess) -> None:
     if _group_alive(proc.pid):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -76,7 +78,7 @@ class Stop(NamedTuple):
     run: Path
 
 
-def _stop_with_sigterm(proc: subprocess.Popen, log: Path, *, after_step: int, whole_group: bool) -> tuple:
+def _stop_with_sigterm(proc: ForkedProcess, log: Path, *, after_step: int, whole_group: bool) -> tuple:
     """Send SIGTERM once the run logged ``after_step``; the exit code, whether a rank outlived it, and the log."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while _progress_step(log) < after_step:

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_vescale.export import export_hf, read_model_state
-from tests.distributed.test_recipes import run_recipe
+from tests.recipe_zygote import run_recipe
 
 pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
 

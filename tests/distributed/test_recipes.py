@@ -1,7 +1,9 @@
-"""The recipes end to end: ``recipes/train.py`` and ``recipes/finetune.py`` as subprocesses on 2 CPU processes.
+"""The recipes end to end: ``recipes/train.py`` and ``recipes/finetune.py`` as their own processes on 2 CPU ranks.
 
 Each run goes through Hydra, Lightning's subprocess launcher (which re-launches the Hydra app for rank 1),
-the vescale strategy, checkpoints and the summary. The runs are a few steps of ``experiment=smoke``.
+the vescale strategy, checkpoints and the summary. The runs are a few steps of ``experiment=smoke``. The main run
+starts a fresh interpreter as the user's command does; the others are forked from one that has imported torch and
+Lightning already (``tests/recipe_zygote.py``), which saves each process 7-9 s of imports.
 SIGTERM and exact mid-epoch resume: ``test_recipe_signals.py``.
 """
 
@@ -12,7 +14,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,24 +23,9 @@ import yaml
 
 from lightning_vescale.export import read_model_state
 from lightning_vescale.models import Llama, MoE, llama_config, moe_config, save_pretrained
+from tests.recipe_zygote import ROOT, run_command, run_recipe
 
 pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_recipe(script: str, *overrides: str, timeout: float = 300, returncode: int = 0) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, str(ROOT / "recipes" / script), "experiment=smoke", "trainer.enable_progress_bar=false",
-           *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != returncode:
-        raise AssertionError(
-            f"{' '.join(cmd)} exited with {proc.returncode}, not {returncode}:\n{proc.stdout[-4000:]}\n"
-            f"{proc.stderr[-8000:]}"
-        )
-    return proc
-
 
 def read_metrics(run_dir: Path) -> list[dict[str, str]]:
     with open(run_dir / "csv" / "metrics.csv") as f:
@@ -48,8 +34,9 @@ def read_metrics(run_dir: Path) -> list[dict[str, str]]:
 
 def test_llama_tiny_trains_checkpoints_and_resumes(tmp_path):
     run1 = tmp_path / "llama_tiny" / "run1"
+    # A fresh interpreter, as the user's command starts (the other runs fork from one that has imported everything).
     proc = run_recipe("train.py", f"output_root={tmp_path}", f"hydra.run.dir={run1}",
-                      "trainer.enable_progress_bar=true")
+                      "trainer.enable_progress_bar=true", fresh=True)
     # stdout is not a terminal: one progress line every log_every_n_steps (2) steps, and one per validation.
     output = proc.stdout + proc.stderr
     assert "\r" not in output
@@ -185,7 +172,7 @@ def test_config_mistakes_stop_before_anything_is_written(tmp_path):
         ("train.py", ["strategy.replicate_size=3"], "strategy.replicate_size=3 does not divide the 2 processes"),
     ]:
         cmd = [sys.executable, str(ROOT / "recipes" / script), *overrides, f"output_root={tmp_path / 'out'}"]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+        proc = run_command(cmd, env=env, timeout=120)
         assert proc.returncode == 2, (proc.stdout, proc.stderr)
         assert f"{script}: error: " in proc.stderr and message in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr and "Initializing distributed" not in proc.stdout + proc.stderr

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.distributed.test_recipes import ROOT, run_recipe
+from tests.recipe_zygote import ROOT, run_command, run_recipe
 
 
 @pytest.mark.slow
@@ -34,8 +33,7 @@ def test_moe_tiny_trains_with_expert_parallel_size_2(tmp_path):
 def test_expert_parallel_size_that_does_not_divide_the_world_stops_before_training(tmp_path):
     cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "model=moe_tiny", "strategy.expert_parallel_size=3",
            "trainer.devices=2", f"output_root={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1"))
+    proc = run_command(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1"), timeout=120)
     assert proc.returncode != 0
     assert "expert_parallel_size=3 does not divide the world size 2" in proc.stderr, proc.stderr[-3000:]
     assert "Initializing distributed" not in proc.stdout + proc.stderr
