@@ -6,10 +6,13 @@ alive across its tests: each test sends a module-level function to every rank (:
 and fails alone, with the failing rank's traceback. A failure may leave the other ranks inside a collective, so
 the pool is restarted before the next test (its cost is paid only after a failure).
 
-For checks of initialization or planning logic that move no data, :func:`fake_world` gives one process a fake
-``world_size``-rank process group (torch's ``fake`` backend: collectives return at once) instead.
+For checks of initialization or planning logic, two cheaper worlds in one process: :func:`fake_world` plays one rank
+of a fake ``world_size``-rank process group (torch's ``fake`` backend: collectives return at once), and
+:func:`threaded_world` runs every rank as a thread of this process on torch's ``threaded`` backend (collectives
+move data between the threads), for checks that the ranks agree.
 
-Run with ``pytest -n 2 --dist loadscope`` so that a class's tests stay in one pytest-xdist worker (one pool).
+Run with ``pytest -n 2 --dist loadgroup``: ``tests/conftest.py`` puts a class's tests in one pytest-xdist group
+(one pool).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["FORKSERVER_PRELOAD", "DistributedPool", "DistributedPools", "DistributedTest", "ModuleRanksTest", "fake_world",
+__all__ = ["FORKSERVER_PRELOAD", "DistributedPool", "DistributedPools", "DistributedTest", "ModuleRanksTest", "fake_world", "threaded_world",
            "ranks"]
 
 FORKSERVER_PRELOAD = ["torch", "lightning.pytorch", "lightning_vescale", "tests.dist_pool", "tests.dist_utils",
@@ -198,3 +201,45 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def threaded_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` threads of this process, each the rank of a real
+    ``threaded`` process group; their results by rank. A rank that raises fails the call with its traceback (its
+    peers are released from their collectives)."""
+    import threading
+
+    from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup, _install_threaded_pg
+
+    world = _install_threaded_pg()
+    store = dist.HashStore()
+    results: list[Any] = [None] * world_size
+    failures: list[tuple[int, str]] = []
+
+    def rank_main(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+        try:
+            results[rank] = fn(rank, world_size, *args)
+        except BaseException as error:  # noqa: BLE001 - reported with its rank below
+            failures.append((rank, traceback.format_exc()))
+            ProcessLocalGroup.exception_handle(error)  # wakes the peers waiting in a collective
+        finally:
+            if world == dist.distributed_c10d._world:
+                dist.destroy_process_group()
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    try:
+        threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        if any(t.is_alive() for t in threads):
+            raise AssertionError(f"rank threads did not finish {fn.__name__} in {timeout:.0f} s")
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        ProcessLocalGroup.reset()
+    if failures:
+        rank, tb = failures[0]  # the first to fail: its peers fail after it, released from their collectives
+        raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
+    return results

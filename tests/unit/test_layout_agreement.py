@@ -5,7 +5,9 @@ points, shard sizes: their fingerprints) from ``plan.group_layouts`` equal those
 it, the dry run balanced whole expert matrices without their Newton-Schulz cost and described other offsets.
 
 Only layouts are compared (meta-device models, nothing initialized, no data moved), so one process plays one rank of
-a fake process group (``tests.dist_pool.fake_world``) for 2, 3 and 4 ranks."""
+a fake process group (``tests.dist_pool.fake_world``) for 2, 3 and 4 ranks. That every rank builds the same plans
+(so the pieces of one AllGather line up) is checked with all ranks at once, as threads of one process exchanging
+their fingerprints (``tests.dist_pool.threaded_world``)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from lightning_vescale.engine.fully_shard import get_state
 from lightning_vescale.models import Llama, llama_config
 from lightning_vescale.models.moe import MoE, moe_config
 from lightning_vescale.plan._layout import group_layouts
-from tests.dist_pool import fake_world
+from tests.dist_pool import fake_world, threaded_world
 
 MODELS = {"llama_tiny": lambda: Llama(llama_config("tiny")), "moe_tiny": lambda: MoE(moe_config("tiny"))}
 GRANULARITIES = ("element", "row", 128, "matrix")
@@ -82,3 +84,32 @@ def _agree_quantized(world: int) -> None:
 def test_dry_run_layouts_equal_the_engines_with_tile_major_quantized_weights(world: int, rank: int) -> None:
     with fake_world(world, rank):
         _agree_quantized(world)
+
+
+def _fingerprints_of_every_rank(rank: int, world: int) -> dict[str, list]:
+    """This rank's buffer-plan fingerprints for each model and granularity, and those every rank sent it."""
+    import torch.distributed as dist
+
+    mine = {}
+    for name, make in MODELS.items():
+        for granularity in GRANULARITIES:
+            with torch.device("meta"):
+                model = make()
+            lv.parallelize(model, None, init_device_mesh("cpu", (world,)), granularity=granularity, init_weights=False)
+            resolved = lv.resolved_plan_of(model)
+            mine[f"{name}/{granularity}"] = [
+                [p.fingerprint() for p in get_state(model.get_submodule(g.name) if g.name else model).group.plans]
+                for g in resolved.groups]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return {"rank": dist.get_rank(), "mine": mine, "everyone": everyone}
+
+
+def test_every_rank_builds_the_same_buffer_plans() -> None:
+    world = 3
+    results = threaded_world(world, _fingerprints_of_every_rank)
+    assert [r["rank"] for r in results] == list(range(world))  # each thread was its own rank
+    for rank, result in enumerate(results):
+        assert result["mine"], rank
+        assert all(other == result["mine"] for other in result["everyone"]), f"rank {rank} saw other plans"
+    assert results[0]["mine"]["llama_tiny/element"] != results[0]["mine"]["llama_tiny/matrix"]
