@@ -134,11 +134,16 @@ def _run_child(request: dict[str, Any], fds: list[int]) -> None:
         if "ignore" in os.environ.get("PYTHONWARNINGS", ""):
             warnings.simplefilter("ignore")
         _match_thread_count()
-        sys.argv = list(request["argv"][1:])
-        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as ``python script.py`` sets it
+        args = list(request["argv"][1:])
         _install_launcher_fork()
         try:
-            runpy.run_path(sys.argv[0], run_name="__main__")
+            if args[:1] == ["-c"]:  # python -c CODE ARGS
+                sys.argv, sys.path[0] = ["-c", *args[2:]], ""
+                exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+            else:  # python SCRIPT ARGS
+                sys.argv = args
+                sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as ``python script.py`` sets it
+                runpy.run_path(sys.argv[0], run_name="__main__")
             code = 0
         except SystemExit as stop:
             if stop.code is None or isinstance(stop.code, int):
@@ -347,6 +352,15 @@ def start(cmd: Sequence[str], *, cwd: Path = ROOT, env: Optional[dict[str, str]]
     env[ZYGOTE_ENV] = zygote().path
     env["PYTHONPATH"] = _pythonpath(env)
     return zygote().popen([str(c) for c in cmd], cwd=str(cwd), env=env, fds=fds)
+
+
+def python_command(folder: Path) -> tuple[str, dict[str, str]]:
+    """An executable in ``folder`` that stands in for ``python`` (``tests/zygote_python.py``), and the environment
+    it needs: for scripts that run ``$PYTHON ...`` several times."""
+    exe = folder / "python"
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ROOT / "tests" / "zygote_python.py"}" "$@"\n')
+    exe.chmod(0o755)
+    return str(exe), {ZYGOTE_ENV: zygote().path}
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:

@@ -7,10 +7,11 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.recipe_zygote import python_command
 
 REPO = Path(__file__).resolve().parents[2]
 PARTS = ("env", "train_vescale", "train_fsdp2", "profile", "host_tier", "quant")
@@ -25,8 +26,12 @@ def _gpu_check():
 
 @pytest.mark.slow
 def test_cpu_dry_check_end_to_end(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "GPU_CHECK_STEPS": "1",
-           "GPU_CHECK_WARMUP": "1", "PYTHON": sys.executable,
+    # $PYTHON: each of the script's python commands forked from an interpreter that has imported torch (7-9 s of
+    # imports each, eight of them); tests/zygote_python.py.
+    (tmp_path / "bin").mkdir()
+    python, python_env = python_command(tmp_path / "bin")
+    env = {**os.environ, **python_env, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": "",
+           "GPU_CHECK_STEPS": "1", "GPU_CHECK_WARMUP": "1", "PYTHON": python, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
                           text=True, timeout=300)

@@ -97,3 +97,15 @@ def test_a_signal_ends_a_forked_run_as_it_ends_a_process(tmp_path):
     assert proc.poll() is None
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=60) == -signal.SIGTERM
+
+
+def test_the_stand_in_python_runs_code_forked_and_exits_as_it_did(tmp_path):
+    from tests.recipe_zygote import python_command
+
+    python, env = python_command(tmp_path)
+    # Lightning is in sys.modules without an import only in a process forked from the zygote.
+    code = "import sys; print(sys.argv, __name__, 'lightning.pytorch' in sys.modules); sys.exit(4)"
+    proc = subprocess.run([python, "-c", code, "a"], env=dict(os.environ, **env), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 4, proc.stderr
+    assert proc.stdout == "['-c', 'a'] __main__ True\n"
