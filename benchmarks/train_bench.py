@@ -51,6 +51,7 @@ import lightning_vescale as lv  # noqa: E402
 from lightning_vescale.engine.fully_shard import sharded_groups  # noqa: E402
 from lightning_vescale.models import Llama, LlamaConfig, MoE, MoEConfig  # noqa: E402
 from lightning_vescale.models.moe import GroupedExperts  # noqa: E402
+from lightning_vescale.recipe.builders import share_cpu_threads  # noqa: E402
 
 MODELS = {
     # ~34M parameters: Llama-shaped (GQA, SwiGLU, untied head), small enough for 4 ranks on 2 cores.
@@ -285,17 +286,9 @@ def time_engines(rank: int, world: int, setup: Setup, engines: list, args) -> di
     }
 
 
-def _share_the_cores(world: int) -> None:
-    """One rank's share of the cores for torch's intra-op threads, as torchrun sets ``OMP_NUM_THREADS=1`` and the
-    recipes split the cores: torch's default (every core for every rank) oversubscribes the cores N times, which
-    made every engine's step slower and noisier (2 ranks: FSDP2 3.65 s -> 3.17 s per step)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-
-
 def time_worker(rank: int, world: int, init_file: str, setup: Setup, engines: list, args, out_file: str) -> None:
     faulthandler.enable()
-    _share_the_cores(world)
+    share_cpu_threads(world)  # the recipes' split: torch's default (every core per rank) oversubscribes them
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     _wrap_torch_collectives()
     results = time_engines(rank, world, setup, engines, args)
@@ -411,7 +404,7 @@ def memory_worker(rank: int, world: int, init_file: str, setup: Setup, engine: s
     """One engine in fresh processes: the system's peak per phase, and with ``staging`` (the backend's staging
     ratios) the ledger's."""
     faulthandler.enable()
-    _share_the_cores(world)
+    share_cpu_threads(world)  # the recipes' split: torch's default (every core per rank) oversubscribes them
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     use_ledger = staging is not None
     batches = _batches(setup, rank, args.memory_steps, args)

@@ -167,8 +167,7 @@ def _run_child(request: dict[str, Any], fds: list[int]) -> None:
 
 class ForkedProcess:
     """A process the zygote forked, with the part of :class:`subprocess.Popen`'s interface that the tests and
-    Lightning's launcher use (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``,
-    ``kill``)."""
+    Lightning's launcher use (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``)."""
 
     def __init__(self, conn: socket.socket, pid: int, args: Sequence[str]) -> None:
         self._conn, self.pid, self.args = conn, pid, list(args)
@@ -205,18 +204,6 @@ class ForkedProcess:
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def __enter__(self) -> ForkedProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wait()
 
 
 class Zygote:
@@ -255,6 +242,11 @@ class Zygote:
             line += chunk
         return ForkedProcess(conn, int(line), args)
 
+    def popen_child(self, args: Sequence[str], *, cwd: str, env: dict[str, str]) -> ForkedProcess:
+        """Fork ``args`` where a ``Popen`` child of this process would be: on this process's stdin, stdout and
+        stderr, in its process group."""
+        return self.popen([str(a) for a in args], cwd=cwd, env=env, fds=(0, 1, 2), pgid=os.getpgrp())
+
 
 def _pythonpath(env: dict[str, str]) -> str:
     return os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
@@ -280,9 +272,9 @@ def zygote() -> Zygote:
     return _zygote
 
 
-def recipe_env(**extra: str) -> dict[str, str]:
+def recipe_env() -> dict[str, str]:
     """The environment of the recipe runs: one thread per process (2 cores), warnings off."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
 # --- in a forked run: Lightning's launcher forks the other ranks from the zygote as well -------------------------
@@ -304,8 +296,8 @@ class _LauncherSubprocess:
         plain = not rest and set(kwargs) <= {"env", "cwd"}
         if not (script and plain and str(args[1]).endswith(".py")):
             return subprocess.Popen(args, *rest, **kwargs)
-        return self._zygote.popen([str(a) for a in args], cwd=kwargs.get("cwd") or os.getcwd(),
-                                  env=dict(kwargs.get("env") or os.environ), fds=(0, 1, 2), pgid=os.getpgrp())
+        return self._zygote.popen_child(args, cwd=kwargs.get("cwd") or os.getcwd(),
+                                        env=dict(kwargs.get("env") or os.environ))
 
 
 def _install_launcher_fork() -> None:
@@ -368,13 +360,13 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(pgid, sig)
 
 
-def run_recipe(script: str, *overrides: str, timeout: float = 300, returncode: int = 0, fresh: bool = False,
-               smoke: bool = True, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+def run_recipe(script: str, *overrides: str, timeout: float = 300, returncode: int = 0,
+               fresh: bool = False) -> subprocess.CompletedProcess:
     """``python recipes/<script> experiment=smoke trainer.enable_progress_bar=false <overrides>``; its exit code
     must be ``returncode`` (an ``AssertionError`` shows the end of its output otherwise)."""
-    head = ["experiment=smoke", "trainer.enable_progress_bar=false"] if smoke else []
-    cmd = [sys.executable, str(ROOT / "recipes" / script), *head, *overrides]
-    proc = run_command(cmd, env=env, timeout=timeout, fresh=fresh)
+    cmd = [sys.executable, str(ROOT / "recipes" / script), "experiment=smoke", "trainer.enable_progress_bar=false",
+           *overrides]
+    proc = run_command(cmd, timeout=timeout, fresh=fresh)
     if proc.returncode != returncode:
         raise AssertionError(
             f"{' '.join(cmd)} exited with {proc.returncode}, not {returncode}:\n{proc.stdout[-4000:]}\n"

@@ -13,8 +13,8 @@ from tests.recipe_zygote import ZYGOTE_ENV, Zygote  # noqa: E402 - after the rep
 
 
 def main() -> None:
-    proc = Zygote(os.environ[ZYGOTE_ENV]).popen([sys.executable, *sys.argv[1:]], cwd=os.getcwd(),
-                                                env=dict(os.environ), fds=(0, 1, 2), pgid=os.getpgrp())
+    proc = Zygote(os.environ[ZYGOTE_ENV]).popen_child([sys.executable, *sys.argv[1:]], cwd=os.getcwd(),
+                                                      env=dict(os.environ))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
     code = proc.wait()

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
     from lightning_vescale.data import TextDataModule
 
-__all__ = ["build_datamodule", "build_strategy", "limit_cpu_threads", "precision_line", "trainer_precision"]
+__all__ = ["build_datamodule", "build_strategy", "limit_cpu_threads", "precision_line", "share_cpu_threads",
+           "trainer_precision"]
 
 
 def build_datamodule(data: DataConfig, *, seed: int = 0) -> TextDataModule:
@@ -74,9 +75,16 @@ def limit_cpu_threads(config: TrainConfig) -> None:
     start with a thread pool per core whose spinning workers starve the other ranks on a small machine. Set
     here, before the launch, the children inherit it. A user's ``OMP_NUM_THREADS`` is kept.
     """
-    if config.trainer.accelerator != "cpu" or "OMP_NUM_THREADS" in os.environ:
+    if config.trainer.accelerator == "cpu":
+        share_cpu_threads(world_size_of(config) // config.trainer.num_nodes)
+
+
+def share_cpu_threads(processes: int) -> None:
+    """Give each of ``processes`` processes on this machine ``cpu_count // processes`` intra-op threads (at least
+    one), in ``OMP_NUM_THREADS`` for the processes it starts and in torch; a user's ``OMP_NUM_THREADS`` is kept."""
+    if "OMP_NUM_THREADS" in os.environ:
         return
-    threads = max(1, (os.cpu_count() or 1) // (world_size_of(config) // config.trainer.num_nodes))
+    threads = max(1, (os.cpu_count() or 1) // processes)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
 

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Optional
 
 import pytest
 
-from tests.recipe_zygote import ROOT, ForkedProcess, start
+from tests.recipe_zygote import ROOT, ForkedProcess, kill_group, start
 
 pytestmark = pytest.mark.slow  # recipe runs as subprocesses (Hydra, Lightning's launcher): tens of seconds each
 
@@ -62,8 +62,7 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _kill_group(proc: ForkedProcess) -> None:
-    if _group_alive(proc.pid):
-        os.killpg(proc.pid, signal.SIGKILL)
+    kill_group(proc.pid)
     proc.wait()
 
 

@@ -197,6 +197,8 @@ def test_qwen3_expert_bias_is_dropped_with_a_warning(tmp_path):
     ours.layers[0].feed_forward.router.expert_bias.fill_(0.5)
     with pytest.warns(UserWarning, match="expert_bias .* is dropped"):
         save_pretrained(ours, config, tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert saved and not any("bias" in name for name in saved), sorted(saved)
 
 
 def test_deepseek_multi_token_prediction_layers_are_skipped(tmp_path):
